@@ -1,0 +1,3 @@
+from weightship.cli import main
+
+main()

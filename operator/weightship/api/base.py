@@ -1,0 +1,77 @@
+"""Shared pieces of the API models: the base class, CEL rule helpers and string formats.
+
+The pydantic models are the single source of truth: `weightship.api.crdgen` turns them into
+the CRD YAML, so every field carries a description (`kubectl explain` shows it) and every CEL
+rule that the apiserver enforces is mirrored by a pydantic validator, so the operator rejects
+the same objects when it parses them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+GROUP = "weightship.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Go-style durations as accepted by time.ParseDuration, minus the sign and the µ alias.
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
+SHA256_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+# Kubernetes resource.Quantity, as controller-gen writes it for int-or-string quantities.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+URL_PATTERN = r"^https?://[^\s]+$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+# Bounds keep CEL cost estimates small: the apiserver multiplies a rule's cost by the
+# maxItems/maxLength of everything it iterates over.
+MAX_NAME = 253
+MAX_LABEL_VALUE = 63
+MAX_MESSAGE = 32768
+MAX_SHORT_TEXT = 1024
+
+
+def cel(
+    rule: str, message: str, *, field_path: str | None = None, reason: str | None = None
+) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry."""
+    entry = {"rule": rule, "message": message}
+    if field_path is not None:
+        entry["fieldPath"] = field_path
+    if reason is not None:
+        entry["reason"] = reason
+    return entry
+
+
+def validations(*rules: dict[str, str]) -> dict[str, Any]:
+    """json_schema_extra that attaches CEL rules to a model or a field."""
+    return {"x-kubernetes-validations": list(rules)}
+
+
+def matches(pattern: str, value: str) -> bool:
+    return re.fullmatch(pattern.removeprefix("^").removesuffix("$"), value) is not None
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase on the wire, snake_case in Python.
+
+    Unknown fields are ignored rather than rejected: the apiserver prunes them before the
+    operator sees an object, and older operators must survive newer status fields.
+    """
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        validate_default=False,
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        """The object as the apiserver stores it: camelCase keys, unset optionals left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,700 @@
+"""ModelRollout.spec: what the user wants rolled out and how.
+
+Field names follow Argo Rollouts where a concept exists there (steps, setWeight, pause,
+analysis, failureLimit, abortScaleDownDelaySeconds...), so its users feel at home.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
+
+from weightship.api.base import (
+    DNS_LABEL_PATTERN,
+    DURATION_PATTERN,
+    MAX_LABEL_VALUE,
+    MAX_NAME,
+    MAX_SHORT_TEXT,
+    QUANTITY_PATTERN,
+    SHA256_DIGEST_PATTERN,
+    URL_PATTERN,
+    ApiModel,
+    cel,
+    matches,
+    validations,
+)
+
+MiB = 1024 * 1024
+MAX_STEPS = 64
+MAX_METRICS = 32
+MAX_GOLDEN_PROMPTS = 64
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+REVISION_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+NOTIFICATION_EVENTS = ("Promoted", "RolledBack", "Paused", "Failed", "StepCompleted")
+NotificationEvent = Literal["Promoted", "RolledBack", "Paused", "Failed", "StepCompleted"]
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError("must be a positive quantity")
+        return value
+    if not matches(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity such as 100Mi")
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+
+StringMap = Annotated[
+    dict[str, Annotated[str, Field(max_length=MAX_SHORT_TEXT)]],
+    Field(json_schema_extra={"maxProperties": 64}),
+]
+
+
+def _exactly_one(model: ApiModel, fields: tuple[str, ...], message: str) -> None:
+    if sum(getattr(model, name) is not None for name in fields) != 1:
+        raise ValueError(message)
+
+
+# --- workload ---------------------------------------------------------------------------
+
+
+class LabelSelector(ApiModel):
+    """Selects the inference pods this rollout owns (a subset of a Kubernetes LabelSelector)."""
+
+    match_labels: StringMap = Field(
+        description="Labels every pod of this rollout carries. Must match "
+        "spec.template.metadata.labels.",
+        min_length=1,
+    )
+
+
+class PodTemplateMetadata(ApiModel):
+    """Labels and annotations for the inference pods."""
+
+    labels: StringMap = Field(default_factory=dict, description="Labels of each pod.")
+    annotations: StringMap = Field(default_factory=dict, description="Annotations of each pod.")
+
+
+class PodTemplate(ApiModel):
+    """A core/v1 PodTemplateSpec for the inference pods. The operator adds the weights
+    environment, the readiness gate `weightship.io/weights-verified` and the staged-node
+    affinity; everything else is passed through unchanged."""
+
+    metadata: PodTemplateMetadata = Field(
+        default_factory=PodTemplateMetadata, description="Pod metadata (labels, annotations)."
+    )
+    spec: dict[str, Any] = Field(
+        description="A core/v1 PodSpec, passed through unchanged (see `kubectl explain pod.spec`)."
+    )
+
+
+class WorkloadRef(ApiModel):
+    """An existing Deployment whose pod template the rollout manages instead of spec.template.
+    The operator scales that Deployment to zero once its own ReplicaSets are ready."""
+
+    api_version: Literal["apps/v1"] = Field("apps/v1", description="API version of the workload.")
+    kind: Literal["Deployment"] = Field("Deployment", description="Kind of the workload.")
+    name: str = Field(
+        description="Name of the Deployment, in the rollout's namespace.",
+        min_length=1,
+        max_length=MAX_NAME,
+    )
+
+
+# --- model ------------------------------------------------------------------------------
+
+
+class SecretRef(ApiModel):
+    """A Secret in the rollout's namespace."""
+
+    name: str = Field(description="Name of the Secret.", min_length=1, max_length=MAX_NAME)
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the rollout's namespace."""
+
+    name: str = Field(description="Name of the Secret.", min_length=1, max_length=MAX_NAME)
+    key: str = Field("url", description="Key in the Secret's data.", max_length=MAX_NAME)
+
+
+class ModelSource(ApiModel):
+    """Where the weights and their manifest live."""
+
+    uri: str = Field(
+        description="S3 prefix of the weights, s3://<bucket>/<prefix>/. The manifest written by "
+        "`weightship manifest` must sit beside the weights.",
+        max_length=MAX_SHORT_TEXT,
+        json_schema_extra=validations(
+            cel(
+                f"self.matches('{S3_URI_PATTERN}')",
+                "spec.model.source.uri must start with s3:// and name a bucket "
+                "(s3://<bucket>/<prefix>/)",
+            )
+        ),
+    )
+    endpoint: str | None = Field(
+        None,
+        description="S3 endpoint URL for S3-compatible stores (MinIO, versitygw). "
+        "Empty means AWS S3.",
+        max_length=MAX_SHORT_TEXT,
+        pattern=URL_PATTERN,
+    )
+    region: str | None = Field(None, description="S3 region, e.g. us-east-1.", max_length=64)
+    credentials_secret_ref: SecretRef | None = Field(
+        None,
+        description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. Empty means the "
+        "agents' ambient credentials (IRSA, instance profile).",
+    )
+
+    @model_validator(mode="after")
+    def _s3_only(self) -> ModelSource:
+        if not matches(S3_URI_PATTERN, self.uri):
+            raise ValueError(
+                "spec.model.source.uri must start with s3:// and name a bucket "
+                "(s3://<bucket>/<prefix>/)"
+            )
+        return self
+
+
+class ModelSpec(ApiModel):
+    """The model weights to roll out. Any change here starts a new canary revision."""
+
+    source: ModelSource = Field(description="Where the weights live.")
+    revision: str = Field(
+        description="Human label for this version of the weights (e.g. llama3-8b-2024-06-01). "
+        "Shown in status and history, and set as a pod label.",
+        min_length=1,
+        max_length=MAX_LABEL_VALUE,
+        pattern=REVISION_PATTERN,
+    )
+    manifest_digest: str | None = Field(
+        None,
+        description="Pins the sha256 of the manifest. If the manifest found at source.uri has "
+        "another digest, the rollout stops with InvalidSpec.",
+        pattern=SHA256_DIGEST_PATTERN,
+        max_length=71,
+    )
+
+
+# --- prefetch, seeding, validation --------------------------------------------------------
+
+
+class PrefetchSpec(ApiModel):
+    """How node agents stage the weights onto nodes before any pod needs them."""
+
+    enabled: bool = Field(True, description="Stage weights onto nodes before scaling the canary.")
+    node_selector: StringMap = Field(
+        default_factory=dict,
+        description="Nodes to stage onto. Empty means the nodes the pod template selects.",
+    )
+    tolerations: list[
+        Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+    ] = Field(
+        default_factory=list,
+        description="core/v1 Tolerations, so that staging reaches tainted GPU nodes.",
+        max_length=32,
+    )
+    cache_path: str = Field(
+        "/var/cache/weightship",
+        description="Absolute host path of the node cache.",
+        max_length=MAX_SHORT_TEXT,
+        pattern=r"^/.*$",
+    )
+    chunk_size_bytes: int = Field(
+        16 * MiB,
+        description="Size of content-addressed chunks, in bytes (1 MiB to 256 MiB).",
+        ge=MiB,
+        le=256 * MiB,
+    )
+    peer_to_peer: bool = Field(
+        True, description="Fetch chunks from peer nodes before the origin (S3)."
+    )
+    bandwidth_limit: Quantity | None = Field(
+        None,
+        description="Per-node download cap in bytes per second, as a quantity (e.g. 100Mi). "
+        "Empty means unlimited.",
+    )
+    min_staged_percent: int = Field(
+        100,
+        description="Share of target nodes (0-100) that must have the weights staged before "
+        "the canary starts. Canary pods only schedule onto staged nodes.",
+        ge=0,
+        le=100,
+    )
+
+
+class SeedingSpec(ApiModel):
+    """How new replicas get their weights into GPU memory."""
+
+    broadcast: bool = Field(
+        True,
+        description="Receive weights GPU-to-GPU from an already verified replica; the node "
+        "cache is the fallback.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Collective backend: nccl on GPU, gloo on CPU, auto picks."
+    )
+    timeout_seconds: int = Field(
+        300, description="Give up on broadcast and read from the node cache after this.", ge=1, le=3600
+    )
+
+
+EXPECT_FIELDS = ("equals", "prefix", "contains", "regex")
+_EXPECT_MESSAGE = "expect must set exactly one of equals, prefix, contains or regex"
+
+
+class GoldenPromptExpectation(ApiModel):
+    """What the completion of a golden prompt must look like. Set exactly one field."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "[has(self.equals), has(self.prefix), has(self.contains), has(self.regex)]"
+                ".filter(x, x).size() == 1",
+                _EXPECT_MESSAGE,
+            )
+        )
+    )
+
+    equals: str | None = Field(None, description="The completion equals this text.", max_length=4096)
+    prefix: str | None = Field(None, description="The completion starts with this text.", max_length=4096)
+    contains: str | None = Field(None, description="The completion contains this text.", max_length=4096)
+    regex: str | None = Field(
+        None, description="The completion matches this RE2 regular expression.", max_length=4096
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_expectation(self) -> GoldenPromptExpectation:
+        _exactly_one(self, EXPECT_FIELDS, _EXPECT_MESSAGE)
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"expect.regex is not a valid regular expression: {exc}") from None
+        return self
+
+
+class GoldenPrompt(ApiModel):
+    """A prompt with a known answer, sent greedily to every new replica before it may serve."""
+
+    name: str = Field(description="Unique name, shown when the prompt fails.", max_length=63, pattern=DNS_LABEL_PATTERN)
+    prompt: str = Field(description="The prompt text.", min_length=1, max_length=16384)
+    max_tokens: int = Field(16, description="Tokens to generate (1-4096).", ge=1, le=4096)
+    expect: GoldenPromptExpectation = Field(description="What the completion must look like.")
+
+
+class ValidationEndpoint(ApiModel):
+    """The OpenAI-style completions endpoint of the inference container."""
+
+    port: int = Field(8000, description="Container port.", ge=1, le=65535)
+    path: str = Field("/v1/completions", description="HTTP path.", max_length=256, pattern=r"^/.*$")
+
+
+class ValidationSpec(ApiModel):
+    """What the readiness gate weightship.io/weights-verified checks before a pod gets traffic."""
+
+    checksum: bool = Field(
+        True, description="Compare the digest of the loaded weights with the manifest's."
+    )
+    golden_prompts: list[GoldenPrompt] = Field(
+        default_factory=list,
+        description="Prompts that must all pass.",
+        max_length=MAX_GOLDEN_PROMPTS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    endpoint: ValidationEndpoint = Field(
+        default_factory=ValidationEndpoint,
+        description="Where golden prompts are sent.",
+        json_schema_extra={"default": {}},
+    )
+    timeout_seconds: int = Field(30, description="Timeout for each check.", ge=1, le=3600)
+    failure_threshold: int = Field(
+        1,
+        description="Canary pods that may fail verification before the rollout aborts.",
+        ge=1,
+        le=1000,
+    )
+
+
+# --- canary strategy -------------------------------------------------------------------------
+
+
+class PauseStep(ApiModel):
+    """Wait. With a duration the rollout resumes by itself; without one it waits for
+    `weightship promote`."""
+
+    duration: str | None = Field(
+        None,
+        description="Go-style duration such as 30s, 5m or 1h30m. Empty waits for promote.",
+        max_length=64,
+        pattern=DURATION_PATTERN,
+    )
+
+
+class AnalysisStep(ApiModel):
+    """Measure canary metrics and block until they pass (an inconclusive result pauses)."""
+
+    metrics: list[Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=list,
+        description="Names of spec.strategy.canary.analysis.metrics to run. Empty runs all.",
+        max_length=16,
+    )
+
+
+_STEP_MESSAGE = "each step must set exactly one of setWeight, pause or analysis"
+
+
+class CanaryStep(ApiModel):
+    """One step of the canary. Set exactly one of setWeight, pause or analysis."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "[has(self.setWeight), has(self.pause), has(self.analysis)]"
+                ".filter(x, x).size() == 1",
+                _STEP_MESSAGE,
+            )
+        )
+    )
+
+    set_weight: int | None = Field(
+        None,
+        description="Percentage of replicas (or HTTPRoute traffic) on the canary, 0-100.",
+        ge=0,
+        le=100,
+    )
+    pause: PauseStep | None = Field(None, description="Wait for a duration or for promote.")
+    analysis: AnalysisStep | None = Field(None, description="Run metrics as a blocking gate.")
+
+    @model_validator(mode="after")
+    def _exactly_one_action(self) -> CanaryStep:
+        _exactly_one(self, ("set_weight", "pause", "analysis"), _STEP_MESSAGE)
+        return self
+
+
+class PrometheusProvider(ApiModel):
+    """A Prometheus server to query."""
+
+    address: str = Field(
+        description="Base URL, e.g. http://prometheus.monitoring:9090.",
+        max_length=MAX_SHORT_TEXT,
+        pattern=URL_PATTERN,
+    )
+
+
+_BOUNDS_MESSAGE = "metric must set min, max or both"
+_ORDER_MESSAGE = "metric min must not exceed max"
+
+
+class Metric(ApiModel):
+    """A PromQL query whose result must stay within [min, max]."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel("has(self.min) || has(self.max)", _BOUNDS_MESSAGE),
+            cel("!has(self.min) || !has(self.max) || self.min <= self.max", _ORDER_MESSAGE),
+        )
+    )
+
+    name: str = Field(description="Unique metric name.", max_length=63, pattern=DNS_LABEL_PATTERN)
+    query: str = Field(
+        description="PromQL returning one number. Variables: {{ namespace }}, {{ rollout }}, "
+        "{{ canaryRevision }}, {{ stableRevision }}, {{ canaryHash }}, {{ stableHash }}, "
+        "{{ interval }}.",
+        min_length=1,
+        max_length=8192,
+    )
+    min: float | None = Field(None, description="Lowest passing value (inclusive).")
+    max: float | None = Field(None, description="Highest passing value (inclusive).")
+    interval: str = Field(
+        "30s", description="Time between measurements.", max_length=64, pattern=DURATION_PATTERN
+    )
+    count: int = Field(1, description="Measurements to take before the metric passes.", ge=1, le=1000)
+    failure_limit: int = Field(
+        0, description="Failed measurements tolerated; one more fails the metric.", ge=0, le=1000
+    )
+    inconclusive_limit: int = Field(
+        0,
+        description="Inconclusive measurements tolerated; one more pauses the rollout.",
+        ge=0,
+        le=1000,
+    )
+    consecutive_error_limit: int = Field(
+        4,
+        description="Query errors in a row tolerated; one more fails the metric.",
+        ge=0,
+        le=1000,
+    )
+    no_data_policy: Literal["Inconclusive", "Fail", "Pass"] = Field(
+        "Inconclusive",
+        description="How an empty or NaN result counts: Inconclusive (pauses once over "
+        "inconclusiveLimit), Fail, or Pass.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Metric:
+        if self.min is None and self.max is None:
+            raise ValueError(_BOUNDS_MESSAGE)
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(_ORDER_MESSAGE)
+        return self
+
+
+class CanaryAnalysis(ApiModel):
+    """Metrics that analysis steps can run."""
+
+    prometheus: PrometheusProvider = Field(description="Where to query.")
+    metrics: list[Metric] = Field(
+        description="The metrics.",
+        min_length=1,
+        max_length=MAX_METRICS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+
+class HTTPRouteRef(ApiModel):
+    """A Gateway API HTTPRoute."""
+
+    name: str = Field(description="Name of the HTTPRoute.", min_length=1, max_length=MAX_NAME)
+    namespace: str | None = Field(
+        None, description="Namespace of the HTTPRoute; defaults to the rollout's.", max_length=63
+    )
+
+
+_BACKENDS_MESSAGE = "gatewayAPI.stableBackend and gatewayAPI.canaryBackend must differ"
+
+
+class GatewayAPIRouting(ApiModel):
+    """Split traffic by weighting two Service backends of an HTTPRoute rule."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel("self.stableBackend != self.canaryBackend", _BACKENDS_MESSAGE)
+        )
+    )
+
+    http_route: HTTPRouteRef = Field(description="The HTTPRoute whose backend weights are set.")
+    stable_backend: str = Field(
+        description="Service selecting stable pods.", min_length=1, max_length=63
+    )
+    canary_backend: str = Field(
+        description="Service selecting canary pods.", min_length=1, max_length=63
+    )
+
+    @model_validator(mode="after")
+    def _distinct_backends(self) -> GatewayAPIRouting:
+        if self.stable_backend == self.canary_backend:
+            raise ValueError(_BACKENDS_MESSAGE)
+        return self
+
+
+class ReplicaRatioRouting(ApiModel):
+    """Approximate the weight by the share of canary pods behind one Service (no router)."""
+
+
+_ROUTING_MESSAGE = "trafficRouting may set replicaRatio or gatewayAPI, not both"
+
+
+class TrafficRouting(ApiModel):
+    """How canary weight becomes traffic. Empty means replicaRatio."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel("!(has(self.replicaRatio) && has(self.gatewayAPI))", _ROUTING_MESSAGE)
+        )
+    )
+
+    replica_ratio: ReplicaRatioRouting | None = Field(
+        None, description="Weight by replica count (the default)."
+    )
+    gateway_api: GatewayAPIRouting | None = Field(
+        None, alias="gatewayAPI", description="Weight by Gateway API HTTPRoute backend weights."
+    )
+
+    @model_validator(mode="after")
+    def _one_router(self) -> TrafficRouting:
+        if self.replica_ratio is not None and self.gateway_api is not None:
+            raise ValueError(_ROUTING_MESSAGE)
+        return self
+
+
+_ANALYSIS_DEFINED_MESSAGE = (
+    "spec.strategy.canary.analysis must be set when a step uses analysis"
+)
+_METRIC_KNOWN_MESSAGE = (
+    "analysis steps may only name metrics defined in spec.strategy.canary.analysis.metrics"
+)
+
+
+class CanaryStrategy(ApiModel):
+    """Step-by-step canary in the Argo Rollouts vocabulary.
+
+    The stable ReplicaSet keeps its full size while the canary grows (like Argo Rollouts with
+    dynamicStableScale: false), so an abort never has to wait for GPUs to come back."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!self.steps.exists(s, has(s.analysis)) || has(self.analysis)",
+                _ANALYSIS_DEFINED_MESSAGE,
+                field_path=".analysis",
+                reason="FieldValueRequired",
+            ),
+            cel(
+                "self.steps.all(s, !has(s.analysis) || !has(s.analysis.metrics) || "
+                "s.analysis.metrics.all(m, has(self.analysis) && "
+                "self.analysis.metrics.exists(d, d.name == m)))",
+                _METRIC_KNOWN_MESSAGE,
+                field_path=".steps",
+            ),
+        )
+    )
+
+    steps: list[CanaryStep] = Field(
+        description="Steps, run in order. After the last one the canary is promoted to stable.",
+        min_length=1,
+        max_length=MAX_STEPS,
+    )
+    analysis: CanaryAnalysis | None = Field(None, description="Metrics for analysis steps.")
+    traffic_routing: TrafficRouting | None = Field(
+        None, description="How weight becomes traffic. Empty means replicaRatio."
+    )
+    progress_deadline_seconds: int = Field(
+        600,
+        description="Abort when prefetch or a setWeight step makes no progress for this long. "
+        "Pauses and analysis do not count.",
+        ge=1,
+        le=86400,
+    )
+    abort_scale_down_delay_seconds: int = Field(
+        30,
+        description="After an abort, once the stable ReplicaSet is Ready again, wait this long "
+        "before scaling the canary to zero. 0 scales it down at once.",
+        ge=0,
+        le=86400,
+    )
+    scale_down_delay_seconds: int = Field(
+        30,
+        description="With gatewayAPI routing, keep the old stable this long after a promotion "
+        "so routers can drain. With replicaRatio the old stable scales down at once.",
+        ge=0,
+        le=86400,
+    )
+
+    @model_validator(mode="after")
+    def _analysis_references(self) -> CanaryStrategy:
+        analysis_steps = [s.analysis for s in self.steps if s.analysis is not None]
+        if analysis_steps and self.analysis is None:
+            raise ValueError(_ANALYSIS_DEFINED_MESSAGE)
+        known = {m.name for m in self.analysis.metrics} if self.analysis else set()
+        for step in analysis_steps:
+            if not set(step.metrics) <= known:
+                raise ValueError(_METRIC_KNOWN_MESSAGE)
+        return self
+
+    @property
+    def uses_gateway_api(self) -> bool:
+        return self.traffic_routing is not None and self.traffic_routing.gateway_api is not None
+
+
+class Strategy(ApiModel):
+    """How a new revision replaces the stable one."""
+
+    canary: CanaryStrategy = Field(description="Step-by-step canary.")
+
+
+class SlackNotification(ApiModel):
+    """Post rollout events to a Slack incoming webhook."""
+
+    webhook_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the incoming-webhook URL (key defaults to url)."
+    )
+    channel: str | None = Field(None, description="Channel override, e.g. #ml-oncall.", max_length=80)
+    events: list[NotificationEvent] = Field(
+        default_factory=lambda: ["Promoted", "RolledBack", "Failed"],
+        description="Events to post: Promoted, RolledBack, Paused, Failed, StepCompleted.",
+        max_length=len(NOTIFICATION_EVENTS),
+        json_schema_extra={
+            "x-kubernetes-list-type": "set",
+            "default": ["Promoted", "RolledBack", "Failed"],
+        },
+    )
+
+
+class Notifications(ApiModel):
+    """Where rollout events are announced."""
+
+    slack: SlackNotification | None = Field(None, description="Slack incoming webhook.")
+
+
+_WORKLOAD_MESSAGE = "exactly one of spec.template or spec.workloadRef must be set"
+_SELECTOR_MESSAGE = "spec.selector.matchLabels must match spec.template.metadata.labels"
+
+
+class ModelRolloutSpec(ApiModel):
+    """The desired inference fleet: its pods, its weights and how new weights roll out."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel("has(self.template) != has(self.workloadRef)", _WORKLOAD_MESSAGE),
+            cel(
+                "!has(self.template) || self.selector.matchLabels.all(k, "
+                "has(self.template.metadata) && has(self.template.metadata.labels) && "
+                "k in self.template.metadata.labels && "
+                "self.template.metadata.labels[k] == self.selector.matchLabels[k])",
+                _SELECTOR_MESSAGE,
+                field_path=".selector",
+            ),
+        )
+    )
+
+    replicas: int = Field(1, description="Inference replicas when no rollout is running.", ge=0, le=100000)
+    selector: LabelSelector = Field(description="Label selector of the inference pods.")
+    template: PodTemplate | None = Field(
+        None, description="Pod template of the inference pods. Exclusive with workloadRef."
+    )
+    workload_ref: WorkloadRef | None = Field(
+        None, description="Take the pod template from an existing Deployment instead."
+    )
+    model: ModelSpec = Field(description="The weights to serve.")
+    prefetch: PrefetchSpec = Field(
+        default_factory=PrefetchSpec,
+        description="Staging of weights onto nodes.",
+        json_schema_extra={"default": {}},
+    )
+    seeding: SeedingSpec = Field(
+        default_factory=SeedingSpec,
+        description="Loading of weights into new replicas.",
+        json_schema_extra={"default": {}},
+    )
+    validation: ValidationSpec = Field(
+        default_factory=ValidationSpec,
+        description="Checks behind the readiness gate weightship.io/weights-verified.",
+        json_schema_extra={"default": {}},
+    )
+    strategy: Strategy = Field(description="Rollout strategy.")
+    notifications: Notifications | None = Field(None, description="Where events are announced.")
+
+    @model_validator(mode="after")
+    def _workload_source(self) -> ModelRolloutSpec:
+        if (self.template is None) == (self.workload_ref is None):
+            raise ValueError(_WORKLOAD_MESSAGE)
+        if self.template is not None:
+            labels = self.template.metadata.labels
+            if any(labels.get(k) != v for k, v in self.selector.match_labels.items()):
+                raise ValueError(_SELECTOR_MESSAGE)
+        return self

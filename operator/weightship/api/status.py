@@ -1,0 +1,268 @@
+"""ModelRollout.status: everything the controller knows, since status is its only memory.
+
+Every field is declared so the apiserver prunes nothing. Lists are bounded so the object
+stays small on a 1,000-GPU fleet.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AwareDatetime, Field
+
+from weightship.api.base import MAX_LABEL_VALUE, MAX_MESSAGE, MAX_SHORT_TEXT, ApiModel
+
+MAX_HISTORY = 10
+MAX_MEASUREMENTS = 10
+MAX_PREFETCH_NODES = 50
+
+# Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
+# Healthy → Healthy, Degraded → Degraded.
+Phase = Literal["Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded"]
+PHASES: tuple[Phase, ...] = ("Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded")
+ConditionType = Literal[
+    "Prefetched", "Seeded", "Verified", "Progressing", "Paused", "Aborted", "InvalidSpec"
+]
+CONDITION_TYPES: tuple[ConditionType, ...] = (
+    "Prefetched",
+    "Seeded",
+    "Verified",
+    "Progressing",
+    "Paused",
+    "Aborted",
+    "InvalidSpec",
+)
+ConditionStatus = Literal["True", "False", "Unknown"]
+HistoryOutcome = Literal["Promoted", "RolledBack", "Aborted"]
+MeasurementPhase = Literal["Successful", "Failed", "Inconclusive", "Error"]
+AnalysisPhase = Literal["Running", "Successful", "Failed", "Inconclusive"]
+NodeStageState = Literal["Pending", "Staging", "Staged", "Failed"]
+PromoteMode = Literal["Step", "Full"]
+
+
+class Condition(ApiModel):
+    """A Kubernetes condition (metav1.Condition)."""
+
+    type: ConditionType = Field(description="Condition type.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        description="CamelCase machine-readable reason.",
+        min_length=1,
+        max_length=MAX_SHORT_TEXT,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+    )
+    message: str = Field("", description="Human-readable detail.", max_length=MAX_MESSAGE)
+    last_transition_time: AwareDatetime = Field(
+        description="When status last changed (not when the message did)."
+    )
+    observed_generation: int | None = Field(
+        None, description="metadata.generation the condition was computed from.", ge=0
+    )
+
+
+class RevisionStatus(ApiModel):
+    """Identity of a deployed revision."""
+
+    revision: str = Field(description="spec.model.revision of this revision.", max_length=MAX_LABEL_VALUE)
+    manifest_digest: str | None = Field(
+        None, description="sha256 of the weights manifest.", max_length=71
+    )
+    pod_template_hash: str = Field(
+        description="Hash naming the ReplicaSet (pod template plus weights).", max_length=63
+    )
+
+
+class RetiringRevision(RevisionStatus):
+    """The previous stable, kept up until scaleDownAt after a promotion."""
+
+    scale_down_at: AwareDatetime = Field(description="When its ReplicaSet scales to zero.")
+
+
+class PrefetchNodeStatus(ApiModel):
+    """Staging progress on one node."""
+
+    name: str = Field(description="Node name.", max_length=253)
+    state: NodeStageState = Field(description="Pending, Staging, Staged or Failed.")
+    bytes_done: int = Field(0, description="Bytes staged.", ge=0)
+    bytes_total: int = Field(0, description="Bytes to stage.", ge=0)
+    message: str | None = Field(None, description="Last error, if any.", max_length=MAX_SHORT_TEXT)
+
+
+class PrefetchStatus(ApiModel):
+    """Staging of the canary weights across target nodes."""
+
+    manifest_digest: str | None = Field(None, description="Manifest being staged.", max_length=71)
+    staged_nodes: int = Field(0, description="Nodes with every chunk staged and verified.", ge=0)
+    target_nodes: int = Field(0, description="Nodes that should stage the weights.", ge=0)
+    bytes_staged: int = Field(0, description="Bytes staged, summed over nodes.", ge=0)
+    bytes_total: int = Field(0, description="Bytes to stage, summed over nodes.", ge=0)
+    nodes: list[PrefetchNodeStatus] = Field(
+        default_factory=list,
+        description=f"Up to {MAX_PREFETCH_NODES} nodes that are not staged yet, failed first.",
+        max_length=MAX_PREFETCH_NODES,
+    )
+
+
+class ReplicaStatus(ApiModel):
+    """Pod counts."""
+
+    stable: int = Field(0, description="Pods of the stable revision.", ge=0)
+    canary: int = Field(0, description="Pods of the canary revision.", ge=0)
+    ready: int = Field(0, description="Ready pods, both revisions.", ge=0)
+    verified: int = Field(0, description="Canary pods whose weights passed verification.", ge=0)
+
+
+class Measurement(ApiModel):
+    """One metric measurement."""
+
+    value: float | None = Field(None, description="Query result; empty when no data or error.")
+    phase: MeasurementPhase = Field(description="Successful, Failed, Inconclusive or Error.")
+    at: AwareDatetime = Field(description="When it was taken.")
+    message: str | None = Field(None, description="Error or no-data detail.", max_length=MAX_SHORT_TEXT)
+
+
+class MetricRun(ApiModel):
+    """Counts and recent measurements of one metric in the current analysis step."""
+
+    metric: str = Field(description="Metric name.", max_length=63)
+    phase: AnalysisPhase = Field("Running", description="Running, Successful, Failed or Inconclusive.")
+    count: int = Field(0, description="Measurements taken (errors excluded).", ge=0)
+    successful: int = Field(0, description="Successful measurements.", ge=0)
+    failed: int = Field(0, description="Failed measurements.", ge=0)
+    inconclusive: int = Field(0, description="Inconclusive measurements.", ge=0)
+    error: int = Field(0, description="Query errors.", ge=0)
+    consecutive_error: int = Field(0, description="Query errors in a row.", ge=0)
+    message: str | None = Field(None, description="Why the metric ended.", max_length=MAX_SHORT_TEXT)
+    measurements: list[Measurement] = Field(
+        default_factory=list,
+        description=f"The last {MAX_MEASUREMENTS} measurements, oldest first.",
+        max_length=MAX_MEASUREMENTS,
+    )
+
+
+class AnalysisStatus(ApiModel):
+    """Result of the analysis step in progress (or the last one)."""
+
+    step_index: int = Field(description="Index of the analysis step.", ge=0)
+    pod_template_hash: str = Field(description="Canary revision analysed.", max_length=63)
+    phase: AnalysisPhase = Field("Running", description="Running, Successful, Failed or Inconclusive.")
+    message: str | None = Field(None, description="Summary.", max_length=MAX_SHORT_TEXT)
+    started_at: AwareDatetime = Field(description="When the step started.")
+    runs: list[MetricRun] = Field(
+        default_factory=list,
+        description="One entry per metric.",
+        max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["metric"]},
+    )
+
+
+class HistoryEntry(ApiModel):
+    """A promotion or rollback."""
+
+    revision: str = Field(description="spec.model.revision concerned.", max_length=MAX_LABEL_VALUE)
+    manifest_digest: str | None = Field(None, description="Its manifest digest.", max_length=71)
+    pod_template_hash: str | None = Field(None, description="Its ReplicaSet hash.", max_length=63)
+    outcome: HistoryOutcome = Field(description="Promoted, RolledBack (automatic) or Aborted (manual).")
+    at: AwareDatetime = Field(description="When it happened.")
+    reason: str = Field(description="CamelCase reason.", max_length=MAX_SHORT_TEXT)
+    message: str | None = Field(None, description="Detail.", max_length=MAX_SHORT_TEXT)
+
+
+class AbortStatus(ApiModel):
+    """Set while the canary is aborted; cleared by retry or a new revision."""
+
+    reason: str = Field(description="CamelCase reason, e.g. AnalysisFailed.", max_length=MAX_SHORT_TEXT)
+    message: str = Field("", description="What failed.", max_length=MAX_SHORT_TEXT)
+    aborted_at: AwareDatetime = Field(description="When the abort started.")
+    pod_template_hash: str = Field(description="The aborted canary revision.", max_length=63)
+    canary_scale_down_at: AwareDatetime | None = Field(
+        None,
+        description="When the canary scales to zero: set once stable is Ready again, plus "
+        "abortScaleDownDelaySeconds.",
+    )
+
+
+class ControlRequest(ApiModel):
+    """An imperative request, written to the status subresource by `weightship promote|abort|
+    retry` (or any client). It is pending while requestedAt differs from acknowledged, so a new
+    request is never lost to a controller write that raced with it."""
+
+    requested_at: str = Field(
+        description="Unique token for this request, normally an RFC 3339 timestamp.",
+        min_length=1,
+        max_length=64,
+    )
+    requested_by: str | None = Field(None, description="Who asked.", max_length=253)
+    acknowledged: str | None = Field(
+        None, description="requestedAt of the last request the controller acted on.", max_length=64
+    )
+
+    @property
+    def pending(self) -> bool:
+        return self.requested_at != self.acknowledged
+
+
+class PromoteRequest(ControlRequest):
+    """Advance the canary: Step skips the current step, Full skips all remaining ones."""
+
+    mode: PromoteMode = Field("Step", description="Step or Full.")
+
+
+class AbortRequest(ControlRequest):
+    """Abort the canary and go back to stable."""
+
+    reason: str | None = Field(None, description="Why, shown in status and Slack.", max_length=MAX_SHORT_TEXT)
+
+
+class ControlStatus(ApiModel):
+    """Imperative actions. They live in status, never in spec, so GitOps shows no drift."""
+
+    promote: PromoteRequest | None = Field(None, description="Promote request.")
+    abort: AbortRequest | None = Field(None, description="Abort request.")
+    retry: ControlRequest | None = Field(None, description="Retry an aborted canary from step 0.")
+
+
+class ModelRolloutStatus(ApiModel):
+    """Observed state, computed by the controller. Only status.control is written by users."""
+
+    phase: Phase = Field(
+        "Pending",
+        description="Pending, Prefetching, Progressing, Paused (Argo CD: Suspended), Healthy or "
+        "Degraded.",
+    )
+    message: str = Field("", description="Why the rollout is in this phase.", max_length=MAX_MESSAGE)
+    observed_generation: int = Field(0, description="Last metadata.generation acted on.", ge=0)
+    stable_revision: RevisionStatus | None = Field(None, description="Revision serving production.")
+    canary_revision: RevisionStatus | None = Field(None, description="Revision being rolled out.")
+    current_step_index: int | None = Field(
+        None, description="Index of the canary step in progress; len(steps) when done.", ge=0
+    )
+    canary_weight: int = Field(0, description="Weight routed to the canary, 0-100.", ge=0, le=100)
+    pause_start_time: AwareDatetime | None = Field(None, description="When the current pause began.")
+    step_start_time: AwareDatetime | None = Field(
+        None, description="When the current step (or prefetch) began; for progressDeadlineSeconds."
+    )
+    prefetch: PrefetchStatus | None = Field(None, description="Staging progress of the canary.")
+    replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="Pod counts.")
+    analysis: AnalysisStatus | None = Field(None, description="Current or last analysis step.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Prefetched, Seeded, Verified, Progressing, Paused, Aborted, InvalidSpec.",
+        max_length=len(CONDITION_TYPES),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    history: list[HistoryEntry] = Field(
+        default_factory=list,
+        description=f"The last {MAX_HISTORY} promotions and rollbacks, oldest first.",
+        max_length=MAX_HISTORY,
+    )
+    abort: AbortStatus | None = Field(None, description="Set while aborted.")
+    retiring: RetiringRevision | None = Field(
+        None, description="Previous stable awaiting scale-down after a promotion."
+    )
+    control: ControlStatus | None = Field(
+        None, description="Imperative requests (promote, abort, retry); see ControlRequest."
+    )
+
+    def condition(self, type_: ConditionType) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)

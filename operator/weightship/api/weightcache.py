@@ -1,0 +1,58 @@
+"""WeightCache: one per node, written by that node's agent; the operator only reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AwareDatetime, Field
+
+from weightship.api.base import MAX_NAME, MAX_SHORT_TEXT, SHA256_DIGEST_PATTERN, ApiModel
+
+MAX_CACHED_MANIFESTS = 64
+CacheState = Literal["Staging", "Staged", "Failed", "Evicting"]
+
+
+class WeightCacheSpec(ApiModel):
+    """Which node this cache describes."""
+
+    node_name: str = Field(description="Name of the node.", min_length=1, max_length=MAX_NAME)
+
+
+class CachedManifest(ApiModel):
+    """One manifest's weights in the node cache."""
+
+    digest: str = Field(
+        description="sha256 of the manifest.", pattern=SHA256_DIGEST_PATTERN, max_length=71
+    )
+    state: CacheState = Field(description="Staging, Staged, Failed or Evicting.")
+    bytes_done: int = Field(0, description="Bytes staged and verified.", ge=0)
+    bytes_total: int = Field(0, description="Bytes in the manifest.", ge=0)
+    bytes_from_peers: int = Field(0, description="Bytes fetched from peer nodes.", ge=0)
+    bytes_from_origin: int = Field(0, description="Bytes fetched from the origin (S3).", ge=0)
+    started_at: AwareDatetime | None = Field(None, description="When staging started.")
+    completed_at: AwareDatetime | None = Field(None, description="When staging finished.")
+    last_error: str | None = Field(None, description="Last staging error.", max_length=MAX_SHORT_TEXT)
+    pinned_by: list[str] = Field(
+        default_factory=list,
+        description="Rollouts (namespace/name) that pin it: never evicted while pinned.",
+        max_length=64,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+
+class WeightCacheStatus(ApiModel):
+    """Cache state reported by the node agent."""
+
+    peer_endpoint: str | None = Field(
+        None, description="host:port where peers fetch chunks from this node.", max_length=253
+    )
+    capacity_bytes: int = Field(0, description="Size of the cache volume.", ge=0)
+    free_bytes: int = Field(0, description="Free bytes on the cache volume.", ge=0)
+    staged_manifests: int = Field(0, description="Manifests in state Staged.", ge=0)
+    updated_at: AwareDatetime | None = Field(None, description="Last report from the agent.")
+    manifests: list[CachedManifest] = Field(
+        default_factory=list,
+        description="Manifests in the cache.",
+        max_length=MAX_CACHED_MANIFESTS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["digest"]},
+    )

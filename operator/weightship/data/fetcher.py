@@ -1,0 +1,223 @@
+"""Coordinator-free chunk fetching.
+
+For each chunk every node ranks the live peers by rendezvous hash. The first ("owner")
+fetches from origin; the others ask the owner, then the next peers in the ranking,
+falling through on timeouts, dead peers and 404s, waiting a bounded time for the owner,
+and going to origin last. A dead owner drops out of the ranking, so the next node takes
+over without anyone deciding it. Every byte is verified before it is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from weightship.data import rendezvous
+from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, sha256_hex
+from weightship.data.manifest import ChunkEntry
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.peer import (
+    ChunkNotOnPeerError,
+    PeerBusyError,
+    PeerClient,
+    PeerError,
+    PeerUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+Source = Literal["origin", "peer", "local"]
+
+
+class ChunkOrigin(Protocol):
+    def read_range(self, path: str, offset: int, size: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Peer:
+    node: str  # stable identity (the node name): ranking survives pod IP changes
+    address: str  # host:port of the node's peer server
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    peer_timeout_s: float = 10.0
+    owner_wait_s: float = 120.0  # per chunk, then origin
+    poll_interval_s: float = 0.2
+    peers_per_round: int = 3  # the owner plus the next peers asked each round
+    dead_cooldown_s: float = 30.0
+    demote_cooldown_s: float = 600.0
+    origin_attempts: int = 2  # verification failures tolerated from origin
+
+
+class PeerHealth:
+    """Peers this node currently avoids: dead (unreachable) or demoted (bad bytes)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._avoid_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.demotions: dict[str, int] = {}
+
+    def mark_dead(self, node: str, cooldown_s: float) -> None:
+        with self._lock:
+            self._avoid_until[node] = self._clock() + cooldown_s
+
+    def demote(self, node: str, cooldown_s: float) -> None:
+        with self._lock:
+            self._avoid_until[node] = self._clock() + cooldown_s
+            self.demotions[node] = self.demotions.get(node, 0) + 1
+
+    def avoided(self) -> set[str]:
+        now = self._clock()
+        with self._lock:
+            return {n for n, until in self._avoid_until.items() if until > now}
+
+
+class TokenBucket:
+    """Caps the average byte rate; ``burst`` bytes may pass at once."""
+
+    def __init__(
+        self,
+        rate_bytes_per_s: float,
+        burst_bytes: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.rate = rate_bytes_per_s
+        self.burst = burst_bytes if burst_bytes is not None else rate_bytes_per_s
+        self._tokens = self.burst
+        self._clock, self._sleep = clock, sleep
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def consume(self, n: int) -> None:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n  # may go negative: the debt is slept off below
+            debt = -self._tokens
+        if debt > 0:
+            self._sleep(debt / self.rate)
+
+
+def fetch_order(
+    chunks: Sequence[ChunkEntry], node: str, nodes: Sequence[str], lag: int
+) -> list[ChunkEntry]:
+    """The order in which ``node`` should fetch ``chunks``.
+
+    Each owner fetches its own chunks in manifest order. A chunk that is k-th in its
+    owner's queue is fetched by its owner at step k, and asked for by everyone else at
+    step k + lag, when the owner should have it. No node needs to tell any other.
+    """
+    step: dict[str, int] = {}
+    queue_len: dict[str, int] = {}
+    for c in chunks:
+        owner = rendezvous.rank(nodes, c.sha256)[0]
+        step[c.sha256] = queue_len.get(owner, 0) + (0 if owner == node else lag)
+        queue_len[owner] = queue_len.get(owner, 0) + 1
+    return sorted(chunks, key=lambda c: step[c.sha256])
+
+
+class ChunkFetcher:
+    def __init__(
+        self,
+        *,
+        node: str,
+        peers: Sequence[Peer],
+        origin: ChunkOrigin,
+        store: ChunkStore,
+        metrics: DataPlaneMetrics,
+        policy: FetchPolicy | None = None,
+        client: PeerClient | None = None,
+        bandwidth: TokenBucket | None = None,
+        health: PeerHealth | None = None,
+    ) -> None:
+        self.node = node
+        self.address = {p.node: p.address for p in peers if p.node != node}
+        self.nodes = sorted({node, *self.address})
+        self.origin = origin
+        self.store = store
+        self.metrics = metrics
+        self.policy = policy or FetchPolicy()
+        self.client = client or PeerClient(self.policy.peer_timeout_s)
+        self.bandwidth = bandwidth
+        self.health = health or PeerHealth()
+
+    def fetch(self, chunk: ChunkEntry) -> Source:
+        """Get one chunk into the store, verified; say where it came from."""
+        started = time.monotonic()
+        source = self._fetch(chunk)
+        self.metrics.chunk_seconds.labels(source).observe(time.monotonic() - started)
+        self.metrics.chunk_bytes.labels(source).inc(chunk.size)
+        return source
+
+    def _fetch(self, chunk: ChunkEntry) -> Source:
+        if self.store.has_chunk(chunk.sha256):
+            return "local"
+        ranking = rendezvous.rank(self.nodes, chunk.sha256)
+        deadline = time.monotonic() + self.policy.owner_wait_s
+        while True:
+            avoided = self.health.avoided()
+            live = [n for n in ranking if n not in avoided]
+            if not live or live[0] == self.node:
+                self._from_origin(chunk)
+                return "origin"
+            asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
+            if any(self._from_peer(node, chunk) for node in asked):
+                return "peer"
+            if time.monotonic() >= deadline:
+                log.info("chunk %s: owner %s too slow, going to origin", chunk.sha256, live[0])
+                self._from_origin(chunk)
+                return "origin"
+            time.sleep(self.policy.poll_interval_s)
+
+    def _from_peer(self, node: str, chunk: ChunkEntry) -> bool:
+        try:
+            data = self.client.fetch(self.address[node], chunk.sha256)
+        except (ChunkNotOnPeerError, PeerBusyError):
+            return False
+        except PeerUnavailableError as exc:
+            log.info(
+                "peer %s unreachable, skipping it for %ss: %s",
+                node,
+                self.policy.dead_cooldown_s,
+                exc,
+            )
+            self.health.mark_dead(node, self.policy.dead_cooldown_s)
+            return False
+        except PeerError as exc:
+            log.warning("peer %s: %s", node, exc)
+            return False
+        self._throttle(len(data))
+        if sha256_hex(data) != chunk.sha256:
+            log.warning("peer %s served bad bytes for chunk %s: demoted", node, chunk.sha256)
+            self.metrics.verification_failures.labels("peer").inc()
+            self.metrics.peer_demotions.inc()
+            self.health.demote(node, self.policy.demote_cooldown_s)
+            return False
+        self.store.put_chunk(chunk.sha256, data)
+        return True
+
+    def _from_origin(self, chunk: ChunkEntry) -> None:
+        for _ in range(self.policy.origin_attempts):
+            data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
+            self._throttle(len(data))
+            if sha256_hex(data) == chunk.sha256:
+                self.store.put_chunk(chunk.sha256, data)
+                return
+            self.metrics.verification_failures.labels("origin").inc()
+        raise ChunkVerificationError(
+            f"origin bytes of {chunk.file} chunk {chunk.index} (offset {chunk.offset}) do not "
+            f"match the manifest's sha256 {chunk.sha256}: the weights changed after the "
+            "manifest was written; re-run `weightship manifest`"
+        )
+
+    def _throttle(self, n: int) -> None:
+        if self.bandwidth:
+            self.bandwidth.consume(n)

@@ -1,0 +1,238 @@
+"""The weights manifest: every file and every chunk with its size and sha256.
+
+The manifest's digest is the model's identity. It covers the content only (version,
+chunk size, files, chunks) and not ``createdAt``, so re-running ``weightship manifest``
+over unchanged weights keeps the identity that rollouts pin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MANIFEST_NAME = "weightship-manifest.json"
+DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_READ_BLOCK = 1024 * 1024
+
+
+class ManifestError(ValueError):
+    """The manifest is missing, malformed or inconsistent."""
+
+
+def validate_relative_path(path: str) -> str:
+    """Accept only plain relative POSIX paths, so no entry can escape the model folder."""
+    problems = []
+    if not path:
+        problems.append("is empty")
+    if "\0" in path:
+        problems.append("contains NUL")
+    if "\\" in path:
+        problems.append("contains a backslash")
+    if path.startswith("/"):
+        problems.append("is absolute")
+    segments = path.split("/")
+    if ".." in segments:
+        problems.append("contains '..'")
+    if "." in segments:
+        problems.append("contains '.'")
+    if path and not path.startswith("/") and "" in segments:
+        problems.append("has an empty segment")
+    if problems:
+        raise ValueError(f"invalid path {path!r}: {', '.join(problems)}")
+    return path
+
+
+def _check_sha256(value: str) -> str:
+    if not SHA256_HEX.match(value):
+        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {value!r}")
+    return value
+
+
+RelativePath = Annotated[str, AfterValidator(validate_relative_path)]
+Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FileEntry(_Strict):
+    path: RelativePath
+    size: int = Field(ge=0)
+    sha256: Sha256Hex
+
+
+class ChunkEntry(_Strict):
+    file: RelativePath
+    index: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    size: int = Field(gt=0)
+    sha256: Sha256Hex
+
+
+class Manifest(_Strict):
+    version: Literal[1] = 1
+    chunk_size: int = Field(alias="chunkSize", gt=0)
+    files: tuple[FileEntry, ...]
+    chunks: tuple[ChunkEntry, ...]
+    created_at: datetime | None = Field(default=None, alias="createdAt")
+
+    @model_validator(mode="after")
+    def _normalize_and_check(self) -> Manifest:
+        files = tuple(sorted(self.files, key=lambda f: f.path))
+        chunks = tuple(sorted(self.chunks, key=lambda c: (c.file, c.index)))
+        _check_tiling(files, chunks, self.chunk_size)
+        # Canonical order makes the digest independent of how the lists were written.
+        object.__setattr__(self, "files", files)
+        object.__setattr__(self, "chunks", chunks)
+        return self
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.digest_hex
+
+    @property
+    def digest_hex(self) -> str:
+        return hashlib.sha256(self.canonical_bytes(include_created_at=False)).hexdigest()
+
+    def canonical_bytes(self, *, include_created_at: bool = True) -> bytes:
+        doc: dict[str, Any] = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if not include_created_at:
+            doc.pop("createdAt", None)
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+    def chunks_of(self, path: str) -> list[ChunkEntry]:
+        return [c for c in self.chunks if c.file == path]
+
+    @classmethod
+    def parse(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise ManifestError(f"{source} is invalid: {exc}") from exc
+
+
+def _check_tiling(
+    files: tuple[FileEntry, ...], chunks: tuple[ChunkEntry, ...], chunk_size: int
+) -> None:
+    by_file: dict[str, list[ChunkEntry]] = {}
+    for f in files:
+        if f.path in by_file:
+            raise ValueError(f"duplicate file path {f.path!r}")
+        by_file[f.path] = []
+    for c in chunks:
+        if c.file not in by_file:
+            raise ValueError(f"chunk {c.index} names unknown file {c.file!r}")
+        by_file[c.file].append(c)
+    for f in files:
+        expected = _chunk_spans(f.size, chunk_size)
+        got = [(c.index, c.offset, c.size) for c in by_file[f.path]]
+        want = [(i, off, size) for i, (off, size) in enumerate(expected)]
+        if got != want:
+            raise ValueError(
+                f"chunks of {f.path!r} do not tile its {f.size} bytes at chunk size "
+                f"{chunk_size}: expected (index, offset, size) {want[:3]}..., got {got[:3]}..."
+            )
+
+
+def _chunk_spans(size: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk_size, size - off)) for off in range(0, size, chunk_size)]
+
+
+class ByteSource(Protocol):
+    """Where weights are read from when building a manifest: a local folder or S3."""
+
+    def list_files(self) -> list[tuple[str, int]]: ...
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes: ...
+
+
+class LocalFolder:
+    """A folder of weights on local disk."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def list_files(self) -> list[tuple[str, int]]:
+        found = []
+        for p in sorted(self.root.rglob("*")):
+            rel = p.relative_to(self.root).as_posix()
+            if p.is_file() and not p.is_symlink() and rel != MANIFEST_NAME:
+                found.append((rel, p.stat().st_size))
+        return found
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        with open(self.root / validate_relative_path(path), "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise ManifestError(f"{path}: short read at offset {offset}")
+        return data
+
+
+ProgressFn = Callable[[int], None]
+
+
+def build_manifest(
+    source: ByteSource,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    workers: int = 4,
+    created_at: datetime | None = None,
+    on_bytes: ProgressFn | None = None,
+) -> Manifest:
+    """Hash every file of ``source``: files in parallel, each streamed once in chunk order.
+
+    One pass per file feeds both the file hash and the chunk hashes, so the data is read
+    and hashed once. hashlib releases the GIL, so threads hash on several cores.
+    """
+    listing = source.list_files()
+    for path, _ in listing:
+        try:
+            validate_relative_path(path)
+        except ValueError as exc:
+            raise ManifestError(str(exc)) from exc
+
+    def hash_file(entry: tuple[str, int]) -> tuple[FileEntry, list[ChunkEntry]]:
+        path, size = entry
+        file_hash = hashlib.sha256()
+        chunks = []
+        for index, (offset, length) in enumerate(_chunk_spans(size, chunk_size)):
+            data = source.read_range(path, offset, length)
+            file_hash.update(data)
+            digest = hashlib.sha256(data).hexdigest()
+            chunks.append(
+                ChunkEntry(file=path, index=index, offset=offset, size=length, sha256=digest)
+            )
+            if on_bytes:
+                on_bytes(length)
+        return FileEntry(path=path, size=size, sha256=file_hash.hexdigest()), chunks
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = list(pool.map(hash_file, listing))
+    files = [f for f, _ in results]
+    chunks = [c for _, cs in results for c in cs]
+    return Manifest(
+        chunkSize=chunk_size, files=tuple(files), chunks=tuple(chunks), createdAt=created_at
+    )
+
+
+def unique_chunks(chunks: Iterable[ChunkEntry]) -> dict[str, ChunkEntry]:
+    """One chunk entry per digest: identical chunks (zero pages, repeats) are fetched once."""
+    seen: dict[str, ChunkEntry] = {}
+    for c in chunks:
+        seen.setdefault(c.sha256, c)
+    return seen

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the chunk path. Pass a registry so tests stay isolated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+# Sources a chunk can come from: the S3 origin, a peer agent, or this node's own cache.
+SOURCES = ("origin", "peer", "local")
+
+
+@dataclass(frozen=True)
+class DataPlaneMetrics:
+    chunk_bytes: Counter
+    chunk_seconds: Histogram
+    verification_failures: Counter
+    peer_demotions: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
+        registry = REGISTRY if registry is None else registry
+        return cls(
+            chunk_bytes=Counter(
+                "weightship_agent_chunk_bytes",
+                "Verified chunk bytes staged, by source (origin, peer, local).",
+                ["source"],
+                registry=registry,
+            ),
+            chunk_seconds=Histogram(
+                "weightship_agent_chunk_fetch_seconds",
+                "Time to get one verified chunk, by source.",
+                ["source"],
+                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                registry=registry,
+            ),
+            verification_failures=Counter(
+                "weightship_agent_chunk_verification_failures",
+                "Chunks whose bytes did not match their sha256, by source.",
+                ["source"],
+                registry=registry,
+            ),
+            peer_demotions=Counter(
+                "weightship_agent_peer_demotions",
+                "Times a peer was demoted for serving bad bytes.",
+                registry=registry,
+            ),
+        )

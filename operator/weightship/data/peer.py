@@ -1,0 +1,226 @@
+"""The peer HTTP server each agent runs, and its client.
+
+The server serves only verified chunks, addressed by digest: the request path must be
+exactly ``/chunks/sha256/<64 lowercase hex>``, checked before anything touches the
+filesystem, so no request can name any other file.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import re
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import BinaryIO
+
+from weightship.data.chunkstore import ChunkStore
+
+log = logging.getLogger(__name__)
+
+CHUNK_PATH = re.compile(r"/chunks/sha256/([0-9a-f]{64})")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+class PeerError(Exception):
+    """A peer could not serve a chunk."""
+
+
+class PeerUnavailableError(PeerError):
+    """Connection refused, timed out, or closed mid-transfer: treat the peer as dead."""
+
+
+class PeerBusyError(PeerError):
+    """The peer is alive but at its concurrency limit (503)."""
+
+
+class ChunkNotOnPeerError(PeerError):
+    """The peer is alive but has no verified copy of the chunk (404)."""
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """A single ``bytes=`` range as [start, end), None for the whole chunk.
+
+    Raises ValueError when the range is malformed or unsatisfiable.
+    """
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if not m or m.groups() == ("", ""):
+        raise ValueError(f"unsupported range {header!r}")
+    first, last = m.groups()
+    if first == "":  # suffix: the last N bytes
+        start, end = max(0, size - int(last)), size
+    else:
+        start, end = int(first), size if last == "" else min(size, int(last) + 1)
+    if start >= size or start >= end:
+        raise ValueError(f"range {header!r} not satisfiable for {size} bytes")
+    return start, end
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], store: ChunkStore, max_concurrent: int) -> None:
+        self.store = store
+        self.transfers = threading.BoundedSemaphore(max_concurrent)
+        super().__init__(address, _ChunkHandler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn(), which blocks ~20 s where DNS is
+        # unreachable (pod network namespaces). The name is never used, so skip it.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = int(port)
+
+
+class _ChunkHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds a stalled client may hold a handler thread
+    server: _Server
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("peer %s: " + format, self.client_address[0], *args)
+
+    def _reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _serve(self, *, send_body: bool) -> None:
+        if self.path == "/healthz":
+            self._reply(200, b"ok\n")
+            return
+        m = CHUNK_PATH.fullmatch(self.path)
+        if not m:
+            self._reply(400, b"expected /chunks/sha256/<64 lowercase hex>\n")
+            return
+        try:
+            with open(self.server.store.chunk_path(m.group(1)), "rb") as f:
+                self._serve_chunk(f, send_body=send_body)
+        except FileNotFoundError:
+            self._reply(404, b"chunk not here\n")
+
+    def _serve_chunk(self, f: BinaryIO, *, send_body: bool) -> None:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            span = parse_range(self.headers.get("Range"), size)
+        except ValueError:
+            self._reply(416, headers={"Content-Range": f"bytes */{size}"})
+            return
+        if not send_body:
+            self._send_head(200, size, size, None)
+            return
+        if not self.server.transfers.acquire(blocking=False):
+            self._reply(503, b"busy\n", {"Retry-After": "1"})
+            return
+        try:
+            self._send_chunk(f, size, span)
+        finally:
+            self.server.transfers.release()
+
+    def _send_head(self, status: int, length: int, size: int, span: tuple[int, int] | None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length))
+        self.send_header("Accept-Ranges", "bytes")
+        if span:
+            self.send_header("Content-Range", f"bytes {span[0]}-{span[1] - 1}/{size}")
+        self.end_headers()
+
+    def _send_chunk(self, f: BinaryIO, size: int, span: tuple[int, int] | None) -> None:
+        start, end = span or (0, size)
+        self._send_head(206 if span else 200, end - start, size, span)
+        try:
+            self.connection.sendfile(f, start, end - start)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
+
+
+class PeerServer:
+    """Serves this node's verified chunks to other agents."""
+
+    def __init__(
+        self, store: ChunkStore, host: str, port: int = 0, max_concurrent: int = 8
+    ) -> None:
+        self._server = _Server((host, port), store, max_concurrent)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host!s}:{port}"
+
+    def start(self) -> PeerServer:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="weightship-peer", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> PeerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PeerClient:
+    """Fetches chunks from other agents' peer servers. Every call is bounded by a timeout."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+
+    def fetch(self, address: str, sha256: str, *, start: int = 0, end: int | None = None) -> bytes:
+        headers = {}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        status, body = self._request("GET", address, sha256, headers)
+        if status not in (200, 206):
+            raise PeerError(f"{address} answered {status} for chunk {sha256}")
+        return body
+
+    def has(self, address: str, sha256: str) -> bool:
+        try:
+            status, _ = self._request("HEAD", address, sha256, {})
+        except ChunkNotOnPeerError:
+            return False
+        return status == 200
+
+    def _request(
+        self, method: str, address: str, sha256: str, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(address, timeout=self.timeout_s)
+        try:
+            conn.request(method, f"/chunks/sha256/{sha256}", headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        finally:
+            conn.close()
+        if resp.status == 404:
+            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
+        if resp.status == 503:
+            raise PeerBusyError(f"{address} is busy")
+        return resp.status, body

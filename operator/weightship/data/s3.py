@@ -1,0 +1,276 @@
+"""The S3 origin adapter: client factory, ranged GETs, multipart upload, publish.
+
+This is the only place that retries S3 calls. botocore's own retries are switched off
+so attempts are counted and backed off in one place: jittered exponential backoff on
+throttling, 5xx and connection errors; never on 4xx such as 403 or 404.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from weightship.data.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    MANIFEST_NAME,
+    LocalFolder,
+    Manifest,
+    ProgressFn,
+    build_manifest,
+    validate_relative_path,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
+
+T = TypeVar("T")
+
+MIN_PART_SIZE = 5 * 1024 * 1024
+MAX_PARTS = 10_000
+_RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    prefix: str  # "" or ends with "/"
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        if not uri.startswith("s3://"):
+            raise ValueError(f"not an s3:// URI: {uri!r}")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {uri!r}")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return cls(bucket, prefix)
+
+    def key(self, path: str) -> str:
+        return self.prefix + validate_relative_path(path)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    max_connections: int = 32
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 8
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+
+
+def make_client(settings: S3Settings) -> S3Client:
+    """An S3 client with botocore retries off (tenacity retries here) and path-style
+    addressing for custom endpoints (versitygw, MinIO, moto)."""
+    session = boto3.session.Session(
+        aws_access_key_id=settings.access_key_id,
+        aws_secret_access_key=settings.secret_access_key,
+        aws_session_token=settings.session_token,
+        region_name=settings.region,
+    )
+    config = Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        max_pool_connections=settings.max_connections,
+        connect_timeout=settings.connect_timeout_s,
+        read_timeout=settings.read_timeout_s,
+        s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
+    )
+    return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = exc.response.get("Error", {}).get("Code", "")
+        return code in _RETRYABLE_CODES or status == 429 or status >= 500
+    return isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError)
+
+
+class S3Origin:
+    """Weights under one S3 prefix. Paths are relative to the prefix."""
+
+    def __init__(
+        self, client: S3Client, location: S3Location, retry: RetryPolicy | None = None
+    ) -> None:
+        self.client = client
+        self.location = location
+        self.retry = retry or RetryPolicy()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        retrying = Retrying(
+            stop=stop_after_attempt(self.retry.attempts),
+            wait=wait_random_exponential(
+                multiplier=self.retry.initial_backoff_s, max=self.retry.max_backoff_s
+            ),
+            retry=retry_if_exception(is_retryable),
+            reraise=True,
+        )
+        return retrying(fn)
+
+    def list_files(self) -> list[tuple[str, int]]:
+        """Every object under the prefix except the manifest, as (relative path, size)."""
+
+        def list_all() -> list[tuple[str, int]]:
+            found = []
+            paginator = self.client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(Bucket=self.location.bucket, Prefix=self.location.prefix)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = obj["Key"][len(self.location.prefix) :]
+                    if rel and rel != MANIFEST_NAME and not rel.endswith("/"):
+                        found.append((rel, obj["Size"]))
+            return sorted(found)
+
+        return self._call(list_all)
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        key = self.location.key(path)
+
+        def get() -> bytes:
+            resp = self.client.get_object(
+                Bucket=self.location.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
+            )
+            data = resp["Body"].read()
+            if len(data) != size:
+                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
+            return data
+
+        return self._call(get)
+
+    def read_bytes(self, path: str) -> bytes:
+        key = self.location.key(path)
+        return self._call(
+            lambda: self.client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
+        )
+
+    def put_bytes(self, path: str, data: bytes) -> None:
+        key = self.location.key(path)
+        self._call(lambda: self.client.put_object(Bucket=self.location.bucket, Key=key, Body=data))
+
+    def read_manifest(self) -> Manifest:
+        return Manifest.parse(
+            self.read_bytes(MANIFEST_NAME), source=f"{self.location}{MANIFEST_NAME}"
+        )
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self.put_bytes(MANIFEST_NAME, manifest.canonical_bytes())
+
+    def upload_file(
+        self,
+        local: Path,
+        path: str,
+        *,
+        part_size: int = DEFAULT_CHUNK_SIZE,
+        workers: int = 8,
+        on_bytes: ProgressFn | None = None,
+    ) -> None:
+        """Upload one file; parts go up in parallel, each retried on its own."""
+        size = local.stat().st_size
+        part_size = max(part_size, MIN_PART_SIZE, math.ceil(size / MAX_PARTS))
+        if size <= part_size:
+            self.put_bytes(path, local.read_bytes())
+            if on_bytes:
+                on_bytes(size)
+            return
+        bucket, key = self.location.bucket, self.location.key(path)
+        upload_id = self._call(
+            lambda: self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        )
+
+        def upload_part(number: int) -> str:
+            offset = (number - 1) * part_size
+            with open(local, "rb") as f:
+                f.seek(offset)
+                body = f.read(part_size)
+            etag = self._call(
+                lambda: self.client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                )["ETag"]
+            )
+            if on_bytes:
+                on_bytes(len(body))
+            return etag
+
+        numbers = range(1, math.ceil(size / part_size) + 1)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+                etags = list(pool.map(upload_part, numbers))
+            parts: list[CompletedPartTypeDef] = [
+                {"PartNumber": n, "ETag": e} for n, e in zip(numbers, etags, strict=True)
+            ]
+            self._call(
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                )
+            )
+        except BaseException:
+            self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+
+
+def publish(
+    folder: Path,
+    origin: S3Origin,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    workers: int = 8,
+    on_hashed: ProgressFn | None = None,
+    on_uploaded: ProgressFn | None = None,
+) -> Manifest:
+    """Hash ``folder``, upload every file, then the manifest.
+
+    The manifest goes last: its presence at the origin means every file it lists is there.
+    """
+    local = LocalFolder(folder)
+    manifest = build_manifest(local, chunk_size=chunk_size, workers=workers, on_bytes=on_hashed)
+    for entry in manifest.files:
+        origin.upload_file(
+            folder / entry.path,
+            entry.path,
+            part_size=chunk_size,
+            workers=workers,
+            on_bytes=on_uploaded,
+        )
+    origin.write_manifest(manifest)
+    return manifest

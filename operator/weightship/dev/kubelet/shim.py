@@ -1,0 +1,58 @@
+"""Runs inside a pod's network and mount namespaces, then execs the container's command.
+
+Started as `ip netns exec <ns> unshare --uts -- python -m weightship.dev.kubelet.shim SPEC`.
+`ip netns exec` already gave this process a private mount namespace (mounts made here
+never reach the host) and bound /etc/netns/<ns>/{hosts,resolv.conf} over /etc.
+Kept free of third-party imports: it runs once per container start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"weightship-shim: mount {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    socket.sethostname(spec["hostname"])
+    for m in spec["mounts"]:
+        dst = Path(m["dst"])
+        if Path(m["src"]).is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+        elif not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.touch()
+        _mount("--bind", m["src"], str(dst))
+        if m.get("readOnly"):
+            _mount("-o", "remount,bind,ro", str(dst))
+    if spec.get("readOnlyRootFilesystem"):
+        _mount("-o", "remount,bind,ro", "/")
+    workdir = spec.get("workingDir") or "/"
+    gid, uid = spec.get("gid"), spec.get("uid")
+    if spec.get("supplementalGroups") is not None:
+        os.setgroups(spec["supplementalGroups"])
+    if gid is not None:
+        os.setgid(gid)
+    if uid is not None:
+        os.setuid(uid)
+    os.chdir(workdir)
+    argv = spec["argv"]
+    env = spec["env"]
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        raise SystemExit(f"weightship-shim: exec {argv[0]!r}: {e}") from e
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
