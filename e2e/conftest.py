@@ -49,17 +49,24 @@ def cluster() -> Iterator[Cluster]:
     paths = ClusterPaths.default()
     started_here = not local_cluster.is_up(paths)
     if started_here:
-        local_cluster.up(local_cluster.ClusterConfig(
-            paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES))
+        local_cluster.up(
+            local_cluster.ClusterConfig(
+                paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES
+            )
+        )
     api = nodes.admin_api(paths)
     node_list = client.CoreV1Api(api).list_node().items
-    kinds = {n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL)
-             for n in node_list}
+    kinds = {
+        n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL) for n in node_list
+    }
     yield Cluster(
-        paths=paths, api=api, s3_endpoint=local_cluster.s3_endpoint(),
+        paths=paths,
+        api=api,
+        s3_endpoint=local_cluster.s3_endpoint(),
         prometheus_url=local_cluster.prometheus_url(),
         process_nodes=sorted(n for n, k in kinds.items() if k == "process"),
-        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok"))
+        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok"),
+    )
     if started_here and not os.environ.get("WEIGHTSHIP_KEEP_CLUSTER"):
         local_cluster.down(paths)
 

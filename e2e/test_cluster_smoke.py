@@ -24,15 +24,32 @@ SMOKE_CRD: dict[str, Any] = {
         "group": "smoke.weightship.io",
         "scope": "Namespaced",
         "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
-        "versions": [{
-            "name": "v1", "served": True, "storage": True,
-            "subresources": {"status": {}},
-            "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                "spec": {"type": "object", "required": ["size"], "properties": {
-                    "size": {"type": "integer", "minimum": 1, "maximum": 10}}},
-                "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
-            }}},
-        }],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["size"],
+                                "properties": {
+                                    "size": {"type": "integer", "minimum": 1, "maximum": 10}
+                                },
+                            },
+                            "status": {
+                                "type": "object",
+                                "properties": {"phase": {"type": "string"}},
+                            },
+                        },
+                    }
+                },
+            }
+        ],
     },
 }
 
@@ -55,8 +72,11 @@ def echo_container(**extra: Any) -> dict[str, Any]:
             {"name": "ECHO_MESSAGE", "value": "hello from $(POD_NAME)"},
         ],
         "ports": [{"name": "http", "containerPort": 8080}],
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
-                           "periodSeconds": 1, "failureThreshold": 2},
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        },
         "volumeMounts": [{"name": "data", "mountPath": ECHO_DATA}],
         **extra,
     }
@@ -65,8 +85,12 @@ def echo_container(**extra: Any) -> dict[str, Any]:
 def echo_pod_spec(**extra: Any) -> dict[str, Any]:
     return {
         "containers": [echo_container()],
-        "volumes": [{"name": "data", "hostPath": {"path": "/var/lib/weightship-echo-test",
-                                                  "type": "DirectoryOrCreate"}}],
+        "volumes": [
+            {
+                "name": "data",
+                "hostPath": {"path": "/var/lib/weightship-echo-test", "type": "DirectoryOrCreate"},
+            }
+        ],
         "terminationGracePeriodSeconds": 5,
         **extra,
     }
@@ -91,17 +115,26 @@ def test_crd_with_status_subresource_and_schema_rejection(cluster: Any) -> None:
     custom = client.CustomObjectsApi(cluster.api)
     ns = testkit.create_namespace(cluster.api, "crd")
     try:
+
         def established() -> bool:
             crd = ext.read_custom_resource_definition(SMOKE_CRD["metadata"]["name"])
-            return any(c.type == "Established" and c.status == "True"
-                       for c in crd.status.conditions or [])
+            return any(
+                c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+            )
 
         testkit.wait_until(established, timeout=30, what="CRD Established")
         args = ("smoke.weightship.io", "v1", ns, "widgets")
-        body = {"apiVersion": "smoke.weightship.io/v1", "kind": "Widget",
-                "metadata": {"name": "ok"}, "spec": {"size": 3}}
-        testkit.wait_until(lambda: custom.create_namespaced_custom_object(*args, body),
-                           timeout=30, what="first Widget accepted")
+        body = {
+            "apiVersion": "smoke.weightship.io/v1",
+            "kind": "Widget",
+            "metadata": {"name": "ok"},
+            "spec": {"size": 3},
+        }
+        testkit.wait_until(
+            lambda: custom.create_namespaced_custom_object(*args, body),
+            timeout=30,
+            what="first Widget accepted",
+        )
         # The status subresource is separate: spec writes do not change status.
         custom.patch_namespaced_custom_object_status(*args, "ok", {"status": {"phase": "Done"}})
         custom.patch_namespaced_custom_object(*args, "ok", {"status": {"phase": "Ignored"}})
@@ -119,11 +152,15 @@ def test_crd_with_status_subresource_and_schema_rejection(cluster: Any) -> None:
 def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) -> None:
     labels = {"app": "echo"}
     ds = {
-        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "echo"},
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "echo"},
         "spec": {
             "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels},
-                         "spec": echo_pod_spec(tolerations=[{**GPU_TAINT, "operator": "Equal"}])},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": echo_pod_spec(tolerations=[{**GPU_TAINT, "operator": "Equal"}]),
+            },
         },
     }
     cluster.apps.create_namespaced_daemon_set(namespace, ds)
@@ -131,9 +168,13 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
 
     def all_ready() -> dict[str, Any] | None:
         pods = pods_by_node(cluster, namespace, "app=echo")
-        ready = {n: p for n, p in pods.items() if testkit.condition(
-            testkit.pod_dict(cluster.api, p), "Ready") and p.status.phase == "Running"
-            and all(c.ready for c in p.status.container_statuses or [])}
+        ready = {
+            n: p
+            for n, p in pods.items()
+            if testkit.condition(testkit.pod_dict(cluster.api, p), "Ready")
+            and p.status.phase == "Running"
+            and all(c.ready for c in p.status.container_statuses or [])
+        }
         return ready if set(ready) >= set(all_nodes) else None
 
     ready = testkit.wait_until(all_ready, timeout=120, what="echo pod Ready on every node")
@@ -152,14 +193,16 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
     # Pod-to-pod: the first pod fetches the second one's identity from inside its namespace.
     first, second = list(proc_pods.values())[:2]
     via_peer = http_json(
-        f"http://{first.status.pod_ip}:8080/peer?ip={second.status.pod_ip}&port=8080")
+        f"http://{first.status.pod_ip}:8080/peer?ip={second.status.pod_ip}&port=8080"
+    )
     assert via_peer["POD_NAME"] == second.metadata.name
 
     # hostPath is per node: each node's directory holds only its own pod's marker.
     for node, pod in proc_pods.items():
         data_dir = cluster.paths.node_dir(node) / "root" / "var/lib/weightship-echo-test"
         assert sorted(p.name for p in data_dir.glob("*.started")) == [
-            f"{pod.metadata.name}.started"]
+            f"{pod.metadata.name}.started"
+        ]
 
     # KWOK pods reached Running on the fake GPU nodes.
     for node in cluster.kwok_nodes:
@@ -168,12 +211,21 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
 
 def test_graceful_deletion_sends_sigterm_and_cleans_up(cluster: Any, namespace: str) -> None:
     node = cluster.process_nodes[0]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "graceful"},
-           "spec": echo_pod_spec(nodeName=node)}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "graceful"},
+        "spec": echo_pod_spec(nodeName=node),
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
-    testkit.wait_until(lambda: cluster.core.read_namespaced_pod("graceful", namespace)
-                       .status.pod_ip and _ready(cluster, namespace, "graceful"),
-                       timeout=60, what="pod Ready")
+    testkit.wait_until(
+        lambda: (
+            cluster.core.read_namespaced_pod("graceful", namespace).status.pod_ip
+            and _ready(cluster, namespace, "graceful")
+        ),
+        timeout=60,
+        what="pod Ready",
+    )
     uid = cluster.core.read_namespaced_pod("graceful", namespace).metadata.uid
     cluster.core.delete_namespaced_pod("graceful", namespace)
 
@@ -185,8 +237,9 @@ def test_graceful_deletion_sends_sigterm_and_cleans_up(cluster: Any, namespace: 
         return False
 
     testkit.wait_until(gone, timeout=30, what="pod deleted by the kubelet")
-    marker = (cluster.paths.node_dir(node) / "root/var/lib/weightship-echo-test"
-              / "graceful.terminated")
+    marker = (
+        cluster.paths.node_dir(node) / "root/var/lib/weightship-echo-test" / "graceful.terminated"
+    )
     assert marker.read_text() == "SIGTERM\n"
     assert not Path("/run/netns", "wsp-" + uid.replace("-", "")[:12]).exists()
 
@@ -199,9 +252,14 @@ def _ready(cluster: Any, namespace: str, name: str) -> bool:
 
 def test_readiness_gate_holds_pod_until_condition_true(cluster: Any, namespace: str) -> None:
     gate = "weightship.io/weights-verified"
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gated"},
-           "spec": echo_pod_spec(nodeName=cluster.process_nodes[1],
-                                 readinessGates=[{"conditionType": gate}])}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gated"},
+        "spec": echo_pod_spec(
+            nodeName=cluster.process_nodes[1], readinessGates=[{"conditionType": gate}]
+        ),
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
 
     def containers_ready() -> dict[str, Any] | None:
@@ -215,49 +273,91 @@ def test_readiness_gate_holds_pod_until_condition_true(cluster: Any, namespace: 
     assert ready["reason"] == "ReadinessGatesNotReady"
 
     def set_gate(status: str) -> None:
-        cluster.core.patch_namespaced_pod_status("gated", namespace, {"status": {"conditions": [
-            {"type": gate, "status": status, "reason": "Test", "message": "set by the test"}]}})
+        cluster.core.patch_namespaced_pod_status(
+            "gated",
+            namespace,
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": gate,
+                            "status": status,
+                            "reason": "Test",
+                            "message": "set by the test",
+                        }
+                    ]
+                }
+            },
+        )
 
     set_gate("False")
     assert not _ready(cluster, namespace, "gated")
     set_gate("True")
-    testkit.wait_until(lambda: _ready(cluster, namespace, "gated"), timeout=20,
-                       what="Ready after the gate turned True")
+    testkit.wait_until(
+        lambda: _ready(cluster, namespace, "gated"),
+        timeout=20,
+        what="Ready after the gate turned True",
+    )
     set_gate("False")
-    testkit.wait_until(lambda: not _ready(cluster, namespace, "gated"), timeout=20,
-                       what="not Ready after the gate turned False")
+    testkit.wait_until(
+        lambda: not _ready(cluster, namespace, "gated"),
+        timeout=20,
+        what="not Ready after the gate turned False",
+    )
 
 
 def test_prometheus_scrapes_pod_metrics(cluster: Any, namespace: str, prometheus: Any) -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "scraped", "labels": {"app": "scraped"}, "annotations": {
-               "prometheus.io/scrape": "true", "prometheus.io/port": "8080"}},
-           "spec": echo_pod_spec(nodeName=cluster.process_nodes[0])}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "scraped",
+            "labels": {"app": "scraped"},
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8080"},
+        },
+        "spec": echo_pod_spec(nodeName=cluster.process_nodes[0]),
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
-    testkit.wait_until(lambda: _ready(cluster, namespace, "scraped"), timeout=60,
-                       what="pod Ready")
+    testkit.wait_until(lambda: _ready(cluster, namespace, "scraped"), timeout=60, what="pod Ready")
     ip = cluster.core.read_namespaced_pod("scraped", namespace).status.pod_ip
     for _ in range(3):
         http_json(f"http://{ip}:8080/")
     query = f'weightship_echo_requests_total{{namespace="{namespace}",pod="scraped",path="/"}}'
-    result = testkit.wait_until(lambda: prometheus.custom_query(query), timeout=60,
-                                what=f"Prometheus to return {query}")
+    result = testkit.wait_until(
+        lambda: prometheus.custom_query(query), timeout=60, what=f"Prometheus to return {query}"
+    )
     assert float(result[0]["value"][1]) >= 3
 
 
 def test_pod_reads_the_api_with_its_own_service_account(cluster: Any, namespace: str) -> None:
     rbac = client.RbacAuthorizationV1Api(cluster.api)
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "read-pods"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "read-pods"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "read-pods"},
-        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "api-user"},
-           "spec": echo_pod_spec(nodeName=cluster.process_nodes[2 % len(cluster.process_nodes)])}
+    rbac.create_namespaced_role(
+        namespace,
+        {
+            "metadata": {"name": "read-pods"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "read-pods"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": "read-pods",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+        },
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "api-user"},
+        "spec": echo_pod_spec(nodeName=cluster.process_nodes[2 % len(cluster.process_nodes)]),
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
-    testkit.wait_until(lambda: _ready(cluster, namespace, "api-user"), timeout=60,
-                       what="pod Ready")
+    testkit.wait_until(lambda: _ready(cluster, namespace, "api-user"), timeout=60, what="pod Ready")
     live = cluster.core.read_namespaced_pod("api-user", namespace)
     who = http_json(f"http://{live.status.pod_ip}:8080/whoami")
     assert who == {"uid": live.metadata.uid, "node": live.spec.node_name}
@@ -265,10 +365,22 @@ def test_pod_reads_the_api_with_its_own_service_account(cluster: Any, namespace:
 
 @pytest.mark.parametrize(("policy", "phase"), [("Never", "Failed"), ("OnFailure", "Running")])
 def test_restart_policy(cluster: Any, namespace: str, policy: str, phase: str) -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "exits"},
-           "spec": {"nodeName": cluster.process_nodes[0], "restartPolicy": policy,
-                    "containers": [{"name": "main", "image": "python:3.11-slim",
-                                    "command": ["python3", "-c", "import sys; sys.exit(3)"]}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "exits"},
+        "spec": {
+            "nodeName": cluster.process_nodes[0],
+            "restartPolicy": policy,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11-slim",
+                    "command": ["python3", "-c", "import sys; sys.exit(3)"],
+                }
+            ],
+        },
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
 
     def observed() -> Any:
@@ -287,28 +399,49 @@ def test_restart_policy(cluster: Any, namespace: str, policy: str, phase: str) -
 
 
 def test_configmap_and_secret_volumes(cluster: Any, namespace: str) -> None:
-    cluster.core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"},
-                                                          "data": {"greeting": "hi"}})
-    cluster.core.create_namespaced_secret(namespace, {"metadata": {"name": "sec"},
-                                                      "stringData": {"token": "s3cr3t"}})
-    script = ("import pathlib,sys; a=pathlib.Path('/etc/cfg/greeting').read_text();"
-              " b=pathlib.Path('/etc/sec/token').read_text();"
-              " sys.exit(0 if (a, b) == ('hi', 's3cr3t') else 7)")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "volumes"},
-           "spec": {"nodeName": cluster.process_nodes[0], "restartPolicy": "Never",
-                    "containers": [{"name": "main", "image": "python:3.11-slim",
-                                    "command": ["python3", "-c", script],
-                                    "volumeMounts": [
-                                        {"name": "cfg", "mountPath": "/etc/cfg"},
-                                        {"name": "sec", "mountPath": "/etc/sec",
-                                         "readOnly": True}]}],
-                    "volumes": [{"name": "cfg", "configMap": {"name": "cfg"}},
-                                {"name": "sec", "secret": {"secretName": "sec"}}]}}
+    cluster.core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hi"}}
+    )
+    cluster.core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "sec"}, "stringData": {"token": "s3cr3t"}}
+    )
+    script = (
+        "import pathlib,sys; a=pathlib.Path('/etc/cfg/greeting').read_text();"
+        " b=pathlib.Path('/etc/sec/token').read_text();"
+        " sys.exit(0 if (a, b) == ('hi', 's3cr3t') else 7)"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "volumes"},
+        "spec": {
+            "nodeName": cluster.process_nodes[0],
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11-slim",
+                    "command": ["python3", "-c", script],
+                    "volumeMounts": [
+                        {"name": "cfg", "mountPath": "/etc/cfg"},
+                        {"name": "sec", "mountPath": "/etc/sec", "readOnly": True},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "cfg", "configMap": {"name": "cfg"}},
+                {"name": "sec", "secret": {"secretName": "sec"}},
+            ],
+        },
+    }
     cluster.core.create_namespaced_pod(namespace, pod)
     p = testkit.wait_until(
         lambda: (lambda p: p if p.status.phase in ("Succeeded", "Failed") else None)(
-            cluster.core.read_namespaced_pod("volumes", namespace)),
-        timeout=60, what="pod to finish")
+            cluster.core.read_namespaced_pod("volumes", namespace)
+        ),
+        timeout=60,
+        what="pod to finish",
+    )
     assert p.status.phase == "Succeeded"
 
 
@@ -319,29 +452,44 @@ def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: 
     names = ensure_kwok_nodes(cluster.api, count, start=1000, workers=32)
     try:
         labels = {"app": "fleet-agent"}
-        ds = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "fleet-agent"},
-              "spec": {"selector": {"matchLabels": labels}, "template": {
-                  "metadata": {"labels": labels},
-                  "spec": {"nodeSelector": {NODE_KIND_LABEL: "kwok"},
-                           "tolerations": [{**GPU_TAINT, "operator": "Equal"}],
-                           "containers": [{"name": "agent", "image": "pause"}]}}}}
+        ds = {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "fleet-agent"},
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "nodeSelector": {NODE_KIND_LABEL: "kwok"},
+                        "tolerations": [{**GPU_TAINT, "operator": "Equal"}],
+                        "containers": [{"name": "agent", "image": "pause"}],
+                    },
+                },
+            },
+        }
         cluster.apps.create_namespaced_daemon_set(namespace, ds)
         expected = count + len(cluster.kwok_nodes)
 
         def converged() -> bool:
             st = cluster.apps.read_namespaced_daemon_set_status("fleet-agent", namespace).status
-            return (st.desired_number_scheduled == expected and st.number_ready == expected)
+            return st.desired_number_scheduled == expected and st.number_ready == expected
 
         def detail() -> str:
             st = cluster.apps.read_namespaced_daemon_set_status("fleet-agent", namespace).status
-            return (f"desired={st.desired_number_scheduled} scheduled="
-                    f"{st.current_number_scheduled} ready={st.number_ready}")
+            return (
+                f"desired={st.desired_number_scheduled} scheduled="
+                f"{st.current_number_scheduled} ready={st.number_ready}"
+            )
 
-        testkit.wait_until(converged, timeout=600, interval=2, what="DaemonSet over 1,000 nodes",
-                           detail=detail)
-        ready_nodes = [n for n in cluster.core.list_node(
-            label_selector=f"{NODE_KIND_LABEL}=kwok").items if any(
-            c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
+        testkit.wait_until(
+            converged, timeout=600, interval=2, what="DaemonSet over 1,000 nodes", detail=detail
+        )
+        ready_nodes = [
+            n
+            for n in cluster.core.list_node(label_selector=f"{NODE_KIND_LABEL}=kwok").items
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+        ]
         assert len(ready_nodes) >= expected
     finally:
         cluster.apps.delete_namespaced_daemon_set("fleet-agent", namespace)

@@ -31,8 +31,12 @@ def cluster() -> None:
 
 @cluster.command("up")
 @click.option("--kwok-nodes", default=4, show_default=True, help="Fake GPU nodes (KWOK).")
-@click.option("--process-nodes", default=3, show_default=True,
-              help="Nodes whose pods run as real local processes.")
+@click.option(
+    "--process-nodes",
+    default=3,
+    show_default=True,
+    help="Nodes whose pods run as real local processes.",
+)
 @click.option("--no-addons", is_flag=True, help="Skip the S3 server and Prometheus.")
 def cluster_up(kwok_nodes: int, process_nodes: int, no_addons: bool) -> None:
     """Start the cluster (idempotent: parts already running are kept)."""
@@ -41,8 +45,12 @@ def cluster_up(kwok_nodes: int, process_nodes: int, no_addons: bool) -> None:
     console = Console(stderr=True)
     try:
         with console.status("starting the local cluster"):
-            up(ClusterConfig(kwok_nodes=kwok_nodes, process_nodes=process_nodes,
-                             with_addons=not no_addons), log=console.print)
+            up(
+                ClusterConfig(
+                    kwok_nodes=kwok_nodes, process_nodes=process_nodes, with_addons=not no_addons
+                ),
+                log=console.print,
+            )
     except ClusterError as e:
         console.print(f"[red]cluster up failed:[/] {e}")
         sys.exit(1)
@@ -68,19 +76,31 @@ def cluster_status(output: str) -> None:
     paths = ClusterPaths.default()
     rows = status(paths)
     if output == "json":
-        click.echo(json.dumps({
-            "components": [{"name": r.name, "pid": r.pid, "healthy": r.healthy} for r in rows],
-            "kubeconfig": str(paths.admin_kubeconfig), "s3": s3_endpoint(),
-            "prometheus": prometheus_url()}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "components": [
+                        {"name": r.name, "pid": r.pid, "healthy": r.healthy} for r in rows
+                    ],
+                    "kubeconfig": str(paths.admin_kubeconfig),
+                    "s3": s3_endpoint(),
+                    "prometheus": prometheus_url(),
+                },
+                indent=2,
+            )
+        )
     else:
         table = Table("component", "pid", "health")
         for r in rows:
-            table.add_row(r.name, str(r.pid or "-"),
-                          "[green]healthy[/]" if r.healthy else "[red]down[/]")
+            table.add_row(
+                r.name, str(r.pid or "-"), "[green]healthy[/]" if r.healthy else "[red]down[/]"
+            )
         console = Console()
         console.print(table)
-        console.print(f"kubeconfig: {paths.admin_kubeconfig}\nS3: {s3_endpoint()}  "
-                      f"Prometheus: {prometheus_url()}")
+        console.print(
+            f"kubeconfig: {paths.admin_kubeconfig}\nS3: {s3_endpoint()}  "
+            f"Prometheus: {prometheus_url()}"
+        )
     if not any(r.name == "kube-apiserver" and r.healthy for r in rows):
         sys.exit(1)
 
@@ -88,8 +108,9 @@ def cluster_status(output: str) -> None:
 @dev.command("kubelet")
 @click.option("--node", required=True, help="Node name to register.")
 @click.option("--index", type=int, required=True, help="Node index: picks its IP range.")
-@click.option("--state", type=click.Path(path_type=Path), required=True,
-              help="Cluster state directory.")
+@click.option(
+    "--state", type=click.Path(path_type=Path), required=True, help="Cluster state directory."
+)
 def dev_kubelet(node: str, index: int, state: Path) -> None:
     """Run the process kubelet for one node (started by `cluster up`)."""
     from weightship.dev.kubelet.agent import main as kubelet_main

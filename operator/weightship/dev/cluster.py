@@ -8,6 +8,7 @@ Prometheus. KWOK fakes GPU nodes for scale; process nodes run pods as real proce
 
 from __future__ import annotations
 
+import functools
 import shutil
 import ssl
 import subprocess
@@ -34,8 +35,14 @@ from weightship.dev.layout import (
 
 Log = Callable[[str], None]
 
-REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-                     "kwok", "versitygw")
+REQUIRED_BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "versitygw",
+)
 
 
 class ClusterError(RuntimeError):
@@ -71,7 +78,7 @@ def _admin_ssl(paths: ClusterPaths) -> ssl.SSLContext:
 def _http_ok(url: str, ctx: ssl.SSLContext | None = None, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:  # noqa: S310
-            return 200 <= resp.status < 300
+            return bool(200 <= resp.status < 300)
     except (urllib.error.URLError, OSError, ssl.SSLError):
         return False
 
@@ -82,7 +89,8 @@ def component_healthy(paths: ClusterPaths, name: str) -> bool:
             return _http_ok(f"http://127.0.0.1:{ETCD_PORT}/health")
         case "kube-apiserver":
             return (paths.pki / "admin.crt").exists() and _http_ok(
-                api_url("/readyz"), _admin_ssl(paths))
+                api_url("/readyz"), _admin_ssl(paths)
+            )
         case "kube-controller-manager":
             return _http_ok("https://127.0.0.1:10257/healthz", ssl._create_unverified_context())  # noqa: S323
         case "kube-scheduler":
@@ -108,8 +116,12 @@ def _s3_answers() -> bool:
     return True
 
 
-def wait_for(what: str, check: Callable[[], bool], timeout: float, log_file: Path | None = None,
-             ) -> None:
+def wait_for(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float,
+    log_file: Path | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -124,7 +136,8 @@ def _check_prerequisites() -> None:
     if missing:
         raise ClusterError(
             f"missing binaries in {bin_dir()}: {', '.join(missing)}; run `make deps` "
-            "(hack/deps.sh builds them from Go modules and caches them)")
+            "(hack/deps.sh builds them from Go modules and caches them)"
+        )
     for tool in ("ip", "openssl", "prometheus"):
         if shutil.which(tool) is None:
             raise ClusterError(f"`{tool}` not found on PATH; run `make deps`")
@@ -133,8 +146,12 @@ def _check_prerequisites() -> None:
 def _make_pki(cfg: ClusterConfig) -> None:
     p = cfg.paths.pki
     pki.ensure_ca(p)
-    pki.issue_cert(p, "apiserver", "/CN=kube-apiserver",
-                   server_sans=pki.apiserver_sans(nodes.KUBERNETES_SERVICE_IP))
+    pki.issue_cert(
+        p,
+        "apiserver",
+        "/CN=kube-apiserver",
+        server_sans=pki.apiserver_sans(nodes.KUBERNETES_SERVICE_IP),
+    )
     clients = {
         "admin": "/O=system:masters/CN=weightship-admin",
         "kube-controller-manager": "/CN=system:kube-controller-manager",
@@ -170,7 +187,12 @@ def up(cfg: ClusterConfig, log: Log = print) -> None:
     }
     for name in components.CONTROL_PLANE:
         processes.start_daemon(name, builders[name](paths), pids=paths.pids, logs=paths.logs)
-        wait_for(name, lambda n=name: component_healthy(paths, n), 120, paths.logs / f"{name}.log")  # type: ignore[misc]
+        wait_for(
+            name,
+            functools.partial(component_healthy, paths, name),
+            120,
+            paths.logs / f"{name}.log",
+        )
         log(f"  {name:<24} up")
 
     api = nodes.admin_api(paths)
@@ -178,21 +200,38 @@ def up(cfg: ClusterConfig, log: Log = print) -> None:
     nodes.ensure_kwok_nodes(api, cfg.kwok_nodes)
     log(f"  {'kwok nodes':<24} {cfg.kwok_nodes}")
     for index, name in enumerate(nodes.process_node_names(cfg.process_nodes)):
-        processes.start_daemon(f"kubelet-{name}", components.kubelet(paths, name, index),
-                               pids=paths.pids, logs=paths.logs)
+        processes.start_daemon(
+            f"kubelet-{name}",
+            components.kubelet(paths, name, index),
+            pids=paths.pids,
+            logs=paths.logs,
+        )
     nodes.wait_nodes_ready(api, nodes.process_node_names(cfg.process_nodes), timeout=60)
     log(f"  {'process nodes':<24} {cfg.process_nodes}")
 
     if cfg.with_addons:
         (paths.prometheus / "prometheus.yml").write_text(components.prometheus_config(paths))
-        processes.start_daemon("s3", components.s3(paths), pids=paths.pids, logs=paths.logs,
-                               env={"ROOT_ACCESS_KEY": S3_ACCESS_KEY,
-                                    "ROOT_SECRET_KEY": S3_SECRET_KEY})
-        processes.start_daemon("prometheus", components.prometheus(paths), pids=paths.pids,
-                               logs=paths.logs, cwd=paths.prometheus)
+        processes.start_daemon(
+            "s3",
+            components.s3(paths),
+            pids=paths.pids,
+            logs=paths.logs,
+            env={"ROOT_ACCESS_KEY": S3_ACCESS_KEY, "ROOT_SECRET_KEY": S3_SECRET_KEY},
+        )
+        processes.start_daemon(
+            "prometheus",
+            components.prometheus(paths),
+            pids=paths.pids,
+            logs=paths.logs,
+            cwd=paths.prometheus,
+        )
         for name in components.ADDONS:
-            wait_for(name, lambda n=name: component_healthy(paths, n), 60,  # type: ignore[misc]
-                     paths.logs / f"{name}.log")
+            wait_for(
+                name,
+                functools.partial(component_healthy, paths, name),
+                60,
+                paths.logs / f"{name}.log",
+            )
             log(f"  {name:<24} up")
     log(f"kubeconfig: {paths.admin_kubeconfig}")
 

@@ -148,8 +148,13 @@ def kwok(paths: ClusterPaths) -> list[str]:
 
 
 def s3(paths: ClusterPaths) -> list[str]:
-    return [str(bin_dir() / "versitygw"), "--port", f"{BRIDGE_IP}:{S3_PORT}", "posix",
-            str(paths.s3_data)]
+    return [
+        str(bin_dir() / "versitygw"),
+        "--port",
+        f"{BRIDGE_IP}:{S3_PORT}",
+        "posix",
+        str(paths.s3_data),
+    ]
 
 
 def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
@@ -159,16 +164,27 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
     """
     pki = paths.pki
     relabel = [
-        {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
-         "regex": "true", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_ip"], "regex": r"198\.18\..*",
-         "action": "keep"},
+        {
+            "source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
+            "regex": "true",
+            "action": "keep",
+        },
+        {"source_labels": ["__meta_kubernetes_pod_ip"], "regex": r"198\.18\..*", "action": "keep"},
         {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Running", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_path"],
-         "regex": "(.+)", "target_label": "__metrics_path__"},
-        {"source_labels": ["__meta_kubernetes_pod_ip",
-                           "__meta_kubernetes_pod_annotation_prometheus_io_port"],
-         "regex": r"(.+);(\d+)", "replacement": "$1:$2", "target_label": "__address__"},
+        {
+            "source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_path"],
+            "regex": "(.+)",
+            "target_label": "__metrics_path__",
+        },
+        {
+            "source_labels": [
+                "__meta_kubernetes_pod_ip",
+                "__meta_kubernetes_pod_annotation_prometheus_io_port",
+            ],
+            "regex": r"(.+);(\d+)",
+            "replacement": "$1:$2",
+            "target_label": "__address__",
+        },
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
         {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
         {"source_labels": ["__meta_kubernetes_pod_node_name"], "target_label": "node"},
@@ -176,17 +192,23 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
     ]
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-        "scrape_configs": [{
-            "job_name": "pods",
-            "kubernetes_sd_configs": [{
-                "role": "pod",
-                "api_server": f"https://{BRIDGE_IP}:{APISERVER_PORT}",
-                "tls_config": {"ca_file": str(pki / "ca.crt"),
-                               "cert_file": str(pki / "prometheus.crt"),
-                               "key_file": str(pki / "prometheus.key")},
-            }],
-            "relabel_configs": relabel,
-        }],
+        "scrape_configs": [
+            {
+                "job_name": "pods",
+                "kubernetes_sd_configs": [
+                    {
+                        "role": "pod",
+                        "api_server": f"https://{BRIDGE_IP}:{APISERVER_PORT}",
+                        "tls_config": {
+                            "ca_file": str(pki / "ca.crt"),
+                            "cert_file": str(pki / "prometheus.crt"),
+                            "key_file": str(pki / "prometheus.key"),
+                        },
+                    }
+                ],
+                "relabel_configs": relabel,
+            }
+        ],
     }
     return yaml.safe_dump(config, sort_keys=False)
 
@@ -203,5 +225,16 @@ def prometheus(paths: ClusterPaths) -> list[str]:
 
 
 def kubelet(paths: ClusterPaths, node: str, index: int) -> list[str]:
-    return [sys.executable, "-m", "weightship", "dev", "kubelet", "--node", node,
-            "--index", str(index), "--state", str(paths.root)]
+    return [
+        sys.executable,
+        "-m",
+        "weightship",
+        "dev",
+        "kubelet",
+        "--node",
+        node,
+        "--index",
+        str(index),
+        "--state",
+        str(paths.root),
+    ]

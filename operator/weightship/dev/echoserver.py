@@ -40,8 +40,15 @@ class Server(ThreadingHTTPServer):
 
 
 def identity() -> dict[str, str]:
-    keys = ("POD_NAME", "POD_NAMESPACE", "NODE_NAME", "POD_IP", "HOST_IP", "ECHO_MESSAGE",
-            "KUBERNETES_SERVICE_HOST")
+    keys = (
+        "POD_NAME",
+        "POD_NAMESPACE",
+        "NODE_NAME",
+        "POD_IP",
+        "HOST_IP",
+        "ECHO_MESSAGE",
+        "KUBERNETES_SERVICE_HOST",
+    )
     return {k: os.environ.get(k, "") for k in keys}
 
 
@@ -78,17 +85,17 @@ class Handler(BaseHTTPRequestHandler):
         if ip not in POD_NETWORK:
             self._send(400, b'{"error": "only pod addresses"}')
             return
-        with urllib.request.urlopen(f"http://{ip}:{port}/", timeout=5) as resp:  # noqa: S310
+        with urllib.request.urlopen(f"http://{ip}:{port}/", timeout=5) as resp:
             self._send(200, resp.read())
 
     def _whoami(self) -> None:
         from kubernetes import client, config
 
         config.load_incluster_config()
-        pod = client.CoreV1Api().read_namespaced_pod(os.environ["POD_NAME"],
-                                                      os.environ["POD_NAMESPACE"])
-        self._send(200, json.dumps({"uid": pod.metadata.uid,
-                                    "node": pod.spec.node_name}).encode())
+        pod = client.CoreV1Api().read_namespaced_pod(
+            os.environ["POD_NAME"], os.environ["POD_NAMESPACE"]
+        )
+        self._send(200, json.dumps({"uid": pod.metadata.uid, "node": pod.spec.node_name}).encode())
 
 
 def main() -> None:

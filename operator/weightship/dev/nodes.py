@@ -33,8 +33,13 @@ def admin_api(paths: ClusterPaths) -> client.ApiClient:
 def kwok_node_body(index: int) -> dict[str, Any]:
     """A fake node shaped like an 8-GPU cloud instance, with the usual GPU taint."""
     name = kwok_node_name(index)
-    resources = {"cpu": "192", "memory": "2048Gi", "pods": "110", "nvidia.com/gpu": "8",
-                 "ephemeral-storage": "7000Gi"}
+    resources = {
+        "cpu": "192",
+        "memory": "2048Gi",
+        "pods": "110",
+        "nvidia.com/gpu": "8",
+        "ephemeral-storage": "7000Gi",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -60,8 +65,9 @@ def kwok_node_body(index: int) -> dict[str, Any]:
     }
 
 
-def ensure_kwok_nodes(api: client.ApiClient, count: int, *, start: int = 0,
-                      workers: int = 16) -> list[str]:
+def ensure_kwok_nodes(
+    api: client.ApiClient, count: int, *, start: int = 0, workers: int = 16
+) -> list[str]:
     """Create KWOK nodes start..start+count-1 (existing ones are kept)."""
     core = client.CoreV1Api(api)
 
@@ -122,17 +128,30 @@ PROMETHEUS_RBAC: list[dict[str, Any]] = [
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": "weightship:prometheus"},
-        "rules": [{"apiGroups": [""], "resources": ["pods", "nodes", "endpoints", "services"],
-                   "verbs": ["get", "list", "watch"]}],
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["pods", "nodes", "endpoints", "services"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
     },
     {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRoleBinding",
         "metadata": {"name": "weightship:prometheus"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "weightship:prometheus"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                      "name": "weightship:prometheus"}],
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "weightship:prometheus",
+        },
+        "subjects": [
+            {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "User",
+                "name": "weightship:prometheus",
+            }
+        ],
     },
 ]
 
@@ -141,10 +160,12 @@ def bootstrap_rbac(api: client.ApiClient) -> None:
     """Least privilege for Prometheus' service discovery: read pods, nothing else."""
     rbac = client.RbacAuthorizationV1Api(api)
     role, binding = PROMETHEUS_RBAC
-    for create in ((lambda: rbac.create_cluster_role(role)),
-                   (lambda: rbac.create_cluster_role_binding(binding))):
+    for create, body in (
+        (rbac.create_cluster_role, role),
+        (rbac.create_cluster_role_binding, binding),
+    ):
         try:
-            create()
+            create(body)
         except ApiException as e:
             if e.status != 409:
                 raise

@@ -23,8 +23,22 @@ def ensure_ca(pki: Path) -> None:
     pki.mkdir(parents=True, exist_ok=True)
     if (pki / "ca.crt").exists():
         return
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
-             "-subj", "/CN=weightship-local-ca", "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "365",
+        "-subj",
+        "/CN=weightship-local-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=pki,
+    )
     # The service-account signing key is separate from every TLS key.
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
@@ -42,16 +56,48 @@ def issue_cert(pki: Path, name: str, subject: str, *, server_sans: list[str] | N
     else:
         lines.append("extendedKeyUsage=clientAuth")
     ext.write_text("\n".join(lines) + "\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=pki)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "365", "-out", f"{name}.crt", "-extfile", ext.name, cwd=pki)
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        subject,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "365",
+        "-out",
+        f"{name}.crt",
+        "-extfile",
+        ext.name,
+        cwd=pki,
+    )
     (pki / f"{name}.csr").unlink()
 
 
 def apiserver_sans(service_ip: str) -> list[str]:
-    dns = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-           "kubernetes.default.svc.cluster.local"]
+    dns = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
     return [f"DNS:{d}" for d in dns] + [f"IP:{ip}" for ip in ("127.0.0.1", BRIDGE_IP, service_ip)]
 
 
@@ -61,13 +107,27 @@ def write_kubeconfig(path: Path, pki: Path, user_cert: str, *, server: str | Non
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "weightship-local", "cluster": {
-            "server": server, "certificate-authority": str(pki / "ca.crt")}}],
-        "users": [{"name": user_cert, "user": {
-            "client-certificate": str(pki / f"{user_cert}.crt"),
-            "client-key": str(pki / f"{user_cert}.key")}}],
-        "contexts": [{"name": "weightship-local", "context": {
-            "cluster": "weightship-local", "user": user_cert}}],
+        "clusters": [
+            {
+                "name": "weightship-local",
+                "cluster": {"server": server, "certificate-authority": str(pki / "ca.crt")},
+            }
+        ],
+        "users": [
+            {
+                "name": user_cert,
+                "user": {
+                    "client-certificate": str(pki / f"{user_cert}.crt"),
+                    "client-key": str(pki / f"{user_cert}.key"),
+                },
+            }
+        ],
+        "contexts": [
+            {
+                "name": "weightship-local",
+                "context": {"cluster": "weightship-local", "user": user_cert},
+            }
+        ],
         "current-context": "weightship-local",
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))

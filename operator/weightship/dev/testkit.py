@@ -19,8 +19,14 @@ class WaitTimeout(AssertionError):
     pass
 
 
-def wait_until(check: Callable[[], T | None], *, timeout: float, what: str,
-               interval: float = 0.5, detail: Callable[[], str] | None = None) -> T:
+def wait_until(
+    check: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.5,
+    detail: Callable[[], str] | None = None,
+) -> T:
     """Poll `check` until it returns something truthy; fail with `what` (and `detail`)."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -74,9 +80,13 @@ def s3_client(endpoint: str) -> Any:
     from botocore.config import Config
 
     return boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id=S3_ACCESS_KEY, aws_secret_access_key=S3_SECRET_KEY,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_ACCESS_KEY,
+        aws_secret_access_key=S3_SECRET_KEY,
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 3}),
+    )
 
 
 def empty_bucket(s3: Any, bucket: str) -> None:

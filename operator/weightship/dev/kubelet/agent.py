@@ -58,15 +58,18 @@ class ApiObjects:
             raise PodSpecError(f"secret {namespace}/{name}: {e.reason}") from e
         return {k: base64.b64decode(v).decode() for k, v in (sec.data or {}).items()}
 
-    def service_account_token(self, pod: Pod, audience: str | None,
-                              expiration_seconds: int) -> str:
+    def service_account_token(self, pod: Pod, audience: str | None, expiration_seconds: int) -> str:
         meta = pod["metadata"]
         sa = pod["spec"].get("serviceAccountName") or "default"
-        body = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-            audiences=[audience or AUDIENCE],
-            expiration_seconds=max(expiration_seconds, 600),
-            bound_object_ref=client.V1BoundObjectReference(
-                kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"])))
+        body = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[audience or AUDIENCE],
+                expiration_seconds=max(expiration_seconds, 600),
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"]
+                ),
+            )
+        )
         try:
             resp = self.core.create_namespaced_service_account_token(sa, meta["namespace"], body)
         except ApiException as e:
@@ -96,8 +99,9 @@ class Kubelet(PodHost):
     def patch_pod_status(self, pod: dict[str, Any], status: dict[str, Any]) -> bool:
         meta = pod["metadata"]
         try:
-            self.core.patch_namespaced_pod_status(meta["name"], meta["namespace"],
-                                                  {"status": status})
+            self.core.patch_namespaced_pod_status(
+                meta["name"], meta["namespace"], {"status": status}
+            )
         except ApiException as e:
             if e.status == 404:
                 return True
@@ -107,8 +111,9 @@ class Kubelet(PodHost):
 
     def finalize_deletion(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        body = client.V1DeleteOptions(grace_period_seconds=0,
-                                      preconditions=client.V1Preconditions(uid=meta["uid"]))
+        body = client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=meta["uid"])
+        )
         try:
             self.core.delete_namespaced_pod(meta["name"], meta["namespace"], body=body)
         except ApiException as e:
@@ -122,14 +127,24 @@ class Kubelet(PodHost):
     def event(self, pod: dict[str, Any], reason: str, message: str, kind: str = "Normal") -> None:
         meta = pod["metadata"]
         body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.",
-                                         namespace=meta["namespace"]),
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{meta['name']}.", namespace=meta["namespace"]
+            ),
             involved_object=client.V1ObjectReference(
-                kind="Pod", name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
-                api_version="v1"),
-            reason=reason, message=message, type=kind,
+                kind="Pod",
+                name=meta["name"],
+                namespace=meta["namespace"],
+                uid=meta["uid"],
+                api_version="v1",
+            ),
+            reason=reason,
+            message=message,
+            type=kind,
             source=client.V1EventSource(component="kubelet", host=self.node_name),
-            first_timestamp=now_iso(), last_timestamp=now_iso(), count=1)
+            first_timestamp=now_iso(),
+            last_timestamp=now_iso(),
+            count=1,
+        )
         with contextlib.suppress(ApiException):
             self.core.create_namespaced_event(meta["namespace"], body)
 
@@ -139,15 +154,18 @@ class Kubelet(PodHost):
         return {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {"name": self.node_name, "labels": {
-                "kubernetes.io/hostname": self.node_name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "node.kubernetes.io/instance-type": "process",
-                "topology.kubernetes.io/region": "local",
-                "topology.kubernetes.io/zone": ZONES[self.index % len(ZONES)],
-                NODE_KIND_LABEL: "process",
-            }},
+            "metadata": {
+                "name": self.node_name,
+                "labels": {
+                    "kubernetes.io/hostname": self.node_name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "node.kubernetes.io/instance-type": "process",
+                    "topology.kubernetes.io/region": "local",
+                    "topology.kubernetes.io/zone": ZONES[self.index % len(ZONES)],
+                    NODE_KIND_LABEL: "process",
+                },
+            },
             "spec": {},
             "status": {"capacity": resources, "allocatable": resources},
         }
@@ -156,8 +174,14 @@ class Kubelet(PodHost):
         now = now_iso()
 
         def cond(ctype: str, status: str, reason: str, message: str) -> dict[str, str]:
-            return {"type": ctype, "status": status, "reason": reason, "message": message,
-                    "lastHeartbeatTime": now, "lastTransitionTime": self.started_at}
+            return {
+                "type": ctype,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": self.started_at,
+            }
 
         return {
             "conditions": [
@@ -166,13 +190,22 @@ class Kubelet(PodHost):
                 cond("PIDPressure", "False", "KubeletHasSufficientPID", "ok"),
                 cond("Ready", "True", "KubeletReady", "process kubelet is posting ready status"),
             ],
-            "addresses": [{"type": "InternalIP", "address": self.host_ip},
-                          {"type": "Hostname", "address": self.node_name}],
+            "addresses": [
+                {"type": "InternalIP", "address": self.host_ip},
+                {"type": "Hostname", "address": self.node_name},
+            ],
             "nodeInfo": {
-                "machineID": self.node_name, "systemUUID": self.node_name, "bootID": self.boot_id,
-                "kernelVersion": platform.release(), "osImage": "weightship process node",
-                "containerRuntimeVersion": "process://0.1", "kubeletVersion": KUBELET_VERSION,
-                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64"},
+                "machineID": self.node_name,
+                "systemUUID": self.node_name,
+                "bootID": self.boot_id,
+                "kernelVersion": platform.release(),
+                "osImage": "weightship process node",
+                "containerRuntimeVersion": "process://0.1",
+                "kubeletVersion": KUBELET_VERSION,
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             **self.node_body()["status"],
         }
@@ -202,12 +235,24 @@ class Kubelet(PodHost):
                 raise
             node = self.core.read_node(self.node_name)
             body = client.V1Lease(
-                metadata=client.V1ObjectMeta(name=self.node_name, namespace="kube-node-lease",
-                                             owner_references=[client.V1OwnerReference(
-                                                 api_version="v1", kind="Node",
-                                                 name=self.node_name, uid=node.metadata.uid)]),
-                spec=client.V1LeaseSpec(holder_identity=self.node_name,
-                                        lease_duration_seconds=LEASE_SECONDS, renew_time=now))
+                metadata=client.V1ObjectMeta(
+                    name=self.node_name,
+                    namespace="kube-node-lease",
+                    owner_references=[
+                        client.V1OwnerReference(
+                            api_version="v1",
+                            kind="Node",
+                            name=self.node_name,
+                            uid=node.metadata.uid,
+                        )
+                    ],
+                ),
+                spec=client.V1LeaseSpec(
+                    holder_identity=self.node_name,
+                    lease_duration_seconds=LEASE_SECONDS,
+                    renew_time=now,
+                ),
+            )
             coord.create_namespaced_lease("kube-node-lease", body)
 
     def heartbeat(self) -> None:
@@ -276,14 +321,19 @@ class Kubelet(PodHost):
                         w.mark_deleted()
                 rv = listing.metadata.resource_version
                 stream = watch.Watch().stream(
-                    self.core.list_pod_for_all_namespaces, field_selector=selector,
-                    resource_version=rv, timeout_seconds=60, allow_watch_bookmarks=True)
+                    self.core.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=rv,
+                    timeout_seconds=60,
+                    allow_watch_bookmarks=True,
+                )
                 for event in stream:
                     if self.stopping.is_set():
                         break
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self.handle(event["type"],
-                                    self.api.sanitize_for_serialization(event["object"]))
+                        self.handle(
+                            event["type"], self.api.sanitize_for_serialization(event["object"])
+                        )
                     self.reap_workers()
             except ApiException as e:
                 if e.status != 410:
@@ -329,8 +379,9 @@ class Kubelet(PodHost):
 
 
 def main(node: str, index: int, state: Path) -> None:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s"
+    )
     for noisy in ("kubernetes", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     Kubelet(node, index, ClusterPaths(state)).run()

@@ -43,5 +43,6 @@ def resolve(image: str, command: list[str] | None, args: list[str] | None) -> En
     if mapped is None:
         raise ImageNotMapped(
             f"image {image!r} has no local entrypoint: set `command`, or add "
-            f"{repository_name(image)!r} to weightship.dev.kubelet.images.IMAGE_ENTRYPOINTS")
+            f"{repository_name(image)!r} to weightship.dev.kubelet.images.IMAGE_ENTRYPOINTS"
+        )
     return Entrypoint([*mapped[0], *(args or [])], uid)

@@ -112,9 +112,7 @@ def container_env(
 def hosts_file(pod: Pod, pod_ip: str) -> str:
     hostname = pod.get("spec", {}).get("hostname") or pod["metadata"]["name"]
     return (
-        "127.0.0.1\tlocalhost\n"
-        "::1\tlocalhost ip6-localhost ip6-loopback\n"
-        f"{pod_ip}\t{hostname}\n"
+        f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{pod_ip}\t{hostname}\n"
     )
 
 

@@ -31,14 +31,27 @@ class ContainerState:
         if self.state == "running":
             state: dict[str, Any] = {"running": {"startedAt": self.started_at}}
         elif self.state == "terminated":
-            state = {"terminated": {"exitCode": self.exit_code if self.exit_code is not None else 0,
-                                    "reason": self.reason, "message": self.message or None,
-                                    "startedAt": self.started_at, "finishedAt": self.finished_at}}
+            state = {
+                "terminated": {
+                    "exitCode": self.exit_code if self.exit_code is not None else 0,
+                    "reason": self.reason,
+                    "message": self.message or None,
+                    "startedAt": self.started_at,
+                    "finishedAt": self.finished_at,
+                }
+            }
         else:
             state = {"waiting": {"reason": self.reason, "message": self.message or None}}
-        return {"name": self.name, "image": self.image, "imageID": f"process://{self.image}",
-                "containerID": f"process://{self.name}", "ready": self.ready,
-                "started": self.started, "restartCount": self.restart_count, "state": state}
+        return {
+            "name": self.name,
+            "image": self.image,
+            "imageID": f"process://{self.image}",
+            "containerID": f"process://{self.name}",
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restart_count,
+            "state": state,
+        }
 
 
 @dataclass
@@ -52,14 +65,23 @@ class PodObservation:
     start_time: str | None = None
 
 
-def _condition(ctype: str, ok: bool, now: str, reason: str | None = None,
-               message: str | None = None, previous: dict[str, dict[str, Any]] | None = None,
-               ) -> dict[str, Any]:
+def _condition(
+    ctype: str,
+    ok: bool,
+    now: str,
+    reason: str | None = None,
+    message: str | None = None,
+    previous: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     status = "True" if ok else "False"
     prev = (previous or {}).get(ctype)
     changed_at = prev.get("lastTransitionTime") if prev and prev.get("status") == status else now
-    cond: dict[str, Any] = {"type": ctype, "status": status, "lastProbeTime": None,
-                            "lastTransitionTime": changed_at}
+    cond: dict[str, Any] = {
+        "type": ctype,
+        "status": status,
+        "lastProbeTime": None,
+        "lastTransitionTime": changed_at,
+    }
     if not ok and reason:
         cond["reason"] = reason
         cond["message"] = message
@@ -74,9 +96,14 @@ def gate_problems(pod: dict[str, Any]) -> list[str]:
         ctype = gate["conditionType"]
         cond = conditions.get(ctype)
         if cond is None:
-            problems.append(f'corresponding condition of pod readiness gate "{ctype}" does not exist.')
+            problems.append(
+                f'corresponding condition of pod readiness gate "{ctype}" does not exist.'
+            )
         elif cond.get("status") != "True":
-            problems.append(f'the status of pod readiness gate "{ctype}" is not "True", but {cond.get("status")}')
+            problems.append(
+                f'the status of pod readiness gate "{ctype}" is not "True", '
+                f"but {cond.get('status')}"
+            )
     return problems
 
 
@@ -86,8 +113,10 @@ def phase(obs: PodObservation) -> str:
         return "Pending"
     if all(c.state == "terminated" and not c.will_restart for c in states):
         return "Succeeded" if all(c.exit_code == 0 for c in states) else "Failed"
-    if any(c.state == "running" or (c.state == "terminated" and c.will_restart) or c.restart_count
-           for c in states):
+    if any(
+        c.state == "running" or (c.state == "terminated" and c.will_restart) or c.restart_count
+        for c in states
+    ):
         return "Running"
     return "Pending"
 
@@ -100,17 +129,32 @@ def compute_status(pod: dict[str, Any], obs: PodObservation, now: str) -> dict[s
     pod_phase = phase(obs)
     ready = containers_ready and not gates and pod_phase == "Running"
     if not containers_ready:
-        reason, message = "ContainersNotReady", f"containers with unready status: [{' '.join(not_ready)}]"
+        reason, message = (
+            "ContainersNotReady",
+            f"containers with unready status: [{' '.join(not_ready)}]",
+        )
     elif gates:
         reason, message = "ReadinessGatesNotReady", "; ".join(gates)
     else:
         reason, message = "PodCompleted", ""
     conditions = [
         _condition("PodReadyToStartContainers", obs.sandbox_ready, now, previous=previous),
-        _condition("Initialized", obs.initialized, now, "ContainersNotInitialized",
-                   "containers with incomplete status", previous),
-        _condition("ContainersReady", containers_ready, now, "ContainersNotReady", message
-                   if not containers_ready else None, previous),
+        _condition(
+            "Initialized",
+            obs.initialized,
+            now,
+            "ContainersNotInitialized",
+            "containers with incomplete status",
+            previous,
+        ),
+        _condition(
+            "ContainersReady",
+            containers_ready,
+            now,
+            "ContainersNotReady",
+            message if not containers_ready else None,
+            previous,
+        ),
         _condition("Ready", ready, now, reason, message, previous),
     ]
     status: dict[str, Any] = {

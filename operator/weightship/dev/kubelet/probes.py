@@ -49,8 +49,9 @@ class ProbeState:
         return self.failures >= int(self.spec.get("failureThreshold", 3))
 
 
-def run_probe(spec: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str,
-              netns: str) -> tuple[bool, str]:
+def run_probe(
+    spec: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str, netns: str
+) -> tuple[bool, str]:
     timeout = float(spec.get("timeoutSeconds", 1))
     if http_get := spec.get("httpGet"):
         return _http_get(http_get, container, pod_ip, timeout)
@@ -63,21 +64,26 @@ def run_probe(spec: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str
             return False, f"dial tcp {pod_ip}:{port}: {e}"
     if exec_ := spec.get("exec"):
         try:
-            proc = subprocess.run(["ip", "netns", "exec", netns, *exec_["command"]],
-                                  capture_output=True, timeout=timeout)
+            proc = subprocess.run(
+                ["ip", "netns", "exec", netns, *exec_["command"]],
+                capture_output=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return False, f"command timed out after {timeout:.0f}s"
         return proc.returncode == 0, proc.stdout.decode(errors="replace")[-200:]
     return False, "probe has no handler"
 
 
-def _http_get(spec: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str,
-              timeout: float) -> tuple[bool, str]:
+def _http_get(
+    spec: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str, timeout: float
+) -> tuple[bool, str]:
     port = port_number(container, spec["port"])
     host = spec.get("host") or pod_ip
     path = spec.get("path") or "/"
-    conn_cls = (http.client.HTTPSConnection if spec.get("scheme") == "HTTPS"
-                else http.client.HTTPConnection)
+    conn_cls = (
+        http.client.HTTPSConnection if spec.get("scheme") == "HTTPS" else http.client.HTTPConnection
+    )
     conn = conn_cls(host, port, timeout=timeout)
     try:
         headers = {h["name"]: h["value"] for h in spec.get("httpHeaders") or []}

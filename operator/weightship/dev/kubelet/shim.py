@@ -49,7 +49,7 @@ def main(spec_path: str) -> None:
     argv = spec["argv"]
     env = spec["env"]
     try:
-        os.execvpe(argv[0], argv, env)
+        os.execvpe(argv[0], argv, env)  # noqa: S606 - exec is the shim's job
     except OSError as e:
         raise SystemExit(f"weightship-shim: exec {argv[0]!r}: {e}") from e
 

@@ -5,7 +5,6 @@ hostPath maps into the node's own root directory, so two process nodes have two 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,8 +17,9 @@ class ObjectSource(Protocol):
 
     def configmap(self, namespace: str, name: str, optional: bool) -> Mapping[str, str]: ...
     def secret(self, namespace: str, name: str, optional: bool) -> Mapping[str, str]: ...
-    def service_account_token(self, pod: Pod, audience: str | None,
-                              expiration_seconds: int) -> str: ...
+    def service_account_token(
+        self, pod: Pod, audience: str | None, expiration_seconds: int
+    ) -> str: ...
     def ca_bundle(self) -> str: ...
 
 
@@ -31,8 +31,9 @@ def _write(path: Path, data: str, mode: int) -> None:
     tmp.replace(path)
 
 
-def _items(data: Mapping[str, str], items: list[dict[str, Any]] | None,
-           default_mode: int) -> list[tuple[str, str, int]]:
+def _items(
+    data: Mapping[str, str], items: list[dict[str, Any]] | None, default_mode: int
+) -> list[tuple[str, str, int]]:
     if not items:
         return [(k, v, default_mode) for k, v in data.items()]
     out = []
@@ -50,14 +51,22 @@ def _safe_join(base: Path, rel: str) -> Path:
     return target
 
 
-def materialize(pod: Pod, volume: Mapping[str, Any], *, pod_dir: Path, node_root: Path,
-                source: ObjectSource, pod_ip: str, host_ip: str) -> Path:
+def materialize(
+    pod: Pod,
+    volume: Mapping[str, Any],
+    *,
+    pod_dir: Path,
+    node_root: Path,
+    source: ObjectSource,
+    pod_ip: str,
+    host_ip: str,
+) -> Path:
     """Create or refresh one volume and return the host path that backs it."""
-    name = volume["name"]
-    namespace = pod["metadata"]["namespace"]
-    target = pod_dir / "volumes" / name
+    name = str(volume["name"])
+    namespace = str(pod["metadata"]["namespace"])
+    target: Path = pod_dir / "volumes" / name
     if host := volume.get("hostPath"):
-        path = node_root / str(host["path"]).lstrip("/")
+        path: Path = node_root / str(host["path"]).lstrip("/")
         kind = host.get("type") or ""
         if kind in ("", "DirectoryOrCreate"):
             path.mkdir(parents=True, exist_ok=True)
@@ -80,8 +89,9 @@ def materialize(pod: Pod, volume: Mapping[str, Any], *, pod_dir: Path, node_root
         data = source.secret(namespace, sec["secretName"], bool(sec.get("optional")))
         files = _items(data, sec.get("items"), int(sec.get("defaultMode", mode)))
     elif dapi := volume.get("downwardAPI"):
-        files = _downward(pod, dapi.get("items") or [], pod_ip, host_ip,
-                          int(dapi.get("defaultMode", mode)))
+        files = _downward(
+            pod, dapi.get("items") or [], pod_ip, host_ip, int(dapi.get("defaultMode", mode))
+        )
     elif proj := volume.get("projected"):
         files = _projected(pod, proj, source, pod_ip, host_ip, int(proj.get("defaultMode", mode)))
     else:
@@ -93,8 +103,9 @@ def materialize(pod: Pod, volume: Mapping[str, Any], *, pod_dir: Path, node_root
     return target
 
 
-def _downward(pod: Pod, items: list[dict[str, Any]], pod_ip: str, host_ip: str,
-              mode: int) -> list[tuple[str, str, int]]:
+def _downward(
+    pod: Pod, items: list[dict[str, Any]], pod_ip: str, host_ip: str, mode: int
+) -> list[tuple[str, str, int]]:
     out = []
     for item in items:
         if "fieldRef" not in item:
@@ -104,14 +115,16 @@ def _downward(pod: Pod, items: list[dict[str, Any]], pod_ip: str, host_ip: str,
     return out
 
 
-def _projected(pod: Pod, proj: Mapping[str, Any], source: ObjectSource, pod_ip: str,
-               host_ip: str, mode: int) -> list[tuple[str, str, int]]:
+def _projected(
+    pod: Pod, proj: Mapping[str, Any], source: ObjectSource, pod_ip: str, host_ip: str, mode: int
+) -> list[tuple[str, str, int]]:
     namespace = pod["metadata"]["namespace"]
     out: list[tuple[str, str, int]] = []
     for src in proj.get("sources") or []:
         if tok := src.get("serviceAccountToken"):
-            token = source.service_account_token(pod, tok.get("audience"),
-                                                 int(tok.get("expirationSeconds", 3607)))
+            token = source.service_account_token(
+                pod, tok.get("audience"), int(tok.get("expirationSeconds", 3607))
+            )
             out.append((tok["path"], token, mode))
         elif cm := src.get("configMap"):
             if cm["name"] == "kube-root-ca.crt" and not cm.get("items"):
@@ -127,8 +140,10 @@ def _projected(pod: Pod, proj: Mapping[str, Any], source: ObjectSource, pod_ip: 
     return out
 
 
-def container_mounts(container: Mapping[str, Any], backing: Mapping[str, Path],
-                     ) -> list[dict[str, Any]]:
+def container_mounts(
+    container: Mapping[str, Any],
+    backing: Mapping[str, Path],
+) -> list[dict[str, Any]]:
     mounts = []
     for vm in container.get("volumeMounts") or []:
         if vm["name"] not in backing:
@@ -138,10 +153,7 @@ def container_mounts(container: Mapping[str, Any], backing: Mapping[str, Path],
             src = _safe_join(src, sub)
             if not src.exists():
                 src.mkdir(parents=True)
-        mounts.append({"src": str(src), "dst": vm["mountPath"],
-                       "readOnly": bool(vm.get("readOnly"))})
+        mounts.append(
+            {"src": str(src), "dst": vm["mountPath"], "readOnly": bool(vm.get("readOnly"))}
+        )
     return mounts
-
-
-def ensure_mode(path: Path, mode: int) -> None:
-    os.chmod(path, mode)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from weightship.dev import network
 from weightship.dev.kubelet import images, podspec, probes, volumes
@@ -52,7 +52,7 @@ class Container:
     history: list[int] = field(default_factory=list)
 
 
-class PodHost:
+class PodHost(Protocol):
     """What a worker needs from its kubelet; implemented by `agent.Kubelet`."""
 
     node_name: str
@@ -63,8 +63,9 @@ class PodHost:
     def patch_pod_status(self, pod: dict[str, Any], status: dict[str, Any]) -> bool: ...
     def finalize_deletion(self, pod: dict[str, Any]) -> None: ...
     def release_ip(self, ip: str) -> None: ...
-    def event(self, pod: dict[str, Any], reason: str, message: str,
-              kind: str = "Normal") -> None: ...
+    def event(
+        self, pod: dict[str, Any], reason: str, message: str, kind: str = "Normal"
+    ) -> None: ...
 
 
 class PodWorker(threading.Thread):
@@ -141,17 +142,21 @@ class PodWorker(threading.Thread):
             if self._finished():
                 self._teardown_sandbox()
                 self._sync_status()
-                # Keep the object (Succeeded/Failed); wait only for its deletion.
-                while not self.terminating:
-                    self.wake.wait(1.0)
-                    self.wake.clear()
+                self._wait_for_deletion()
                 return
             self.wake.wait(0.25)
             self.wake.clear()
 
+    def _wait_for_deletion(self) -> None:
+        # A finished pod keeps its object (Succeeded/Failed) until someone deletes it.
+        while not self.terminating:
+            self.wake.wait(1.0)
+            self.wake.clear()
+
     def _finished(self) -> bool:
         return bool(self.containers) and all(
-            c.state.state == "terminated" and not c.state.will_restart for c in self.containers)
+            c.state.state == "terminated" and not c.state.will_restart for c in self.containers
+        )
 
     # ---- sandbox ---------------------------------------------------------------------
     def _setup_sandbox(self) -> None:
@@ -160,8 +165,9 @@ class PodWorker(threading.Thread):
             self.pod_dir.mkdir(parents=True, exist_ok=True)
             self.logs_dir.mkdir(parents=True, exist_ok=True)
             network.create_pod_network(self.netns, self.pod_ip)
-            network.write_netns_etc(self.netns, podspec.hosts_file(pod, self.pod_ip),
-                                    podspec.RESOLV_CONF)
+            network.write_netns_etc(
+                self.netns, podspec.hosts_file(pod, self.pod_ip), podspec.RESOLV_CONF
+            )
             self._materialize_volumes()
         except (podspec.PodSpecError, network.NetworkError, OSError) as e:
             self._config_error_all(str(e))
@@ -173,8 +179,14 @@ class PodWorker(threading.Thread):
     def _materialize_volumes(self) -> None:
         for volume in self.pod["spec"].get("volumes") or []:
             self.backing[volume["name"]] = volumes.materialize(
-                self.pod, volume, pod_dir=self.pod_dir, node_root=self.host.node_dir / "root",
-                source=self.host.objects, pod_ip=self.pod_ip, host_ip=self.host.host_ip)
+                self.pod,
+                volume,
+                pod_dir=self.pod_dir,
+                node_root=self.host.node_dir / "root",
+                source=self.host.objects,
+                pod_ip=self.pod_ip,
+                host_ip=self.host.host_ip,
+            )
         self.last_token_refresh = time.monotonic()
 
     def _refresh_projected(self) -> None:
@@ -184,17 +196,25 @@ class PodWorker(threading.Thread):
         with contextlib.suppress(podspec.PodSpecError, OSError):
             for volume in self.pod["spec"].get("volumes") or []:
                 if "projected" in volume:
-                    volumes.materialize(self.pod, volume, pod_dir=self.pod_dir,
-                                        node_root=self.host.node_dir / "root",
-                                        source=self.host.objects, pod_ip=self.pod_ip,
-                                        host_ip=self.host.host_ip)
+                    volumes.materialize(
+                        self.pod,
+                        volume,
+                        pod_dir=self.pod_dir,
+                        node_root=self.host.node_dir / "root",
+                        source=self.host.objects,
+                        pod_ip=self.pod_ip,
+                        host_ip=self.host.host_ip,
+                    )
         self.last_token_refresh = time.monotonic()
 
     def _config_error_all(self, message: str) -> None:
         log.warning("pod %s: %s", self.pod["metadata"]["name"], message)
         for c in [*self.init_containers, *self.containers]:
             c.state.state, c.state.reason, c.state.message = (
-                "waiting", "CreateContainerConfigError", message)
+                "waiting",
+                "CreateContainerConfigError",
+                message,
+            )
         self.wake.wait(2.0)
 
     def _teardown_sandbox(self) -> None:
@@ -211,28 +231,42 @@ class PodWorker(threading.Thread):
         non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
         if non_root and not uid:
             raise podspec.PodSpecError(
-                "container has runAsNonRoot and image will run as root: set runAsUser")
+                "container has runAsNonRoot and image will run as root: set runAsUser"
+            )
         groups = list(pod_sc.get("supplementalGroups") or [])
         if fs_group := pod_sc.get("fsGroup"):
             groups.append(fs_group)
-        return {"uid": uid, "gid": gid, "supplementalGroups": groups if uid else None,
-                "readOnlyRootFilesystem": bool(sc.get("readOnlyRootFilesystem"))}
+        return {
+            "uid": uid,
+            "gid": gid,
+            "supplementalGroups": groups if uid else None,
+            "readOnlyRootFilesystem": bool(sc.get("readOnlyRootFilesystem")),
+        }
 
     def _start(self, c: Container) -> None:
         spec = c.spec
         try:
             entry = images.resolve(spec["image"], spec.get("command"), spec.get("args"))
             env = podspec.container_env(
-                self.pod, spec, pod_ip=self.pod_ip, host_ip=self.host.host_ip,
-                configmap_key=self._cm_key, secret_key=self._secret_key,
-                configmap_data=self.host.objects.configmap, secret_data=self.host.objects.secret)
+                self.pod,
+                spec,
+                pod_ip=self.pod_ip,
+                host_ip=self.host.host_ip,
+                configmap_key=self._cm_key,
+                secret_key=self._secret_key,
+                configmap_data=self.host.objects.configmap,
+                secret_data=self.host.objects.secret,
+            )
             env.setdefault("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
             argv = [podspec.expand(a, env) for a in entry.argv]
             mounts = volumes.container_mounts(spec, self.backing)
             security = self._security(spec, entry.default_uid)
         except (images.ImageNotMapped, podspec.PodSpecError, OSError) as e:
             c.state.state, c.state.reason, c.state.message = (
-                "waiting", "CreateContainerConfigError", str(e))
+                "waiting",
+                "CreateContainerConfigError",
+                str(e),
+            )
             c.next_start = time.monotonic() + 2.0
             return
         if security["uid"]:
@@ -244,31 +278,44 @@ class PodWorker(threading.Thread):
         spec_file = self.pod_dir / "containers" / f"{spec['name']}.json"
         spec_file.parent.mkdir(parents=True, exist_ok=True)
         spec_file.touch(mode=0o600)
-        spec_file.write_text(json.dumps({
-            "hostname": self.pod["spec"].get("hostname") or self.pod["metadata"]["name"],
-            "mounts": mounts, "argv": argv, "env": env,
-            "workingDir": spec.get("workingDir"), **security,
-        }))
+        spec_file.write_text(
+            json.dumps(
+                {
+                    "hostname": self.pod["spec"].get("hostname") or self.pod["metadata"]["name"],
+                    "mounts": mounts,
+                    "argv": argv,
+                    "env": env,
+                    "workingDir": spec.get("workingDir"),
+                    **security,
+                }
+            )
+        )
         name = self.pod["metadata"]
         log_path = self.logs_dir / f"{name['namespace']}_{name['name']}_{spec['name']}.log"
         shim = [sys.executable, "-m", "weightship.dev.kubelet.shim", str(spec_file)]
         with open(log_path, "ab") as out:
             c.proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--", *shim],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         now = time.monotonic()
         c.started_mono = now
         c.state.state, c.state.reason, c.state.message = "running", "", ""
         c.state.started_at, c.state.finished_at, c.state.exit_code = now_iso(), None, None
         c.state.started = not spec.get("startupProbe")
         c.state.ready = False
-        c.readiness = probes.ProbeState(spec["readinessProbe"], now) if spec.get(
-            "readinessProbe") else None
-        c.liveness = probes.ProbeState(spec["livenessProbe"], now) if spec.get(
-            "livenessProbe") else None
-        c.startup = probes.ProbeState(spec["startupProbe"], now) if spec.get(
-            "startupProbe") else None
+        c.readiness = (
+            probes.ProbeState(spec["readinessProbe"], now) if spec.get("readinessProbe") else None
+        )
+        c.liveness = (
+            probes.ProbeState(spec["livenessProbe"], now) if spec.get("livenessProbe") else None
+        )
+        c.startup = (
+            probes.ProbeState(spec["startupProbe"], now) if spec.get("startupProbe") else None
+        )
         self.host.event(self.pod, "Started", f"Started container {spec['name']}")
 
     def _cm_key(self, ns: str, name: str, key: str, optional: bool) -> str | None:
@@ -302,8 +349,9 @@ class PodWorker(threading.Thread):
             ran = time.monotonic() - c.started_mono
             c.backoff = BACKOFF_START if ran > 30 else min(c.backoff * 2, BACKOFF_MAX)
             c.next_start = time.monotonic() + c.backoff
-            self.host.event(self.pod, "BackOff", f"Back-off restarting container {c.spec['name']}",
-                            "Warning")
+            self.host.event(
+                self.pod, "BackOff", f"Back-off restarting container {c.spec['name']}", "Warning"
+            )
 
     def _step_init(self) -> None:
         c = self.init_containers[self.init_index]
@@ -377,7 +425,8 @@ class PodWorker(threading.Thread):
                 os.killpg(c.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(
-                c.proc is not None and c.proc.poll() is None for c in alive):
+            c.proc is not None and c.proc.poll() is None for c in alive
+        ):
             time.sleep(0.05)
         for c in alive:
             assert c.proc is not None
@@ -410,8 +459,11 @@ class PodWorker(threading.Thread):
         if self.shutdown:
             grace = 2.0
         else:
-            grace = float(meta.get("deletionGracePeriodSeconds")
-                          or self.pod["spec"].get("terminationGracePeriodSeconds", 30) or 0)
+            grace = float(
+                meta.get("deletionGracePeriodSeconds")
+                or self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+                or 0
+            )
         running = [c for c in [*self.init_containers, *self.containers] if c.proc is not None]
         if running:
             self.host.event(self.pod, "Killing", "Stopping containers")
@@ -423,8 +475,9 @@ class PodWorker(threading.Thread):
             self.host.finalize_deletion(self.pod)
 
 
-def wait_all(workers: list[PodWorker], timeout: float,
-             on_timeout: Callable[[PodWorker], None] | None = None) -> None:
+def wait_all(
+    workers: list[PodWorker], timeout: float, on_timeout: Callable[[PodWorker], None] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     for w in workers:
         if not w.done.wait(max(0.0, deadline - time.monotonic())) and on_timeout:
