@@ -147,7 +147,7 @@ def test_env_downward_api_and_expansion() -> None:
 
 
 def test_unsupported_field_ref_is_a_clear_error() -> None:
-    with pytest.raises(podspec.PodSpecError, match="spec.bogus"):
+    with pytest.raises(podspec.PodSpecError, match=r"spec\.bogus"):
         podspec.field_ref(pod(), "spec.bogus", "", "")
 
 
