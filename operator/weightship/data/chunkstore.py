@@ -24,6 +24,7 @@ import shutil
 import uuid
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from weightship.data.manifest import SHA256_HEX, Manifest, validate_relative_path
 
@@ -295,7 +296,7 @@ class ModelStaging:
         with open(tmp, "wb") as out:
             for chunk in self.manifest.chunks_of(path):
                 with open(self.store.chunk_path(chunk.sha256), "rb") as src:
-                    shutil.copyfileobj(src, out, _COPY_BLOCK)
+                    _copy_all(src, out, chunk.size)
             out.flush()
             os.fsync(out.fileno())
         final = self.file_path(path)
@@ -331,6 +332,23 @@ class _ModelLock:
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def _copy_all(src: BinaryIO, dst: BinaryIO, size: int) -> None:
+    """Append ``src`` to ``dst`` in the kernel (a reflink on XFS/btrfs) where possible."""
+    copied = 0
+    try:
+        while copied < size:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied)
+            if n == 0:
+                break
+            copied += n
+    except OSError:
+        pass  # filesystems without copy_file_range: copy in user space below
+    if copied < size:
+        src.seek(copied)
+        dst.seek(0, os.SEEK_END)
+        shutil.copyfileobj(src, dst, _COPY_BLOCK)
 
 
 def _manifest_chunk_digests(model_dir: Path) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from weightship.data import rendezvous
-from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, sha256_hex
+from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
 from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import (
@@ -195,23 +195,25 @@ class ChunkFetcher:
             log.warning("peer %s: %s", node, exc)
             return False
         self._throttle(len(data))
-        if sha256_hex(data) != chunk.sha256:
+        try:
+            self.store.put_chunk(chunk.sha256, data)  # verifies before storing
+        except ChunkVerificationError:
             log.warning("peer %s served bad bytes for chunk %s: demoted", node, chunk.sha256)
             self.metrics.verification_failures.labels("peer").inc()
             self.metrics.peer_demotions.inc()
             self.health.demote(node, self.policy.demote_cooldown_s)
             return False
-        self.store.put_chunk(chunk.sha256, data)
         return True
 
     def _from_origin(self, chunk: ChunkEntry) -> None:
         for _ in range(self.policy.origin_attempts):
             data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
             self._throttle(len(data))
-            if sha256_hex(data) == chunk.sha256:
+            try:
                 self.store.put_chunk(chunk.sha256, data)
                 return
-            self.metrics.verification_failures.labels("origin").inc()
+            except ChunkVerificationError:
+                self.metrics.verification_failures.labels("origin").inc()
         raise ChunkVerificationError(
             f"origin bytes of {chunk.file} chunk {chunk.index} (offset {chunk.offset}) do not "
             f"match the manifest's sha256 {chunk.sha256}: the weights changed after the "

@@ -226,7 +226,7 @@ def build_manifest(
     files = [f for f, _ in results]
     chunks = [c for _, cs in results for c in cs]
     return Manifest(
-        chunkSize=chunk_size, files=tuple(files), chunks=tuple(chunks), createdAt=created_at
+        chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks), created_at=created_at
     )
 
 

@@ -167,7 +167,10 @@ class PeerServer:
 
     def start(self) -> PeerServer:
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="weightship-peer", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},  # how long stop() waits for the loop
+            name="weightship-peer",
+            daemon=True,
         )
         self._thread.start()
         return self

@@ -1,0 +1,364 @@
+import hashlib
+import random
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from weightship.data import chunkstore, rendezvous
+from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, InsufficientSpaceError
+from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer, TokenBucket
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.peer import PeerServer
+from weightship.data.stage import StageProgress, stage
+
+CHUNK = 16 * 1024
+FAST = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01)
+
+
+class CountingOrigin:
+    """The local folder as origin, counting reads; ``fail_after`` reads it dies."""
+
+    def __init__(self, folder: Path, fail_after: int | None = None) -> None:
+        self.local = LocalFolder(folder)
+        self.fail_after = fail_after
+        self.reads = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        with self._lock:
+            if self.fail_after is not None and self.reads >= self.fail_after:
+                raise ConnectionError("origin went away")
+            self.reads += 1
+            self.bytes += size
+        return self.local.read_range(path, offset, size)
+
+
+def make_model(folder: Path, files: dict[str, bytes]) -> Manifest:
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return build_manifest(LocalFolder(folder), chunk_size=CHUNK)
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def metrics() -> tuple[DataPlaneMetrics, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return DataPlaneMetrics.create(registry), registry
+
+
+def same_files(manifest: Manifest, store: ChunkStore, source: Path) -> bool:
+    staged = store.files_dir(manifest.digest)
+    return all(
+        (staged / f.path).read_bytes() == (source / f.path).read_bytes() for f in manifest.files
+    )
+
+
+def test_resume_refetches_no_verified_chunk(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"a.bin": random_bytes(2 * CHUNK, 1), "b.bin": random_bytes(6 * CHUNK, 2)})
+    store = ChunkStore(tmp_path / "cache")
+    dying = CountingOrigin(src, fail_after=3)
+    with pytest.raises(ConnectionError):
+        stage(m, store, dying, [], node="n1", metrics=metrics()[0], workers=1)
+    assert not store.is_staged(m.digest)
+    files = store.files_dir(m.digest)
+    assert not (files / "b.bin").exists()  # never visible before all chunks verify
+
+    origin = CountingOrigin(src)
+    seen: list[StageProgress] = []
+    result = stage(m, store, origin, [], node="n1", metrics=metrics()[0], progress=seen.append)
+    assert origin.reads == len(m.chunks) - dying.reads
+    assert result.from_local == dying.bytes
+    assert result.from_origin == origin.bytes
+    assert result.done_bytes == result.total_bytes == m.total_size
+    assert seen[-1].done_bytes == m.total_size
+    assert store.is_staged(m.digest) and same_files(m, store, src)
+
+    # Staging a staged model again fetches nothing.
+    again = CountingOrigin(src)
+    assert stage(m, store, again, [], node="n1", metrics=metrics()[0]).from_local == m.total_size
+    assert again.reads == 0
+
+
+def test_chunks_already_on_the_node_are_not_fetched(tmp_path: Path) -> None:
+    shared = random_bytes(4 * CHUNK, 3)
+    a = make_model(tmp_path / "a", {"w.bin": shared, "cfg": b"a"})
+    b = make_model(tmp_path / "b", {"w.bin": shared, "cfg": b"b", "w2.bin": shared[:CHUNK] * 3})
+    store = ChunkStore(tmp_path / "cache")
+    stage(a, store, CountingOrigin(tmp_path / "a"), [], node="n1", metrics=metrics()[0])
+
+    origin = CountingOrigin(tmp_path / "b")
+    result = stage(b, store, origin, [], node="n1", metrics=metrics()[0])
+    assert origin.reads == 1  # only "cfg" differs; w2.bin repeats a chunk model a has
+    assert result.from_origin == 1
+    assert result.from_local == b.total_size - 1
+    assert same_files(b, store, tmp_path / "b")
+
+
+def test_disk_too_small_fails_before_fetching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = make_model(tmp_path / "src", {"w.bin": random_bytes(4 * CHUNK, 4)})
+    store = ChunkStore(tmp_path / "cache")
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(chunkstore.shutil, "disk_usage", lambda _: real._replace(free=3 * CHUNK))
+    origin = CountingOrigin(tmp_path / "src")
+    with pytest.raises(
+        InsufficientSpaceError, match=rf"need {8 * CHUNK} bytes .*{3 * CHUNK} bytes"
+    ):
+        stage(m, store, origin, [], node="n1", metrics=metrics()[0])
+    assert origin.reads == 0
+    assert not store.is_staged(m.digest)
+    assert not any(store.files_dir(m.digest).iterdir())
+
+
+def test_lru_eviction_respects_pins(tmp_path: Path) -> None:
+    size = 4 * CHUNK
+    models = {
+        name: make_model(tmp_path / name, {"w.bin": random_bytes(size, seed)})
+        for seed, name in enumerate("ABCDE")
+    }
+    # Each staged model takes 2*size (chunks + files): room for two, not three.
+    store = ChunkStore(tmp_path / "cache", capacity_bytes=5 * size)
+
+    def stage_model(name: str, pinned: tuple[str, ...] = ()) -> None:
+        stage(
+            models[name],
+            store,
+            CountingOrigin(tmp_path / name),
+            [],
+            node="n1",
+            metrics=metrics()[0],
+            pinned=[models[p].digest for p in pinned],
+        )
+
+    def staged() -> set[str]:
+        return {n for n, m in models.items() if store.is_staged(m.digest)}
+
+    stage_model("A")
+    stage_model("B")
+    store.touch(models["A"].digest)  # A used last: B is least recently used
+    stage_model("C")
+    assert staged() == {"A", "C"}
+    stage_model("D", pinned=("A",))  # A is the LRU now, but pinned: C goes
+    assert staged() == {"A", "D"}
+    with pytest.raises(InsufficientSpaceError):
+        stage_model("E", pinned=("A", "D"))
+    assert staged() == {"A", "D"}  # a failed check evicts nothing
+
+
+class Canned(NamedTuple):
+    address: str
+    requests: list[bytes]
+
+
+@pytest.fixture
+def canned_peer() -> Iterator[Callable[[Callable[[bytes], bytes]], Canned]]:
+    """Raw TCP peers that answer every request with canned bytes, then close."""
+    with ExitStack() as stack:
+
+        def start(respond: Callable[[bytes], bytes]) -> Canned:
+            listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+            requests: list[bytes] = []
+
+            def serve() -> None:
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        return
+                    with conn:
+                        request = conn.recv(65536)
+                        requests.append(request)
+                        conn.sendall(respond(request))
+
+            threading.Thread(target=serve, daemon=True).start()
+            return Canned(f"127.0.0.1:{listener.getsockname()[1]}", requests)
+
+        yield start
+
+
+def corrupt(request: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nbogus"
+
+
+def truncated(request: bytes) -> bytes:
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {CHUNK}\r\n\r\n".encode() + b"x" * 100
+
+
+def names_ranked(sha: str, first: str, rest: list[str]) -> str:
+    """A node name starting with ``first`` that ranks ahead of ``rest``, in that order."""
+    for i in range(1000):
+        name = f"{first}-{i}"
+        if rendezvous.rank([name, *rest], sha) == [name, *rest]:
+            return name
+    raise AssertionError("no such name")
+
+
+@pytest.fixture
+def good_peer(tmp_path: Path) -> Iterator[tuple[Manifest, Path, str]]:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 5)})
+    store = ChunkStore(tmp_path / "good")
+    for c in m.chunks:
+        store.put_chunk(c.sha256, LocalFolder(src).read_range(c.file, c.offset, c.size))
+    with PeerServer(store, "127.0.0.1") as server:
+        yield m, src, server.address
+
+
+@pytest.mark.parametrize("respond", [corrupt, truncated])
+def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
+    tmp_path: Path,
+    canned_peer: Callable[[Callable[[bytes], bytes]], Canned],
+    good_peer: tuple[Manifest, Path, str],
+    respond: Callable[[bytes], bytes],
+) -> None:
+    m, src, good_address = good_peer
+    chunk = m.chunks[0]
+    bad = canned_peer(respond)
+    # Rank: bad peer first (the owner), then the good peer, then this node.
+    ours = names_ranked(chunk.sha256, "bad", ["good", "me"])
+    ranking = rendezvous.rank([ours, "good", "me"], chunk.sha256)
+    assert ranking == [ours, "good", "me"]
+    dp, registry = metrics()
+    origin = CountingOrigin(src)
+    store = ChunkStore(tmp_path / "me")
+    fetcher = ChunkFetcher(
+        node="me",
+        peers=[Peer(ours, bad.address), Peer("good", good_address)],
+        origin=origin,
+        store=store,
+        metrics=dp,
+        policy=FAST,
+    )
+    assert fetcher.fetch(chunk) == "peer"
+    assert store.read_chunk(chunk.sha256) == (src / "w.bin").read_bytes()
+    assert origin.reads == 0
+    assert len(bad.requests) == 1
+    assert ours in fetcher.health.avoided()
+
+    failures = registry.get_sample_value(
+        "weightship_agent_chunk_verification_failures_total", {"source": "peer"}
+    )
+    demotions = registry.get_sample_value("weightship_agent_peer_demotions_total")
+    if respond is corrupt:
+        assert (failures, demotions) == (1, 1)
+        assert fetcher.health.demotions == {ours: 1}
+    else:  # closed mid-transfer: a dead peer, not a liar
+        assert (failures or 0, demotions) == (0, 0)
+
+    # The avoided peer is not asked again during its cool-down.
+    store.chunk_path(chunk.sha256).unlink()
+    assert fetcher.fetch(chunk) == "peer"
+    assert len(bad.requests) == 1
+
+
+def test_dead_owner_hands_ownership_to_the_next_node(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 6)})
+    chunk = m.chunks[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+        dead_address = f"127.0.0.1:{s.getsockname()[1]}"
+        dead = names_ranked(chunk.sha256, "dead", ["me"])
+        origin = CountingOrigin(src)
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(dead, dead_address)],
+            origin=origin,
+            store=ChunkStore(tmp_path / "me"),
+            metrics=metrics()[0],
+            policy=FAST,
+        )
+        assert fetcher.fetch(chunk) == "origin"
+    assert origin.reads == 1
+
+
+def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = {f"shard-{i}.bin": random_bytes(5 * CHUNK + i * 999, 10 + i) for i in range(3)}
+    files["tokenizer.json"] = b"{}"
+    m = make_model(src, files)
+    origin = CountingOrigin(src)
+    nodes = ["node-a", "node-b", "node-c"]
+    stores = {n: ChunkStore(tmp_path / n) for n in nodes}
+    dp, registry = metrics()
+    with ExitStack() as stack:
+        servers = {n: stack.enter_context(PeerServer(stores[n], "127.0.0.1")) for n in nodes}
+        peers = [Peer(n, servers[n].address) for n in nodes]
+        results = {}
+
+        def run(n: str) -> None:
+            results[n] = stage(
+                m, stores[n], origin, peers, node=n, metrics=dp, policy=FAST, workers=2
+            )
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert set(results) == set(nodes)
+    assert origin.bytes == m.total_size  # each chunk left the origin exactly once
+    assert origin.reads == len(m.chunks)
+    for n in nodes:
+        r = results[n]
+        assert r.from_origin + r.from_peers == m.total_size and r.from_local == 0
+        assert stores[n].is_staged(m.digest) and same_files(m, stores[n], src)
+        owned = sum(c.size for c in m.chunks if rendezvous.rank(nodes, c.sha256)[0] == n)
+        assert r.from_origin == owned
+    assert (
+        registry.get_sample_value("weightship_agent_chunk_bytes_total", {"source": "peer"})
+        == 2 * m.total_size
+    )
+
+
+def test_file_digests_match_the_manifest(tmp_path: Path) -> None:
+    m = make_model(tmp_path / "src", {"w.bin": random_bytes(3 * CHUNK + 7, 7)})
+    store = ChunkStore(tmp_path / "cache")
+    result = stage(m, store, CountingOrigin(tmp_path / "src"), [], node="n1", metrics=metrics()[0])
+    data = (result.path / "w.bin").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == m.files[0].sha256
+
+
+def test_token_bucket_caps_the_average_rate() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    bucket = TokenBucket(1000, burst_bytes=500, clock=lambda: now[0], sleep=sleep)
+    bucket.consume(500)  # the burst passes at once
+    assert slept == []
+    for _ in range(4):
+        bucket.consume(1000)
+    assert now[0] == pytest.approx(4.0)  # 4000 bytes past the burst at 1000 B/s
+
+
+def test_origin_that_changed_since_the_manifest_fails_clearly(tmp_path: Path) -> None:
+    m = make_model(tmp_path / "src", {"w.bin": random_bytes(CHUNK, 8)})
+    (tmp_path / "src" / "w.bin").write_bytes(random_bytes(CHUNK, 9))  # weights replaced
+    store = ChunkStore(tmp_path / "cache")
+    dp, registry = metrics()
+    with pytest.raises(ChunkVerificationError, match="re-run `weightship manifest`"):
+        stage(m, store, CountingOrigin(tmp_path / "src"), [], node="n1", metrics=dp, workers=1)
+    assert not store.is_staged(m.digest)
+    assert not any(store.root.joinpath("chunks").iterdir())
+    failures = registry.get_sample_value(
+        "weightship_agent_chunk_verification_failures_total", {"source": "origin"}
+    )
+    assert failures == FetchPolicy().origin_attempts
