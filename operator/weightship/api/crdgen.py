@@ -95,8 +95,12 @@ RESOURCES = (
             PrinterColumn("Phase", ".status.phase", "string", "Rollout phase."),
             PrinterColumn("Weight", ".status.canaryWeight", "integer", "Canary weight (%)."),
             PrinterColumn("Step", ".status.currentStepIndex", "integer", "Current step index."),
-            PrinterColumn("Stable", ".status.stableRevision.revision", "string", "Stable revision."),
-            PrinterColumn("Canary", ".status.canaryRevision.revision", "string", "Canary revision."),
+            PrinterColumn(
+                "Stable", ".status.stableRevision.revision", "string", "Stable revision."
+            ),
+            PrinterColumn(
+                "Canary", ".status.canaryRevision.revision", "string", "Canary revision."
+            ),
             AGE,
             PrinterColumn("Message", ".status.message", "string", "Phase detail.", priority=1),
         ),
@@ -144,24 +148,27 @@ def _ref_name(ref: str) -> str:
     return ref[len(prefix) :]
 
 
-def to_structural(node: Schema, defs: dict[str, Schema]) -> Schema:
-    """Turn one pydantic JSON Schema node into a structural schema node."""
+def to_structural(node: Schema, defs: dict[str, Schema], *, partial: bool = False) -> Schema:
+    """Turn one pydantic JSON Schema node into a structural schema node.
+
+    partial: node holds only the keys a field adds beside a $ref, so it has no type.
+    """
     node = {k: v for k, v in node.items() if k not in _DROPPED_KEYS}
     if "default" in node and node["default"] is None:
         del node["default"]
 
     if "$ref" in node:
         target = to_structural(defs[_ref_name(node.pop("$ref"))], defs)
-        return _merge(target, to_structural(node, defs))
+        return _merge(target, to_structural(node, defs, partial=True))
     if "allOf" in node:
         branches = node.pop("allOf")
         if len(branches) != 1:
             raise SchemaError("allOf with several branches is not supported")
-        return _merge(to_structural(branches[0], defs), to_structural(node, defs))
+        return _merge(to_structural(branches[0], defs), to_structural(node, defs, partial=True))
     if "anyOf" in node:
         branches = [b for b in node.pop("anyOf") if b != {"type": "null"}]
         if len(branches) == 1:
-            return _merge(to_structural(branches[0], defs), to_structural(node, defs))
+            return _merge(to_structural(branches[0], defs), to_structural(node, defs, partial=True))
         if branches == _INT_OR_STRING:
             node["anyOf"] = copy.deepcopy(_INT_OR_STRING)
             node["x-kubernetes-int-or-string"] = True
@@ -186,7 +193,7 @@ def to_structural(node: Schema, defs: dict[str, Schema]) -> Schema:
         del node["additionalProperties"]
     elif isinstance(extra, dict):
         node["additionalProperties"] = to_structural(extra, defs)
-    if "type" not in node and "x-kubernetes-int-or-string" not in node:
+    if not partial and "type" not in node and "x-kubernetes-int-or-string" not in node:
         raise SchemaError(f"schema without a type: {node}")
     return node
 
@@ -240,7 +247,8 @@ def open_api_schema(resource: Resource) -> Schema:
     missing = [p for p in missing_descriptions(schema) if p != ".metadata"]
     if missing:
         raise SchemaError(f"{resource.kind}: properties without a description: {missing}")
-    return _sorted(schema)
+    ordered: Schema = _sorted(schema)
+    return ordered
 
 
 def crd(resource: Resource) -> Schema:

@@ -25,6 +25,7 @@ from weightship.api.base import (
     matches,
     validations,
 )
+from weightship.core.promql import placeholders
 
 MiB = 1024 * 1024
 MAX_STEPS = 64
@@ -34,6 +35,16 @@ S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 REVISION_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 NOTIFICATION_EVENTS = ("Promoted", "RolledBack", "Paused", "Failed", "StepCompleted")
 NotificationEvent = Literal["Promoted", "RolledBack", "Paused", "Failed", "StepCompleted"]
+DEFAULT_SLACK_EVENTS: tuple[NotificationEvent, ...] = ("Promoted", "RolledBack", "Failed")
+QUERY_VARIABLES = (
+    "namespace",
+    "rollout",
+    "canaryRevision",
+    "canaryHash",
+    "stableRevision",
+    "stableHash",
+    "interval",
+)
 
 
 def _check_quantity(value: int | str) -> int | str:
@@ -202,7 +213,9 @@ class PrefetchSpec(ApiModel):
         description="Nodes to stage onto. Empty means the nodes the pod template selects.",
     )
     tolerations: list[
-        Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+        Annotated[
+            dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+        ]
     ] = Field(
         default_factory=list,
         description="core/v1 Tolerations, so that staging reaches tainted GPU nodes.",
@@ -249,7 +262,10 @@ class SeedingSpec(ApiModel):
         "auto", description="Collective backend: nccl on GPU, gloo on CPU, auto picks."
     )
     timeout_seconds: int = Field(
-        300, description="Give up on broadcast and read from the node cache after this.", ge=1, le=3600
+        300,
+        description="Give up on broadcast and read from the node cache after this.",
+        ge=1,
+        le=3600,
     )
 
 
@@ -270,9 +286,15 @@ class GoldenPromptExpectation(ApiModel):
         )
     )
 
-    equals: str | None = Field(None, description="The completion equals this text.", max_length=4096)
-    prefix: str | None = Field(None, description="The completion starts with this text.", max_length=4096)
-    contains: str | None = Field(None, description="The completion contains this text.", max_length=4096)
+    equals: str | None = Field(
+        None, description="The completion equals this text.", max_length=4096
+    )
+    prefix: str | None = Field(
+        None, description="The completion starts with this text.", max_length=4096
+    )
+    contains: str | None = Field(
+        None, description="The completion contains this text.", max_length=4096
+    )
     regex: str | None = Field(
         None, description="The completion matches this RE2 regular expression.", max_length=4096
     )
@@ -291,7 +313,11 @@ class GoldenPromptExpectation(ApiModel):
 class GoldenPrompt(ApiModel):
     """A prompt with a known answer, sent greedily to every new replica before it may serve."""
 
-    name: str = Field(description="Unique name, shown when the prompt fails.", max_length=63, pattern=DNS_LABEL_PATTERN)
+    name: str = Field(
+        description="Unique name, shown when the prompt fails.",
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
+    )
     prompt: str = Field(description="The prompt text.", min_length=1, max_length=16384)
     max_tokens: int = Field(16, description="Tokens to generate (1-4096).", ge=1, le=4096)
     expect: GoldenPromptExpectation = Field(description="What the completion must look like.")
@@ -423,7 +449,9 @@ class Metric(ApiModel):
     interval: str = Field(
         "30s", description="Time between measurements.", max_length=64, pattern=DURATION_PATTERN
     )
-    count: int = Field(1, description="Measurements to take before the metric passes.", ge=1, le=1000)
+    count: int = Field(
+        1, description="Measurements to take before the metric passes.", ge=1, le=1000
+    )
     failure_limit: int = Field(
         0, description="Failed measurements tolerated; one more fails the metric.", ge=0, le=1000
     )
@@ -451,6 +479,12 @@ class Metric(ApiModel):
             raise ValueError(_BOUNDS_MESSAGE)
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(_ORDER_MESSAGE)
+        unknown = placeholders(self.query) - set(QUERY_VARIABLES)
+        if unknown:
+            raise ValueError(
+                f"metric {self.name} query uses unknown variables {sorted(unknown)}; "
+                f"known: {', '.join(QUERY_VARIABLES)}"
+            )
         return self
 
 
@@ -532,9 +566,7 @@ class TrafficRouting(ApiModel):
         return self
 
 
-_ANALYSIS_DEFINED_MESSAGE = (
-    "spec.strategy.canary.analysis must be set when a step uses analysis"
-)
+_ANALYSIS_DEFINED_MESSAGE = "spec.strategy.canary.analysis must be set when a step uses analysis"
 _METRIC_KNOWN_MESSAGE = (
     "analysis steps may only name metrics defined in spec.strategy.canary.analysis.metrics"
 )
@@ -623,9 +655,11 @@ class SlackNotification(ApiModel):
     webhook_secret_ref: SecretKeyRef = Field(
         description="Secret key holding the incoming-webhook URL (key defaults to url)."
     )
-    channel: str | None = Field(None, description="Channel override, e.g. #ml-oncall.", max_length=80)
+    channel: str | None = Field(
+        None, description="Channel override, e.g. #ml-oncall.", max_length=80
+    )
     events: list[NotificationEvent] = Field(
-        default_factory=lambda: ["Promoted", "RolledBack", "Failed"],
+        default_factory=lambda: list(DEFAULT_SLACK_EVENTS),
         description="Events to post: Promoted, RolledBack, Paused, Failed, StepCompleted.",
         max_length=len(NOTIFICATION_EVENTS),
         json_schema_extra={
@@ -662,7 +696,9 @@ class ModelRolloutSpec(ApiModel):
         )
     )
 
-    replicas: int = Field(1, description="Inference replicas when no rollout is running.", ge=0, le=100000)
+    replicas: int = Field(
+        1, description="Inference replicas when no rollout is running.", ge=0, le=100000
+    )
     selector: LabelSelector = Field(description="Label selector of the inference pods.")
     template: PodTemplate | None = Field(
         None, description="Pod template of the inference pods. Exclusive with workloadRef."

@@ -19,7 +19,14 @@ MAX_PREFETCH_NODES = 50
 # Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
 # Healthy → Healthy, Degraded → Degraded.
 Phase = Literal["Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded"]
-PHASES: tuple[Phase, ...] = ("Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded")
+PHASES: tuple[Phase, ...] = (
+    "Pending",
+    "Prefetching",
+    "Progressing",
+    "Paused",
+    "Healthy",
+    "Degraded",
+)
 ConditionType = Literal[
     "Prefetched", "Seeded", "Verified", "Progressing", "Paused", "Aborted", "InvalidSpec"
 ]
@@ -63,7 +70,9 @@ class Condition(ApiModel):
 class RevisionStatus(ApiModel):
     """Identity of a deployed revision."""
 
-    revision: str = Field(description="spec.model.revision of this revision.", max_length=MAX_LABEL_VALUE)
+    revision: str = Field(
+        description="spec.model.revision of this revision.", max_length=MAX_LABEL_VALUE
+    )
     manifest_digest: str | None = Field(
         None, description="sha256 of the weights manifest.", max_length=71
     )
@@ -118,21 +127,27 @@ class Measurement(ApiModel):
     value: float | None = Field(None, description="Query result; empty when no data or error.")
     phase: MeasurementPhase = Field(description="Successful, Failed, Inconclusive or Error.")
     at: AwareDatetime = Field(description="When it was taken.")
-    message: str | None = Field(None, description="Error or no-data detail.", max_length=MAX_SHORT_TEXT)
+    message: str | None = Field(
+        None, description="Error or no-data detail.", max_length=MAX_SHORT_TEXT
+    )
 
 
 class MetricRun(ApiModel):
     """Counts and recent measurements of one metric in the current analysis step."""
 
     metric: str = Field(description="Metric name.", max_length=63)
-    phase: AnalysisPhase = Field("Running", description="Running, Successful, Failed or Inconclusive.")
+    phase: AnalysisPhase = Field(
+        "Running", description="Running, Successful, Failed or Inconclusive."
+    )
     count: int = Field(0, description="Measurements taken (errors excluded).", ge=0)
     successful: int = Field(0, description="Successful measurements.", ge=0)
     failed: int = Field(0, description="Failed measurements.", ge=0)
     inconclusive: int = Field(0, description="Inconclusive measurements.", ge=0)
     error: int = Field(0, description="Query errors.", ge=0)
     consecutive_error: int = Field(0, description="Query errors in a row.", ge=0)
-    message: str | None = Field(None, description="Why the metric ended.", max_length=MAX_SHORT_TEXT)
+    message: str | None = Field(
+        None, description="Why the metric ended.", max_length=MAX_SHORT_TEXT
+    )
     measurements: list[Measurement] = Field(
         default_factory=list,
         description=f"The last {MAX_MEASUREMENTS} measurements, oldest first.",
@@ -145,14 +160,19 @@ class AnalysisStatus(ApiModel):
 
     step_index: int = Field(description="Index of the analysis step.", ge=0)
     pod_template_hash: str = Field(description="Canary revision analysed.", max_length=63)
-    phase: AnalysisPhase = Field("Running", description="Running, Successful, Failed or Inconclusive.")
+    phase: AnalysisPhase = Field(
+        "Running", description="Running, Successful, Failed or Inconclusive."
+    )
     message: str | None = Field(None, description="Summary.", max_length=MAX_SHORT_TEXT)
     started_at: AwareDatetime = Field(description="When the step started.")
     runs: list[MetricRun] = Field(
         default_factory=list,
         description="One entry per metric.",
         max_length=32,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["metric"]},
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["metric"],
+        },
     )
 
 
@@ -162,7 +182,9 @@ class HistoryEntry(ApiModel):
     revision: str = Field(description="spec.model.revision concerned.", max_length=MAX_LABEL_VALUE)
     manifest_digest: str | None = Field(None, description="Its manifest digest.", max_length=71)
     pod_template_hash: str | None = Field(None, description="Its ReplicaSet hash.", max_length=63)
-    outcome: HistoryOutcome = Field(description="Promoted, RolledBack (automatic) or Aborted (manual).")
+    outcome: HistoryOutcome = Field(
+        description="Promoted, RolledBack (automatic) or Aborted (manual)."
+    )
     at: AwareDatetime = Field(description="When it happened.")
     reason: str = Field(description="CamelCase reason.", max_length=MAX_SHORT_TEXT)
     message: str | None = Field(None, description="Detail.", max_length=MAX_SHORT_TEXT)
@@ -171,7 +193,9 @@ class HistoryEntry(ApiModel):
 class AbortStatus(ApiModel):
     """Set while the canary is aborted; cleared by retry or a new revision."""
 
-    reason: str = Field(description="CamelCase reason, e.g. AnalysisFailed.", max_length=MAX_SHORT_TEXT)
+    reason: str = Field(
+        description="CamelCase reason, e.g. AnalysisFailed.", max_length=MAX_SHORT_TEXT
+    )
     message: str = Field("", description="What failed.", max_length=MAX_SHORT_TEXT)
     aborted_at: AwareDatetime = Field(description="When the abort started.")
     pod_template_hash: str = Field(description="The aborted canary revision.", max_length=63)
@@ -211,7 +235,9 @@ class PromoteRequest(ControlRequest):
 class AbortRequest(ControlRequest):
     """Abort the canary and go back to stable."""
 
-    reason: str | None = Field(None, description="Why, shown in status and Slack.", max_length=MAX_SHORT_TEXT)
+    reason: str | None = Field(
+        None, description="Why, shown in status and Slack.", max_length=MAX_SHORT_TEXT
+    )
 
 
 class ControlStatus(ApiModel):
@@ -230,7 +256,9 @@ class ModelRolloutStatus(ApiModel):
         description="Pending, Prefetching, Progressing, Paused (Argo CD: Suspended), Healthy or "
         "Degraded.",
     )
-    message: str = Field("", description="Why the rollout is in this phase.", max_length=MAX_MESSAGE)
+    message: str = Field(
+        "", description="Why the rollout is in this phase.", max_length=MAX_MESSAGE
+    )
     observed_generation: int = Field(0, description="Last metadata.generation acted on.", ge=0)
     stable_revision: RevisionStatus | None = Field(None, description="Revision serving production.")
     canary_revision: RevisionStatus | None = Field(None, description="Revision being rolled out.")
@@ -238,7 +266,9 @@ class ModelRolloutStatus(ApiModel):
         None, description="Index of the canary step in progress; len(steps) when done.", ge=0
     )
     canary_weight: int = Field(0, description="Weight routed to the canary, 0-100.", ge=0, le=100)
-    pause_start_time: AwareDatetime | None = Field(None, description="When the current pause began.")
+    pause_start_time: AwareDatetime | None = Field(
+        None, description="When the current pause began."
+    )
     step_start_time: AwareDatetime | None = Field(
         None, description="When the current step (or prefetch) began; for progressDeadlineSeconds."
     )

@@ -31,7 +31,9 @@ class CachedManifest(ApiModel):
     bytes_from_origin: int = Field(0, description="Bytes fetched from the origin (S3).", ge=0)
     started_at: AwareDatetime | None = Field(None, description="When staging started.")
     completed_at: AwareDatetime | None = Field(None, description="When staging finished.")
-    last_error: str | None = Field(None, description="Last staging error.", max_length=MAX_SHORT_TEXT)
+    last_error: str | None = Field(
+        None, description="Last staging error.", max_length=MAX_SHORT_TEXT
+    )
     pinned_by: list[str] = Field(
         default_factory=list,
         description="Rollouts (namespace/name) that pin it: never evicted while pinned.",
@@ -54,5 +56,8 @@ class WeightCacheStatus(ApiModel):
         default_factory=list,
         description="Manifests in the cache.",
         max_length=MAX_CACHED_MANIFESTS,
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["digest"]},
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["digest"],
+        },
     )

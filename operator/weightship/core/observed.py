@@ -1,0 +1,85 @@
+"""What the adapters observed, handed to `decide`. Plain frozen data, no clients."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    """A canary pod whose weights-verified gate failed (checksum or golden prompt)."""
+
+    pod: str
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaSetObservation:
+    """One ReplicaSet owned by the rollout, found by its revision-hash label."""
+
+    name: str
+    revision_hash: str
+    replicas: int
+    ready: int = 0
+    available: int = 0
+    seeded: int = 0
+    """Pods whose weights are loaded (from broadcast or the node cache)."""
+    verified: int = 0
+    """Pods whose readiness gate weightship.io/weights-verified is True."""
+    failed: tuple[PodFailure, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeStaging:
+    name: str
+    state: Literal["Pending", "Staging", "Staged", "Failed"]
+    bytes_done: int = 0
+    bytes_total: int = 0
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefetchObservation:
+    """Staging of one manifest, summed from the WeightCaches of the target nodes."""
+
+    digest: str
+    target_nodes: int
+    staged_nodes: int
+    bytes_staged: int = 0
+    bytes_total: int = 0
+    nodes: tuple[NodeStaging, ...] = ()
+
+
+@dataclass(frozen=True)
+class ManifestResolution:
+    """The manifest found for spec.model: its sha256, or why there is none."""
+
+    digest: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ObservedMeasurement:
+    """One query result for an analysis metric (see analysis.due_queries)."""
+
+    metric: str
+    at: datetime
+    value: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    manifest: ManifestResolution
+    replica_sets: tuple[ReplicaSetObservation, ...] = ()
+    prefetch: PrefetchObservation | None = None
+    measurements: tuple[ObservedMeasurement, ...] = ()
+    workload_template: Mapping[str, Any] | None = field(default=None, compare=False)
+    """Pod template of spec.workloadRef's Deployment; None when not found or not used."""
+
+    def replica_set(self, revision_hash: str | None) -> ReplicaSetObservation | None:
+        return next((r for r in self.replica_sets if r.revision_hash == revision_hash), None)
