@@ -37,7 +37,7 @@ test: venv deps lint
 	$(BIN)/pytest -m "not bench"
 
 bench: venv deps
-	$(BIN)/pytest -m bench -s
+	$(BIN)/pytest bench -m bench -s
 
 demo: venv deps
 	$(BIN)/python -m weightship dev demo

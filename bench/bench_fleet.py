@@ -1,0 +1,272 @@
+"""Fleet: stage one model onto N nodes over bandwidth-capped links, peer-to-peer and
+origin-only, and compare with the physical bound S/B (origin-only: N·S/B).
+
+Topology, all inside network namespaces (nothing on the host's routes or bridges):
+
+    wsbench-sw      owns bridge br0 and one veth end per host
+    wsbench-origin  versitygw on 198.18.0.100:7070
+    wsbench-nI      fleet_node.py: peer server on 198.18.0.(10+I):7000, then stage()
+
+Every veth is capped at B with tc tbf on both ends, so each host, the origin too, has B
+up and B down. Origin egress is the tx byte counter of the origin's eth0 (wire bytes:
+TCP/IP and HTTP headers and retransmissions included).
+
+    sudo .venv/bin/python bench/bench_fleet.py            # 512 MiB, 8 nodes, 200 Mbit/s
+    sudo .venv/bin/python bench/bench_fleet.py --quick    # 64 MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from benchlib import (
+    BUCKET,
+    WORK,
+    MiB,
+    local_origin,
+    make_model,
+    manifest_for,
+    model_location,
+    table,
+    versitygw,
+)
+
+PREFIX = "wsbench-"
+SWITCH = PREFIX + "sw"
+ORIGIN_NS = PREFIX + "origin"
+ORIGIN_IP, ORIGIN_PORT, PEER_PORT = "198.18.0.100", 7070, 7000
+NODE_SCRIPT = Path(__file__).with_name("fleet_node.py")
+RUN_DIR = WORK / "fleet-run"
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+def node_ip(i: int) -> str:
+    return f"198.18.0.{10 + i}"
+
+
+def cleanup() -> None:
+    """Delete every wsbench- namespace, ending the processes this benchmark left in them."""
+    for line in sh("ip", "netns", "list").splitlines():
+        ns = line.split(" ")[0]
+        if not ns.startswith(PREFIX):
+            continue
+        for pid in sh("ip", "netns", "pids", ns).split():
+            with suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def setup_network(nodes: int, rate_mbit: int) -> None:
+    sh("ip", "netns", "add", SWITCH)
+    sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
+    sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
+    hosts = [("origin", ORIGIN_IP)] + [(f"n{i}", node_ip(i)) for i in range(1, nodes + 1)]
+    tbf = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", "20ms"]
+    for name, addr in hosts:
+        ns, port = PREFIX + name, f"v-{name}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", SWITCH, "link", "add", port, "type", "veth", "peer", "eth0", "netns", ns)
+        sh("ip", "-n", SWITCH, "link", "set", port, "master", "br0", "up")
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *tbf)  # host egress
+        sh("tc", "-n", SWITCH, "qdisc", "add", "dev", port, *tbf)  # host ingress
+
+
+def origin_tx_bytes() -> int:
+    link = json.loads(sh("ip", "-n", ORIGIN_NS, "-s", "-j", "link", "show", "dev", "eth0"))
+    return int(link[0]["stats64"]["tx"]["bytes"])
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint: str) -> dict:
+    """Start every node, release them together, wait (bounded) for all, collect results."""
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    RUN_DIR.mkdir(parents=True)
+    cache_root = Path(args.cache_root)
+    shutil.rmtree(cache_root, ignore_errors=True)
+    names = [f"n{i}" for i in range(1, args.nodes + 1)]
+    peers = ",".join(f"{n}={node_ip(i)}:{PEER_PORT}" for i, n in enumerate(names, 1))
+    location = model_location(Path(args.model))
+    procs = []
+    for i, name in enumerate(names, 1):
+        cmd = [
+            *("ip", "netns", "exec", PREFIX + name, sys.executable, str(NODE_SCRIPT)),
+            *("--node", name, "--listen", f"{node_ip(i)}:{PEER_PORT}"),
+            *("--peers", peers if mode == "p2p" else ""),
+            *("--endpoint", endpoint, "--bucket", BUCKET, "--prefix", location.prefix),
+            *("--manifest", str(manifest_path), "--cache", str(cache_root / name)),
+            *("--run-dir", str(RUN_DIR), "--workers", str(args.workers)),
+            *("--timeout", str(args.timeout)),
+            *(["--balanced-owners"] if args.balanced_owners else []),
+        ]
+        with open(RUN_DIR / f"{name}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        wait_all(procs, [RUN_DIR / f"{n}.ready" for n in names], 60)
+        tx0, cpu0 = origin_tx_bytes(), cpu_times()
+        start_at = time.time() + 0.5
+        (RUN_DIR / "go.tmp").write_text(repr(start_at))
+        (RUN_DIR / "go.tmp").replace(RUN_DIR / "go")
+        wait_all(procs, [RUN_DIR / f"{n}.json" for n in names], args.timeout)
+        tx1, cpu1 = origin_tx_bytes(), cpu_times()
+        (RUN_DIR / "done").touch()
+        wait_all(procs, [RUN_DIR / f"{n}.verified.json" for n in names], args.timeout)
+        for p in procs:
+            p.wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        shutil.rmtree(cache_root, ignore_errors=True)
+    nodes = [json.loads((RUN_DIR / f"{n}.json").read_text()) for n in names]
+    bad = {n: json.loads((RUN_DIR / f"{n}.verified.json").read_text())["bad_files"] for n in names}
+    secs = sorted(n["seconds"] for n in nodes)
+    return {
+        "mode": mode,
+        "seconds": secs[-1],
+        "p50_seconds": secs[len(secs) // 2],
+        "nodes": nodes,
+        "bad_files": {n: b for n, b in bad.items() if b},
+        "origin_tx_bytes": tx1 - tx0,
+        "origin_payload_bytes": sum(n["from_origin"] for n in nodes),
+        "peer_bytes": sum(n["from_peers"] for n in nodes),
+        "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
+    }
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], paths: list[Path], timeout_s: float) -> None:
+    """Wait until every path exists; fail fast when a node errors or exits early."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        errors = sorted(RUN_DIR.glob("*.error"))
+        if errors:
+            raise RuntimeError(f"{errors[0].name}:\n{errors[0].read_text()}")
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError(f"a node exited early; see {RUN_DIR}/*.log")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s}s for {[p.name for p in paths]}")
+        time.sleep(0.1)
+
+
+def default_cache_root(size: int, nodes: int) -> Path:
+    """tmpfs when it has room: 8 nodes share this VM's one disk, a real node has its own."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * size * nodes:
+        return shm / "wsbench-fleet"
+    return WORK / "fleet-cache"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--rate-mbit", type=int, default=200, help="B: every link's cap, each way")
+    p.add_argument("--size-mib", type=int, default=512, help="S: model size")
+    p.add_argument("--chunk-mib", type=int, help="default 4 (1 with --quick)")
+    p.add_argument("--workers", type=int, default=4, help="stage() workers per node")
+    p.add_argument("--modes", default="p2p,origin-only")
+    p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
+    p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
+    p.add_argument(
+        "--balanced-owners",
+        action="store_true",
+        help="experiment: bounded-load chunk ownership (patched in fleet_node, not the library)",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mib = 64
+    args.chunk_mib = args.chunk_mib or (1 if args.quick else 4)
+    if os.geteuid() != 0:
+        raise SystemExit("bench_fleet needs root (network namespaces, tc)")
+    size = args.size_mib * MiB
+    rate = args.rate_mbit * 1e6 / 8  # bytes/s
+    args.cache_root = args.cache_root or str(default_cache_root(size, args.nodes))
+    args.timeout = 60 + 3 * args.nodes * size / rate  # generous; only a bound on hangs
+    model = make_model(size)
+    args.model = str(model)
+    manifest = manifest_for(model, args.chunk_mib * MiB)
+    manifest_path = WORK / f"{model.name}.c{args.chunk_mib * MiB}.json"
+    results: dict[str, Any] = {
+        "size_bytes": manifest.total_size,
+        "digest": manifest.digest,
+        "nodes": args.nodes,
+        "rate_mbit": args.rate_mbit,
+        "chunk_mib": args.chunk_mib,
+        "workers": args.workers,
+        "balanced_owners": args.balanced_owners,
+        "bound_seconds": manifest.total_size / rate,
+    }
+    cleanup()
+    try:
+        with local_origin(model):
+            pass  # uploaded once; the gateway in the origin namespace serves the same dir
+        setup_network(args.nodes, args.rate_mbit)
+        with versitygw(ORIGIN_IP, ORIGIN_PORT, netns=ORIGIN_NS) as endpoint:
+            for mode in args.modes.split(","):
+                results[mode] = run_fleet(mode, args, manifest_path, endpoint)
+    finally:
+        cleanup()
+    (WORK / "fleet-results.json").write_text(json.dumps(results, indent=1))
+    report(results)
+    return results
+
+
+def report(r: dict[str, Any]) -> None:
+    size, bound, n = r["size_bytes"], r["bound_seconds"], r["nodes"]
+    print(
+        f"\n## Fleet: {n} nodes, S = {size / MiB:.0f} MiB, B = {r['rate_mbit']} Mbit/s per link, "
+        f"{r['chunk_mib']} MiB chunks, {r['workers']} workers\n"
+    )
+    rows = [["bound S/B", f"{bound:.1f}", "", "1.00", "", "", "", ""]]
+    for mode, mult in (("p2p", 1), ("origin-only", n)):
+        if mode not in r:
+            continue
+        m = r[mode]
+        rows.append(
+            [
+                f"{mode} (bound {mult}·S/B = {mult * bound:.1f} s)",
+                f"{m['seconds']:.1f}",
+                f"{m['p50_seconds']:.1f}",
+                f"{m['seconds'] / bound:.2f}",
+                f"{m['seconds'] / (mult * bound):.2f}",
+                f"{m['origin_tx_bytes'] / size:.3f}",
+                f"{m['origin_payload_bytes'] / size:.3f}",
+                f"{m['cpu_busy']:.0%}",
+            ]
+        )
+    header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
+    print(table([*header, "origin payload xS", "CPU busy"], rows))
+    if "p2p" in r:
+        m = r["p2p"]
+        print(
+            f"\np2p: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.3), origin egress "
+            f"{m['origin_tx_bytes'] / size:.3f}x S on the wire (target ≤ 1.05), "
+            f"slowest/p50 {m['seconds'] / m['p50_seconds']:.2f}"
+        )
+        if "origin-only" in r:
+            print(f"speed-up over origin-only: {r['origin-only']['seconds'] / m['seconds']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

