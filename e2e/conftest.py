@@ -49,6 +49,8 @@ def cluster() -> Iterator[Cluster]:
     paths = ClusterPaths.default()
     started_here = not local_cluster.is_up(paths)
     if started_here:
+        # Whatever an earlier, interrupted run left behind (netns, etcd data) goes first.
+        local_cluster.down(paths, log=lambda _: None)
         local_cluster.up(
             local_cluster.ClusterConfig(
                 paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES

@@ -82,13 +82,17 @@ def echo_container(**extra: Any) -> dict[str, Any]:
     }
 
 
-def echo_pod_spec(**extra: Any) -> dict[str, Any]:
+def echo_pod_spec(namespace: str, **extra: Any) -> dict[str, Any]:
+    """An echo server whose hostPath is per test namespace, so runs never mix."""
     return {
         "containers": [echo_container()],
         "volumes": [
             {
                 "name": "data",
-                "hostPath": {"path": "/var/lib/weightship-echo-test", "type": "DirectoryOrCreate"},
+                "hostPath": {
+                    "path": f"/var/lib/weightship-echo/{namespace}",
+                    "type": "DirectoryOrCreate",
+                },
             }
         ],
         "terminationGracePeriodSeconds": 5,
@@ -99,6 +103,17 @@ def echo_pod_spec(**extra: Any) -> dict[str, Any]:
 def http_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def describe_pods(cluster: Any, namespace: str) -> str:
+    lines = []
+    for p in cluster.core.list_namespaced_pod(namespace).items:
+        states = [
+            (c.name, c.ready, c.restart_count, c.state.waiting and c.state.waiting.message)
+            for c in p.status.container_statuses or []
+        ]
+        lines.append(f"{p.metadata.name} on {p.spec.node_name}: {p.status.phase} {states}")
+    return "\n".join(lines)
 
 
 def pods_by_node(cluster: Any, namespace: str, selector: str) -> dict[str, Any]:
@@ -159,7 +174,7 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": echo_pod_spec(tolerations=[{**GPU_TAINT, "operator": "Equal"}]),
+                "spec": echo_pod_spec(namespace, tolerations=[{**GPU_TAINT, "operator": "Equal"}]),
             },
         },
     }
@@ -177,7 +192,12 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
         }
         return ready if set(ready) >= set(all_nodes) else None
 
-    ready = testkit.wait_until(all_ready, timeout=120, what="echo pod Ready on every node")
+    ready = testkit.wait_until(
+        all_ready,
+        timeout=120,
+        what="echo pod Ready on every node",
+        detail=lambda: describe_pods(cluster, namespace),
+    )
     proc_pods = {n: ready[n] for n in cluster.process_nodes}
     ips = {p.status.pod_ip for p in proc_pods.values()}
     assert len(ips) == len(proc_pods), "each pod has its own IP"
@@ -199,7 +219,7 @@ def test_daemonset_runs_real_pods_on_every_node(cluster: Any, namespace: str) ->
 
     # hostPath is per node: each node's directory holds only its own pod's marker.
     for node, pod in proc_pods.items():
-        data_dir = cluster.paths.node_dir(node) / "root" / "var/lib/weightship-echo-test"
+        data_dir = cluster.paths.node_dir(node) / "root/var/lib/weightship-echo" / namespace
         assert sorted(p.name for p in data_dir.glob("*.started")) == [
             f"{pod.metadata.name}.started"
         ]
@@ -215,7 +235,7 @@ def test_graceful_deletion_sends_sigterm_and_cleans_up(cluster: Any, namespace: 
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "graceful"},
-        "spec": echo_pod_spec(nodeName=node),
+        "spec": echo_pod_spec(namespace, nodeName=node),
     }
     cluster.core.create_namespaced_pod(namespace, pod)
     testkit.wait_until(
@@ -238,7 +258,10 @@ def test_graceful_deletion_sends_sigterm_and_cleans_up(cluster: Any, namespace: 
 
     testkit.wait_until(gone, timeout=30, what="pod deleted by the kubelet")
     marker = (
-        cluster.paths.node_dir(node) / "root/var/lib/weightship-echo-test" / "graceful.terminated"
+        cluster.paths.node_dir(node)
+        / "root/var/lib/weightship-echo"
+        / namespace
+        / "graceful.terminated"
     )
     assert marker.read_text() == "SIGTERM\n"
     assert not Path("/run/netns", "wsp-" + uid.replace("-", "")[:12]).exists()
@@ -257,7 +280,7 @@ def test_readiness_gate_holds_pod_until_condition_true(cluster: Any, namespace: 
         "kind": "Pod",
         "metadata": {"name": "gated"},
         "spec": echo_pod_spec(
-            nodeName=cluster.process_nodes[1], readinessGates=[{"conditionType": gate}]
+            namespace, nodeName=cluster.process_nodes[1], readinessGates=[{"conditionType": gate}]
         ),
     }
     cluster.core.create_namespaced_pod(namespace, pod)
@@ -315,7 +338,7 @@ def test_prometheus_scrapes_pod_metrics(cluster: Any, namespace: str, prometheus
             "labels": {"app": "scraped"},
             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8080"},
         },
-        "spec": echo_pod_spec(nodeName=cluster.process_nodes[0]),
+        "spec": echo_pod_spec(namespace, nodeName=cluster.process_nodes[0]),
     }
     cluster.core.create_namespaced_pod(namespace, pod)
     testkit.wait_until(lambda: _ready(cluster, namespace, "scraped"), timeout=60, what="pod Ready")
@@ -354,7 +377,9 @@ def test_pod_reads_the_api_with_its_own_service_account(cluster: Any, namespace:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "api-user"},
-        "spec": echo_pod_spec(nodeName=cluster.process_nodes[2 % len(cluster.process_nodes)]),
+        "spec": echo_pod_spec(
+            namespace, nodeName=cluster.process_nodes[2 % len(cluster.process_nodes)]
+        ),
     }
     cluster.core.create_namespaced_pod(namespace, pod)
     testkit.wait_until(lambda: _ready(cluster, namespace, "api-user"), timeout=60, what="pod Ready")
@@ -451,6 +476,22 @@ def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: 
     count = 1000
     names = ensure_kwok_nodes(cluster.api, count, start=1000, workers=32)
     try:
+
+        def ready_kwok_nodes() -> int:
+            nodes = cluster.core.list_node(label_selector=f"{NODE_KIND_LABEL}=kwok").items
+            return sum(
+                any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+                for n in nodes
+            )
+
+        expected = count + len(cluster.kwok_nodes)
+        testkit.wait_until(
+            lambda: ready_kwok_nodes() >= expected,
+            timeout=600,
+            interval=3,
+            what="1,000 KWOK nodes Ready",
+            detail=lambda: f"{ready_kwok_nodes()} of {expected} Ready",
+        )
         labels = {"app": "fleet-agent"}
         ds = {
             "apiVersion": "apps/v1",
@@ -469,7 +510,6 @@ def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: 
             },
         }
         cluster.apps.create_namespaced_daemon_set(namespace, ds)
-        expected = count + len(cluster.kwok_nodes)
 
         def converged() -> bool:
             st = cluster.apps.read_namespaced_daemon_set_status("fleet-agent", namespace).status
@@ -485,12 +525,6 @@ def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: 
         testkit.wait_until(
             converged, timeout=600, interval=2, what="DaemonSet over 1,000 nodes", detail=detail
         )
-        ready_nodes = [
-            n
-            for n in cluster.core.list_node(label_selector=f"{NODE_KIND_LABEL}=kwok").items
-            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-        ]
-        assert len(ready_nodes) >= expected
     finally:
         cluster.apps.delete_namespaced_daemon_set("fleet-agent", namespace)
         delete_kwok_nodes(cluster.api, names, workers=32)

@@ -10,6 +10,9 @@ KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 VERSITYGW_VERSION="${VERSITYGW_VERSION:-v1.7.0}"
 HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 GATEWAY_API_VERSION="${GATEWAY_API_VERSION:-v1.4.1}"
+# Prometheus 3.x is published as v0.3xx.y Go module versions. Debian's package lacks
+# Kubernetes service discovery, so build it with only that discovery plugin.
+PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
 
 CACHE="${WEIGHTSHIP_CACHE:-$HOME/.cache/weightship}"
 BIN="$CACHE/bin"
@@ -49,6 +52,14 @@ build_etcd() {
   go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
   go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
   mark etcd "$ETCD_VERSION"
+}
+
+build_prometheus() {
+  have prometheus "$PROMETHEUS_VERSION" && return
+  log "building prometheus $PROMETHEUS_VERSION (kubernetes SD only)"
+  GOBIN="$BIN" go install -tags "remove_all_sd,enable_kubernetes_sd" -ldflags "-s -w" \
+    "github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION"
+  mark prometheus "$PROMETHEUS_VERSION"
 }
 
 build_helm() {
@@ -99,7 +110,6 @@ fetch_gateway_api() {
 
 install_apt() {
   local missing=()
-  command -v prometheus >/dev/null || missing+=(prometheus)
   command -v ip >/dev/null || missing+=(iproute2)
   command -v tc >/dev/null || missing+=(iproute2)
   command -v openssl >/dev/null || missing+=(openssl)
@@ -119,11 +129,12 @@ main() {
     etcd) build_etcd ;;
     versitygw) build_versitygw ;;
     helm) build_helm ;;
+    prometheus) build_prometheus ;;
     k8s) build_k8s ;;
     gateway-api) fetch_gateway_api ;;
     all)
       install_apt
-      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_helm)
+      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm)
       ;;
     *) echo "unknown target $what" >&2; exit 2 ;;
   esac

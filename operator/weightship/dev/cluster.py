@@ -42,6 +42,7 @@ REQUIRED_BINARIES = (
     "kube-scheduler",
     "kwok",
     "versitygw",
+    "prometheus",
 )
 
 
@@ -138,7 +139,7 @@ def _check_prerequisites() -> None:
             f"missing binaries in {bin_dir()}: {', '.join(missing)}; run `make deps` "
             "(hack/deps.sh builds them from Go modules and caches them)"
         )
-    for tool in ("ip", "openssl", "prometheus"):
+    for tool in ("ip", "openssl", "unshare", "mount"):
         if shutil.which(tool) is None:
             raise ClusterError(f"`{tool}` not found on PATH; run `make deps`")
 

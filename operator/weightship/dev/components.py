@@ -215,7 +215,7 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
 
 def prometheus(paths: ClusterPaths) -> list[str]:
     return [
-        "prometheus",
+        str(bin_dir() / "prometheus"),
         f"--config.file={paths.prometheus / 'prometheus.yml'}",
         f"--storage.tsdb.path={paths.prometheus / 'data'}",
         f"--web.listen-address={BRIDGE_IP}:{PROMETHEUS_PORT}",

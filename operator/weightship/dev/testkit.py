@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -50,7 +51,7 @@ def unique_name(prefix: str) -> str:
 
 def create_namespace(api: client.ApiClient, prefix: str = "t") -> str:
     core = client.CoreV1Api(api)
-    name = unique_name(prefix[:40].lower().replace("_", "-").strip("-"))
+    name = unique_name(re.sub(r"[^a-z0-9-]+", "-", prefix.lower())[:40].strip("-") or "t")
     core.create_namespace({"metadata": {"name": name, "labels": {"weightship.io/test": "true"}}})
 
     def default_sa() -> bool:

@@ -29,7 +29,6 @@ log = logging.getLogger("weightship.kubelet")
 LEASE_SECONDS = 40
 LEASE_RENEW = 10.0
 STATUS_EVERY = 30.0
-AUDIENCE = "https://kubernetes.default.svc.cluster.local"
 KUBELET_VERSION = "v1.34.4-weightship-process"
 
 
@@ -63,7 +62,9 @@ class ApiObjects:
         sa = pod["spec"].get("serviceAccountName") or "default"
         body = client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(
-                audiences=[audience or AUDIENCE],
+                # No audience means the API server's own; nodes may only ask for audiences
+            # that the pod's volumes name (ServiceAccountNodeAudienceRestriction).
+            audiences=[audience] if audience else None,
                 expiration_seconds=max(expiration_seconds, 600),
                 bound_object_ref=client.V1BoundObjectReference(
                     kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"]

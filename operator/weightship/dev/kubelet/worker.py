@@ -29,6 +29,10 @@ from weightship.dev.kubelet.podstatus import (
 
 log = logging.getLogger("weightship.kubelet")
 
+# The "image" of every process container is this machine with the project's virtualenv
+# first on PATH, so `python3` and `weightship` are the project's own.
+CONTAINER_PATH = os.pathsep.join(
+    [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")])
 BACKOFF_START = 1.0
 BACKOFF_MAX = 20.0  # kubelet uses 10 s .. 5 min; tests need faster restarts
 
@@ -257,7 +261,7 @@ class PodWorker(threading.Thread):
                 configmap_data=self.host.objects.configmap,
                 secret_data=self.host.objects.secret,
             )
-            env.setdefault("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
+            env.setdefault("PATH", CONTAINER_PATH)
             argv = [podspec.expand(a, env) for a in entry.argv]
             mounts = volumes.container_mounts(spec, self.backing)
             security = self._security(spec, entry.default_uid)
