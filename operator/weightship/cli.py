@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -17,6 +18,164 @@ from weightship import __version__
 @click.version_option(__version__, prog_name="weightship")
 def main() -> None:
     """Stage, verify and canary new model weights across GPU inference fleets."""
+
+
+@main.command("operator")
+@click.option(
+    "-n",
+    "--namespace",
+    "namespaces",
+    multiple=True,
+    help="Watch only these namespaces (repeatable). Default: the whole cluster.",
+)
+@click.option(
+    "--liveness",
+    default="http://0.0.0.0:8080/healthz",
+    show_default=True,
+    help="Liveness endpoint URL, or '' to disable.",
+)
+@click.option("--standalone", is_flag=True, help="Skip peering (only one operator runs).")
+@click.option(
+    "--priority",
+    type=int,
+    default=None,
+    help="Peering priority; the highest-priority replica is active.",
+)
+@click.option("-v", "--verbose", is_flag=True)
+def operator_command(
+    namespaces: tuple[str, ...],
+    liveness: str,
+    standalone: bool,
+    priority: int | None,
+    verbose: bool,
+) -> None:
+    """Run the ModelRollout controller (kopf)."""
+    import logging
+
+    import kopf
+
+    import weightship.controller.handlers  # noqa: F401 - registers the handlers
+
+    kopf.configure(verbose=verbose)
+    if not verbose:
+        # kopf logs every watch-event handler call; the controller logs what matters.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        liveness_endpoint=liveness or None,
+        standalone=standalone,
+        priority=priority,
+    )
+
+
+def _api() -> Any:
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config()
+    except config.ConfigException:
+        config.load_incluster_config()
+    return client.ApiClient()
+
+
+namespace_option = click.option("-n", "--namespace", default="default", show_default=True)
+
+
+@main.command("status")
+@click.argument("name")
+@namespace_option
+@click.option("-w", "--watch", is_flag=True, help="Keep refreshing until interrupted.")
+@click.option("-o", "--output", type=click.Choice(["rich", "json"]), default="rich")
+def status_command(name: str, namespace: str, watch: bool, output: str) -> None:
+    """Show a rollout: phase, steps, weights, replicas, gates and prefetch progress."""
+    import time
+
+    from rich.live import Live
+
+    from weightship import rollouts, statusview
+
+    api = _api()
+    if output == "json":
+        click.echo(
+            json.dumps(statusview.summary(rollouts.get_rollout(api, namespace, name)), indent=2)
+        )
+        return
+    console = Console()
+    if not watch:
+        console.print(statusview.render(rollouts.get_rollout(api, namespace, name)))
+        return
+    with Live(console=console, refresh_per_second=2) as live:
+        while True:
+            live.update(statusview.render(rollouts.get_rollout(api, namespace, name)))
+            time.sleep(1)
+
+
+def _send(action: str, name: str, namespace: str, wait: bool, **fields: Any) -> None:
+    import time
+
+    from weightship import rollouts
+
+    api = _api()
+    body = getattr(rollouts, action)(api, namespace, name, **fields)
+    click.echo(f"{action} requested for {namespace}/{name} ({body['requestedAt']})")
+    if not wait:
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rollout = rollouts.get_rollout(api, namespace, name)
+        if rollouts.acknowledged(rollout, action, body["requestedAt"]):
+            click.echo(f"acknowledged: {(rollout.get('status') or {}).get('message', '')}")
+            return
+        time.sleep(0.5)
+    raise click.ClickException("the controller did not acknowledge within 60s: is it running?")
+
+
+wait_option = click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until the controller acknowledges the request.",
+)
+
+
+@main.command("promote")
+@click.argument("name")
+@namespace_option
+@click.option("--full", is_flag=True, help="Skip all remaining steps.")
+@wait_option
+def promote_command(name: str, namespace: str, full: bool, wait: bool) -> None:
+    """Advance the canary one step (or all the way with --full)."""
+    _send("promote", name, namespace, wait, full=full)
+
+
+@main.command("abort")
+@click.argument("name")
+@namespace_option
+@click.option("--reason", default=None, help="Shown in status, events and Slack.")
+@wait_option
+def abort_command(name: str, namespace: str, reason: str | None, wait: bool) -> None:
+    """Abort the canary: stable back to full size first, then the canary goes."""
+    _send("abort", name, namespace, wait, reason=reason)
+
+
+@main.command("retry")
+@click.argument("name")
+@namespace_option
+@wait_option
+def retry_command(name: str, namespace: str, wait: bool) -> None:
+    """Retry an aborted canary from its first step."""
+    _send("retry", name, namespace, wait)
+
+
+def _register_data_commands() -> None:
+    from weightship.data.cli import manifest_command, publish_command
+
+    main.add_command(manifest_command, "manifest")
+    main.add_command(publish_command, "publish")
+
+
+_register_data_commands()
 
 
 @main.group()

@@ -63,8 +63,8 @@ class ApiObjects:
         body = client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(
                 # No audience means the API server's own; nodes may only ask for audiences
-            # that the pod's volumes name (ServiceAccountNodeAudienceRestriction).
-            audiences=[audience] if audience else None,
+                # that the pod's volumes name (ServiceAccountNodeAudienceRestriction).
+                audiences=[audience] if audience else None,
                 expiration_seconds=max(expiration_seconds, 600),
                 bound_object_ref=client.V1BoundObjectReference(
                     kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"]

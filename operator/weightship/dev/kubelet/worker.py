@@ -32,7 +32,8 @@ log = logging.getLogger("weightship.kubelet")
 # The "image" of every process container is this machine with the project's virtualenv
 # first on PATH, so `python3` and `weightship` are the project's own.
 CONTAINER_PATH = os.pathsep.join(
-    [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")])
+    [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")]
+)
 BACKOFF_START = 1.0
 BACKOFF_MAX = 20.0  # kubelet uses 10 s .. 5 min; tests need faster restarts
 

@@ -1,0 +1,251 @@
+"""The operator as a real process, and small published models, for rollout e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from weightship.controller.builders import GROUP
+from weightship.controller.kube import PLURAL, VERSION
+from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.dev import testkit
+from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def apply_crds(api: client.ApiClient) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        try:
+            ext.create_custom_resource_definition(crd)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            current = ext.read_custom_resource_definition(crd["metadata"]["name"])
+            crd["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(crd["metadata"]["name"], crd)
+
+        def established(name: str = crd["metadata"]["name"]) -> bool:
+            got = ext.read_custom_resource_definition(name)
+            return any(
+                c.type == "Established" and c.status == "True" for c in got.status.conditions or []
+            )
+
+        testkit.wait_until(established, timeout=30, what=f"CRD {crd['metadata']['name']}")
+
+
+@dataclass
+class OperatorProcess:
+    """`weightship operator` run as its own process, so tests can kill -9 it."""
+
+    kubeconfig: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSHIP_METRICS_PORT": "0"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightship", "operator", "--standalone", "--liveness", ""],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when a node dies under the operator."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def publish_models(
+    endpoint: str, bucket: str, root: Path, versions: list[str], size: int = 2_000_000
+) -> dict[str, str]:
+    """Publish small random 'models' and return {version: s3 uri}."""
+    s3 = make_client(
+        S3Settings(
+            endpoint_url=endpoint,
+            region="us-east-1",
+            access_key_id=S3_ACCESS_KEY,
+            secret_access_key=S3_SECRET_KEY,
+        )
+    )
+    uris = {}
+    for version in versions:
+        folder = root / version
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(os.urandom(size))
+        uri = f"s3://{bucket}/models/{version}/"
+        publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
+        uris[version] = uri
+    return uris
+
+
+def s3_secret(core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "s3-credentials"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            },
+        },
+    )
+
+
+def rollout_body(
+    name: str,
+    uri: str,
+    revision: str,
+    steps: list[dict[str, Any]],
+    endpoint: str,
+    replicas: int = 2,
+    **canary: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ModelRollout",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "nodeSelector": {"weightship.io/node-kind": "process"},
+                    "terminationGracePeriodSeconds": 2,
+                    "containers": [
+                        {
+                            "name": "server",
+                            "image": "python:3.11-slim",
+                            "command": ["python3", "-m", "weightship.dev.echoserver"],
+                            "env": [
+                                {
+                                    "name": "POD_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                }
+                            ],
+                            "ports": [{"name": "http", "containerPort": 8080}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/healthz", "port": "http"},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ],
+                },
+            },
+            "model": {
+                "source": {
+                    "uri": uri,
+                    "endpoint": endpoint,
+                    "region": "us-east-1",
+                    "credentialsSecretRef": {"name": "s3-credentials"},
+                },
+                "revision": revision,
+            },
+            "prefetch": {"enabled": False},
+            "validation": {"checksum": False},
+            "strategy": {"canary": {"steps": steps, **canary}},
+        },
+    }
+
+
+class Rollouts:
+    """Small helpers over the ModelRollout API for one namespace."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.custom = client.CustomObjectsApi(api)
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            self.custom.create_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, body
+            )
+        )
+
+    def get(self, name: str) -> dict[str, Any]:
+        return dict(
+            self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        )
+
+    def set_model(
+        self, name: str, uri: str, revision: str, steps: list[dict[str, Any]] | None = None
+    ) -> None:
+        patch: dict[str, Any] = {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}}
+        if steps is not None:
+            patch["spec"]["strategy"] = {"canary": {"steps": steps}}
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, patch
+        )
+
+    def wait(self, name: str, what: str, check: Any, timeout: float = 90) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            obj = self.get(name)
+            return obj if check(obj.get("status") or {}) else None
+
+        return testkit.wait_until(
+            probe,
+            timeout=timeout,
+            what=f"{name}: {what}",
+            detail=lambda: str((self.get(name).get("status") or {}).get("message")),
+        )
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
+        return self.wait(name, f"phase {phase}", lambda s: s.get("phase") == phase, timeout)
+
+    def replicasets(self, name: str) -> list[Any]:
+        return list(
+            client.AppsV1Api(self.api)
+            .list_namespaced_replica_set(self.namespace, label_selector=f"{GROUP}/rollout={name}")
+            .items
+        )
+
+    def events(self, name: str) -> list[Any]:
+        return [
+            e
+            for e in client.CoreV1Api(self.api).list_namespaced_event(self.namespace).items
+            if e.involved_object.kind == "ModelRollout" and e.involved_object.name == name
+        ]
+
+
+def operator_process(state: Path, kubeconfig: Path) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(kubeconfig, state / "operator-e2e.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()

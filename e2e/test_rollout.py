@@ -1,0 +1,244 @@
+"""ModelRollout end to end: a real operator process drives real pods on process nodes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from e2e.operator_fixtures import (
+    OperatorProcess,
+    Rollouts,
+    apply_crds,
+    operator_process,
+    publish_models,
+    rollout_body,
+    s3_secret,
+)
+from weightship import rollouts as user_actions
+from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
+from weightship.controller.kube import Conflict, Kube
+from weightship.dev import testkit
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any) -> None:
+    apply_crds(cluster.api)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Any, crds: None) -> Iterator[OperatorProcess]:
+    yield from operator_process(cluster.paths.root, cluster.paths.admin_kubeconfig)
+
+
+@pytest.fixture(scope="module")
+def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    s3 = testkit.s3_client(cluster.s3_endpoint)
+    bucket = testkit.unique_name("models")
+    s3.create_bucket(Bucket=bucket)
+    yield publish_models(
+        cluster.s3_endpoint, bucket, tmp_path_factory.mktemp("models"), ["v1", "v2"]
+    )
+    testkit.empty_bucket(s3, bucket)
+    s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
+    s3_secret(cluster.core, namespace)
+    return Rollouts(cluster.api, namespace)
+
+
+def healthy_on(rollouts: Rollouts, name: str, revision: str) -> dict[str, Any]:
+    return rollouts.wait(
+        name,
+        f"Healthy on {revision}",
+        lambda s: (
+            s.get("phase") == "Healthy"
+            and (s.get("stableRevision") or {}).get("revision") == revision
+        ),
+    )
+
+
+def test_rollout_walks_its_steps_to_healthy(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    steps = [{"setWeight": 50}, {"pause": {"duration": "2s"}}, {"setWeight": 100}]
+    rollouts.create(rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint))
+    healthy_on(rollouts, "llm", "v1")
+
+    rollouts.set_model("llm", models["v2"], "v2")
+    seen_steps = set()
+
+    def track(status: dict[str, Any]) -> bool:
+        if (status.get("canaryRevision") or {}).get("revision") == "v2":
+            seen_steps.add((status.get("currentStepIndex"), status.get("canaryWeight")))
+        return (
+            status.get("phase") == "Healthy"
+            and (status.get("stableRevision") or {}).get("revision") == "v2"
+        )
+
+    final = rollouts.wait("llm", "v2 promoted", track)
+    assert (1, 50) in seen_steps, f"the 50% step was observed: {seen_steps}"
+    status = final["status"]
+    assert status["observedGeneration"] == final["metadata"]["generation"]
+    assert [h["revision"] for h in status["history"] if h["outcome"] == "Promoted"][-1] == "v2"
+
+    # The v2 pods really run, on process nodes, with the model wired in.
+    v2_hash = status["stableRevision"]["podTemplateHash"]
+    pods = cluster.core.list_namespaced_pod(
+        rollouts.namespace, label_selector=f"weightship.io/revision-hash={v2_hash}"
+    ).items
+    assert len(pods) == 2
+    for pod in pods:
+        assert pod.spec.node_name in cluster.process_nodes
+        assert pod.status.phase == "Running"
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert env["WEIGHTSHIP_MODEL_REVISION"] == "v2"
+        assert env["WEIGHTSHIP_MANIFEST_DIGEST"] == status["stableRevision"]["manifestDigest"]
+        assert {g.condition_type for g in pod.spec.readiness_gates} == {
+            "weightship.io/weights-verified"
+        }
+        with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8080/", timeout=5) as resp:
+            info = json.loads(resp.read())
+        assert info["POD_NAME"] == pod.metadata.name
+    reasons = [e.reason for e in rollouts.events("llm")]
+    assert "StepCompleted" in reasons and "Promoted" in reasons
+
+
+def test_abort_restores_stable_and_leaves_spec_alone(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    steps = [{"setWeight": 50}, {"pause": {}}, {"setWeight": 100}]
+    rollouts.create(
+        rollout_body(
+            "llm", models["v1"], "v1", steps, cluster.s3_endpoint, abortScaleDownDelaySeconds=2
+        )
+    )
+    healthy_on(rollouts, "llm", "v1")
+    rollouts.set_model("llm", models["v2"], "v2")
+    paused = rollouts.wait_phase("llm", "Paused")
+    spec_before, generation = copy.deepcopy(paused["spec"]), paused["metadata"]["generation"]
+
+    user_actions.abort(cluster.api, rollouts.namespace, "llm", reason="canary looks wrong")
+    degraded = rollouts.wait_phase("llm", "Degraded")
+    status = degraded["status"]
+    assert "canary looks wrong" in status["message"]
+    aborted = next(c for c in status["conditions"] if c["type"] == "Aborted")
+    assert aborted["status"] == "True" and aborted["reason"] == "ManualAbort"
+
+    def canary_gone(_: dict[str, Any]) -> bool:
+        by_rev = {
+            rs.metadata.labels["weightship.io/revision-hash"]: rs
+            for rs in rollouts.replicasets("llm")
+        }
+        stable = by_rev[status["stableRevision"]["podTemplateHash"]]
+        canary = by_rev[status["canaryRevision"]["podTemplateHash"]]
+        return (
+            stable.spec.replicas == 2
+            and (stable.status.ready_replicas or 0) == 2
+            and canary.spec.replicas == 0
+        )
+
+    rollouts.wait("llm", "stable full and canary scaled down", canary_gone, timeout=60)
+    after = rollouts.get("llm")
+    assert after["spec"] == spec_before, "abort never touches spec (no GitOps drift)"
+    assert after["metadata"]["generation"] == generation
+
+
+def test_operator_killed_at_every_phase_resumes_cleanly(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str], operator: OperatorProcess
+) -> None:
+    steps = [
+        {"setWeight": 50},
+        {"pause": {"duration": "3s"}},
+        {"setWeight": 100},
+        {"pause": {"duration": "3s"}},
+    ]
+    rollouts.create(rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint))
+    operator.restart()  # killed right after the create, before any reconcile finished
+    healthy_on(rollouts, "llm", "v1")
+    rollouts.set_model("llm", models["v2"], "v2")
+    rollouts.wait("llm", "canary at 50%", lambda s: s.get("canaryWeight") == 50)
+    operator.restart()  # killed mid-canary
+    rollouts.wait("llm", "second pause", lambda s: s.get("currentStepIndex") == 3)
+    operator.restart()  # killed during a timed pause
+    healthy_on(rollouts, "llm", "v2")
+    operator.restart()  # killed after promotion: nothing must change
+    rollouts.wait("llm", "still Healthy after restart", lambda s: s.get("phase") == "Healthy")
+
+    replica_sets = rollouts.replicasets("llm")
+    hashes = [rs.metadata.labels["weightship.io/revision-hash"] for rs in replica_sets]
+    assert len(hashes) == len(set(hashes)) == 2, "one ReplicaSet per revision, no duplicates"
+    history = rollouts.get("llm")["status"]["history"]
+    assert [h["revision"] for h in history if h["outcome"] == "Promoted"] == ["v1", "v2"]
+    completed = [e.message for e in rollouts.events("llm") if e.reason == "StepCompleted"]
+    assert len(completed) == len(set(completed)), f"a step ran twice: {completed}"
+
+
+def test_missing_manifest_is_an_invalid_spec_condition(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    missing = models["v1"].replace("/v1/", "/does-not-exist/")
+    rollouts.create(rollout_body("llm", missing, "v9", [{"setWeight": 100}], cluster.s3_endpoint))
+    obj = rollouts.wait(
+        "llm",
+        "InvalidSpec",
+        lambda s: any(
+            c["type"] == "InvalidSpec" and c["status"] == "True" for c in s.get("conditions") or []
+        ),
+    )
+    cond = next(c for c in obj["status"]["conditions"] if c["type"] == "InvalidSpec")
+    assert cond["reason"] == "ManifestUnavailable"
+    assert f"weightship manifest {missing}" in cond["message"]
+    assert rollouts.replicasets("llm") == []
+
+
+def test_invalid_manifests_are_rejected_by_the_api_server(
+    cluster: Any, namespace: str, crds: None
+) -> None:
+    custom = client.CustomObjectsApi(cluster.api)
+
+    def create(manifest: dict[str, Any], name: str) -> Any:
+        body = copy.deepcopy(manifest)
+        body["metadata"] = {"name": name, "namespace": namespace}
+        return custom.create_namespaced_custom_object(
+            "weightship.io", "v1alpha1", namespace, "modelrollouts", body
+        )
+
+    create(VALID_MANIFEST, "valid")
+    assert len(INVALID_MANIFESTS) >= 10
+    for i, (description, manifest, expected) in enumerate(INVALID_MANIFESTS):
+        with pytest.raises(ApiException) as err:
+            create(manifest, f"invalid-{i}")
+        assert err.value.status == 422, description
+        message = json.loads(err.value.body)["message"]
+        assert expected in message, f"{description}: {message}"
+
+
+def test_stale_status_writes_conflict(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    rollouts.create(
+        rollout_body("llm", models["v1"], "v1", [{"setWeight": 100}], cluster.s3_endpoint)
+    )
+    healthy_on(rollouts, "llm", "v1")
+    stale = rollouts.get("llm")["metadata"]["resourceVersion"]
+    user_actions.promote(cluster.api, rollouts.namespace, "llm")  # moves resourceVersion
+    with pytest.raises(Conflict):
+        Kube(cluster.api).patch_rollout_status(
+            rollouts.namespace, "llm", stale, {"message": "stale write"}
+        )
+    # The controller itself recovers from such conflicts: it acknowledges the request.
+    rollouts.wait(
+        "llm",
+        "promote acknowledged",
+        lambda s: (s.get("control") or {}).get("promote", {}).get("acknowledged") is not None,
+    )
+    assert rollouts.get("llm")["status"]["message"] != "stale write"

@@ -1,0 +1,121 @@
+"""Apply a Decision: ReplicaSets first, then routes, node labels and pod gates, and the
+status patch last (guarded by resourceVersion). Every action is idempotent, so a crash at
+any point is repaired by the next reconcile, which observes and decides again.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from weightship.api.models import ModelRollout
+from weightship.controller.builders import (
+    VERIFIED_GATE,
+    replicaset_body,
+    staged_node_label,
+)
+from weightship.controller.kube import Kube
+from weightship.core.decision import Decision
+from weightship.core.observed import Observed
+
+log = logging.getLogger(__name__)
+
+
+def apply_scales(kube: Kube, rollout: ModelRollout, observed: Observed, decision: Decision) -> None:
+    namespace = rollout.metadata.namespace or "default"
+    canary = decision.status.canary_revision
+    stable = decision.status.stable_revision
+    for action in decision.scales:
+        if not action.create:
+            assert action.name is not None
+            kube.scale_replicaset(namespace, action.name, action.replicas)
+            continue
+        # Only the spec's current revision can be built from the spec's template.
+        current = next(
+            (
+                r
+                for r in (canary, stable)
+                if r is not None and r.pod_template_hash == action.revision_hash
+            ),
+            None,
+        )
+        if current is None or current.manifest_digest is None:
+            log.warning(
+                "cannot rebuild ReplicaSet for revision %s: its template is gone",
+                action.revision_hash,
+            )
+            continue
+        template = (
+            rollout.spec.template.to_k8s()
+            if rollout.spec.template is not None
+            else dict(observed.workload_template or {})
+        )
+        staged_elsewhere = stable is not None and stable.manifest_digest == current.manifest_digest
+        kube.create_replicaset(
+            replicaset_body(
+                rollout,
+                template=template,
+                revision_hash=action.revision_hash,
+                manifest_digest=current.manifest_digest,
+                replicas=action.replicas,
+                require_staged=rollout.spec.prefetch.enabled
+                and not staged_elsewhere
+                and action.role == "canary",
+            )
+        )
+
+
+def apply_traffic(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:
+    routing = rollout.spec.strategy.canary.traffic_routing
+    gateway = routing.gateway_api if routing is not None else None
+    if decision.traffic is None or gateway is None:
+        return
+    kube.set_route_weights(
+        gateway.http_route.namespace or rollout.metadata.namespace or "default",
+        gateway.http_route.name,
+        {
+            gateway.stable_backend: decision.traffic.stable,
+            gateway.canary_backend: decision.traffic.canary,
+        },
+    )
+
+
+def label_staged_nodes(kube: Kube, observed: Observed) -> None:
+    """Canary pods require this label: it appears once a node's agent has staged them."""
+    prefetch = observed.prefetch
+    if prefetch is None:
+        return
+    label = staged_node_label(prefetch.digest)
+    for node in prefetch.nodes:
+        if node.state == "Staged":
+            kube.label_node(node.name, label, "true")
+
+
+def open_trivial_gates(kube: Kube, rollout: ModelRollout, pods: list[dict[str, Any]]) -> None:
+    """With nothing to verify (no checksum, no golden prompts) the weights-verified gate
+    opens once the containers are ready. Anything to verify is the verifier's job."""
+    validation = rollout.spec.validation
+    if validation.checksum or validation.golden_prompts:
+        return
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for pod in pods:
+        conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
+        ready = conditions.get("ContainersReady", {}).get("status") == "True"
+        if ready and conditions.get(VERIFIED_GATE, {}).get("status") != "True":
+            kube.patch_pod_condition(
+                pod["metadata"]["namespace"],
+                pod["metadata"]["name"],
+                {
+                    "type": VERIFIED_GATE,
+                    "status": "True",
+                    "reason": "NothingToVerify",
+                    "message": "spec.validation has no checksum and no golden prompts",
+                    "lastTransitionTime": now,
+                },
+            )
+
+
+def apply_events(kube: Kube, body: dict[str, Any], decision: Decision) -> None:
+    for event in decision.events:
+        kube.event(body, event.type, event.reason, event.message)

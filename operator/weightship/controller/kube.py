@@ -1,0 +1,197 @@
+"""Kubernetes adapter for the controller: reads and writes, with retries at the edge.
+
+All calls are synchronous (the kubernetes client is): the controller runs them from a
+sync kopf daemon, i.e. in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from tenacity import (
+    retry,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from weightship.controller.builders import GROUP, ROLLOUT_LABEL
+
+VERSION = "v1alpha1"
+PLURAL = "modelrollouts"
+
+
+def _transient(exc: BaseException) -> bool:
+    """Retry throttling and server errors; never 4xx decisions like 404, 409 or 422."""
+    return isinstance(exc, ApiException) and exc.status in (429, 500, 502, 503, 504)
+
+
+api_retry = retry(
+    retry=retry_if_exception(_transient),
+    wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
+    stop=stop_after_attempt(5),
+    reraise=True,
+)
+
+
+def load_client() -> client.ApiClient:
+    """In a pod: its service account. Elsewhere: KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()
+
+
+class Conflict(Exception):
+    """The object changed since it was read (HTTP 409): observe again."""
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def to_dict(self, obj: Any) -> dict[str, Any]:
+        return dict(self.api.sanitize_for_serialization(obj))
+
+    # ---- ModelRollout -----------------------------------------------------------------
+    @api_retry
+    def get_rollout(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(
+                self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    @api_retry
+    def patch_rollout_status(
+        self, namespace: str, name: str, resource_version: str, patch: dict[str, Any]
+    ) -> None:
+        """Merge-patch status, guarded by resourceVersion so no concurrent write is lost."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": patch}
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, body
+            )
+        except ApiException as e:
+            if e.status == 409:
+                raise Conflict(f"{namespace}/{name} changed; re-reading") from e
+            raise
+
+    # ---- ReplicaSets and pods ---------------------------------------------------------
+    @api_retry
+    def replicasets(self, namespace: str, rollout: str) -> list[dict[str, Any]]:
+        items = self.apps.list_namespaced_replica_set(
+            namespace, label_selector=f"{ROLLOUT_LABEL}={rollout}"
+        ).items
+        return [self.to_dict(i) for i in items]
+
+    @api_retry
+    def pods(self, namespace: str, rollout: str) -> list[dict[str, Any]]:
+        items = self.core.list_namespaced_pod(
+            namespace, label_selector=f"{ROLLOUT_LABEL}={rollout}"
+        ).items
+        return [self.to_dict(i) for i in items]
+
+    @api_retry
+    def create_replicaset(self, body: dict[str, Any]) -> None:
+        try:
+            self.apps.create_namespaced_replica_set(body["metadata"]["namespace"], body)
+        except ApiException as e:
+            if e.status != 409:  # already there: a repeated create after a restart
+                raise
+
+    @api_retry
+    def scale_replicaset(self, namespace: str, name: str, replicas: int) -> None:
+        self.apps.patch_namespaced_replica_set(name, namespace, {"spec": {"replicas": replicas}})
+
+    @api_retry
+    def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
+        self.core.patch_namespaced_pod_status(
+            name, namespace, {"status": {"conditions": [condition]}}
+        )
+
+    @api_retry
+    def deployment_template(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            dep = self.apps.read_namespaced_deployment(name, namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return dict(self.to_dict(dep)["spec"]["template"])
+
+    # ---- Secrets, nodes, caches -------------------------------------------------------
+    @api_retry
+    def secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        secret = self.core.read_namespaced_secret(name, namespace)
+        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
+
+    @api_retry
+    def nodes(self, selector: dict[str, str]) -> list[dict[str, Any]]:
+        label_selector = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        return [self.to_dict(n) for n in self.core.list_node(label_selector=label_selector).items]
+
+    @api_retry
+    def label_node(self, name: str, label: str, value: str | None) -> None:
+        self.core.patch_node(name, {"metadata": {"labels": {label: value}}})
+
+    @api_retry
+    def weight_caches(self) -> list[dict[str, Any]]:
+        listing = self.custom.list_cluster_custom_object(GROUP, VERSION, "weightcaches")
+        return list(listing.get("items", []))
+
+    # ---- Events and routes ------------------------------------------------------------
+    def event(self, rollout: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = rollout["metadata"]
+        now = datetime.now(UTC)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                generate_name=f"{meta['name']}.", namespace=meta["namespace"]
+            ),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}",
+                kind="ModelRollout",
+                name=meta["name"],
+                namespace=meta["namespace"],
+                uid=meta.get("uid"),
+                resource_version=meta.get("resourceVersion"),
+            ),
+            reason=reason,
+            message=message[:1024],
+            type=kind,
+            source=client.V1EventSource(component="weightship-controller"),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        with contextlib.suppress(ApiException):  # best effort; status carries the truth
+            self.core.create_namespaced_event(meta["namespace"], body)
+
+    @api_retry
+    def set_route_weights(self, namespace: str, route: str, weights: dict[str, int]) -> None:
+        """Set backendRef weights by Service name on every rule of an HTTPRoute."""
+        obj = self.custom.get_namespaced_custom_object(
+            "gateway.networking.k8s.io", "v1", namespace, "httproutes", route
+        )
+        changed = False
+        for rule in obj.get("spec", {}).get("rules", []):
+            for ref in rule.get("backendRefs", []):
+                if ref.get("name") in weights and ref.get("weight") != weights[ref["name"]]:
+                    ref["weight"] = weights[ref["name"]]
+                    changed = True
+        if changed:
+            self.custom.replace_namespaced_custom_object(
+                "gateway.networking.k8s.io", "v1", namespace, "httproutes", route, obj
+            )

@@ -1,0 +1,31 @@
+"""The operator's own Prometheus metrics (prometheus-client)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from weightship.api.status import ModelRolloutStatus
+
+PHASES = ("Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded")
+
+RECONCILES = Counter("weightship_reconciles", "ModelRollout reconciles run")
+RECONCILE_ERRORS = Counter("weightship_reconcile_errors", "Reconciles that raised")
+RECONCILE_SECONDS = Histogram(
+    "weightship_reconcile_duration_seconds",
+    "Reconcile duration",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+ROLLOUT_PHASE = Gauge(
+    "weightship_rollout_phase", "1 for the rollout's current phase", ["namespace", "name", "phase"]
+)
+ROLLOUT_STEP = Gauge("weightship_rollout_step", "Current canary step index", ["namespace", "name"])
+ROLLOUT_WEIGHT = Gauge(
+    "weightship_rollout_canary_weight", "Canary weight, 0-100", ["namespace", "name"]
+)
+
+
+def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> None:
+    for phase in PHASES:
+        ROLLOUT_PHASE.labels(namespace, name, phase).set(1 if status.phase == phase else 0)
+    ROLLOUT_STEP.labels(namespace, name).set(status.current_step_index or 0)
+    ROLLOUT_WEIGHT.labels(namespace, name).set(status.canary_weight)

@@ -1,0 +1,100 @@
+"""One reconcile: read the rollout, observe, decide, apply. Status is the only memory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from pydantic import ValidationError
+
+from weightship.api.models import ModelRollout
+from weightship.api.status import ModelRolloutStatus
+from weightship.controller import apply, metrics
+from weightship.controller.kube import Kube
+from weightship.controller.observe import ManifestResolver, MeasureFn, observe, prometheus_measure
+from weightship.core.decide import decide, decide_invalid_spec
+from weightship.core.decision import Decision
+from weightship.core.gates import DEFAULT_GATES, GateSet
+
+log = logging.getLogger(__name__)
+
+IDLE_RECHECK_SECONDS = 30.0
+
+
+@dataclass
+class Reconciler:
+    kube: Kube
+    gates: GateSet = DEFAULT_GATES
+    measure: MeasureFn = prometheus_measure
+    manifests: ManifestResolver = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.manifests = ManifestResolver(self.kube)
+
+    def once(self, namespace: str, name: str) -> float | None:
+        """Reconcile one rollout. Returns seconds until the next run (None: it is gone)."""
+        started = time.monotonic()
+        try:
+            return self._once(namespace, name)
+        except Exception:
+            metrics.RECONCILE_ERRORS.inc()
+            raise
+        finally:
+            metrics.RECONCILES.inc()
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+    def _once(self, namespace: str, name: str) -> float | None:
+        body = self.kube.get_rollout(namespace, name)
+        if body is None:
+            return None
+        now = datetime.now(UTC)
+        resource_version = body["metadata"]["resourceVersion"]
+        try:
+            rollout = ModelRollout.from_body(body)
+        except ValidationError as e:
+            status = ModelRolloutStatus.model_validate(body.get("status") or {})
+            decision = decide_invalid_spec(
+                status, int(body["metadata"].get("generation", 0)), _first_error(e), now
+            )
+            self._write(body, status, decision, resource_version)
+            return IDLE_RECHECK_SECONDS
+        observed = observe(self.kube, self.manifests, rollout, now, self.measure)
+        decision = decide(rollout, observed, now, self.gates)
+        apply.apply_scales(self.kube, rollout, observed, decision)
+        apply.apply_traffic(self.kube, rollout, decision)
+        apply.label_staged_nodes(self.kube, observed)
+        apply.open_trivial_gates(self.kube, rollout, self.kube.pods(namespace, name))
+        self._write(body, rollout.status, decision, resource_version)
+        metrics.record_rollout(namespace, name, decision.status)
+        return decision.requeue_after or IDLE_RECHECK_SECONDS
+
+    def _write(
+        self,
+        body: dict[str, object],
+        old: ModelRolloutStatus,
+        decision: Decision,
+        resource_version: str,
+    ) -> None:
+        patch = decision.status_patch(old)
+        meta = body["metadata"]
+        assert isinstance(meta, dict)
+        if patch:
+            self.kube.patch_rollout_status(meta["namespace"], meta["name"], resource_version, patch)
+        # Events only after the status write succeeded: a 409 retries without duplicates.
+        apply.apply_events(self.kube, dict(body), decision)
+        for note in decision.notifications:
+            log.info(
+                "notification %s for %s/%s: %s",
+                note.event,
+                meta["namespace"],
+                meta["name"],
+                note.message,
+            )
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(p) for p in first["loc"])
+    return f"{location}: {first['msg']}"

@@ -1,0 +1,110 @@
+"""Render a ModelRollout for people (rich) or machines (JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+PHASE_STYLE = {
+    "Healthy": "green",
+    "Progressing": "cyan",
+    "Prefetching": "cyan",
+    "Paused": "yellow",
+    "Degraded": "red",
+    "Pending": "dim",
+}
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    if "setWeight" in step:
+        return f"setWeight {step['setWeight']}"
+    if "pause" in step:
+        duration = (step.get("pause") or {}).get("duration")
+        return f"pause {duration}" if duration else "pause (until promoted)"
+    if "analysis" in step:
+        metrics = (step.get("analysis") or {}).get("metrics") or []
+        return "analysis " + ", ".join(metrics) if metrics else "analysis"
+    return str(step)
+
+
+def summary(rollout: dict[str, Any]) -> dict[str, Any]:
+    """The machine-readable view (`-o json`): spec essentials and the whole status."""
+    spec, status = rollout.get("spec") or {}, rollout.get("status") or {}
+    return {
+        "name": rollout["metadata"]["name"],
+        "namespace": rollout["metadata"]["namespace"],
+        "generation": rollout["metadata"].get("generation"),
+        "model": (spec.get("model") or {}),
+        "replicas": spec.get("replicas"),
+        "steps": ((spec.get("strategy") or {}).get("canary") or {}).get("steps") or [],
+        "status": status,
+    }
+
+
+def render(rollout: dict[str, Any]) -> Group:
+    spec, status = rollout.get("spec") or {}, rollout.get("status") or {}
+    phase = status.get("phase", "Pending")
+    head = Table.grid(padding=(0, 2))
+    head.add_row("Name", f"{rollout['metadata']['namespace']}/{rollout['metadata']['name']}")
+    head.add_row("Phase", Text(phase, style=PHASE_STYLE.get(phase, "")))
+    head.add_row("Message", status.get("message", ""))
+    stable = status.get("stableRevision") or {}
+    canary = status.get("canaryRevision") or {}
+    head.add_row("Stable", f"{stable.get('revision', '-')} {stable.get('manifestDigest', '')}")
+    head.add_row("Canary", f"{canary.get('revision', '-')} {canary.get('manifestDigest', '')}")
+    head.add_row("Weight", f"{status.get('canaryWeight', 0)}%")
+    replicas = status.get("replicas") or {}
+    head.add_row(
+        "Replicas",
+        f"desired {spec.get('replicas')}, stable {replicas.get('stable', 0)}"
+        f", canary {replicas.get('canary', 0)}, ready {replicas.get('ready', 0)}"
+        f", verified {replicas.get('verified', 0)}",
+    )
+
+    steps = Table("#", "step", "", title="Steps", title_justify="left")
+    current = status.get("currentStepIndex")
+    for i, step in enumerate(((spec.get("strategy") or {}).get("canary") or {}).get("steps") or []):
+        mark = (
+            "✔"
+            if current is not None and i < current
+            else "▶"
+            if i == current and phase != "Healthy"
+            else ""
+        )
+        steps.add_row(str(i), _step_text(step), mark)
+
+    gates = Table(
+        "condition", "status", "reason", "message", title="Conditions", title_justify="left"
+    )
+    for c in status.get("conditions") or []:
+        gates.add_row(c["type"], c["status"], c.get("reason", ""), c.get("message", ""))
+
+    parts: list[Any] = [head, steps, gates]
+    prefetch = status.get("prefetch") or {}
+    if prefetch.get("nodes"):
+        nodes = Table(
+            "node",
+            "state",
+            "progress",
+            title=(
+                f"Prefetch {prefetch.get('stagedNodes', 0)}/{prefetch.get('targetNodes', 0)} staged"
+            ),
+            title_justify="left",
+        )
+        for n in prefetch["nodes"]:
+            total = n.get("bytesTotal") or 0
+            pct = f"{100 * (n.get('bytesDone') or 0) / total:.0f}%" if total else "-"
+            nodes.add_row(n["name"], n["state"], pct)
+        parts.append(nodes)
+    history = status.get("history") or []
+    if history:
+        hist = Table("at", "revision", "outcome", "reason", title="History", title_justify="left")
+        for h in history[-5:]:
+            hist.add_row(
+                h.get("at", ""), h.get("revision", ""), h.get("outcome", ""), h.get("reason", "")
+            )
+        parts.append(hist)
+    return Group(*parts)
