@@ -75,7 +75,9 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = testkit.create_namespace(cluster.api, request.node.name[:30])
+    # A module may set NAMESPACE_PREFIX so that its operator watches only its namespaces.
+    prefix = getattr(request.module, "NAMESPACE_PREFIX", "")
+    name = testkit.create_namespace(cluster.api, prefix + request.node.name[:30])
     yield name
     testkit.delete_namespace(cluster.api, name)
 

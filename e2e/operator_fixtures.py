@@ -51,13 +51,23 @@ class OperatorProcess:
 
     kubeconfig: Path
     log_path: Path
+    namespaces: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSHIP_METRICS_PORT": "0"}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "weightship", "operator", "--standalone", "--liveness", ""],
+                [
+                    sys.executable,
+                    "-m",
+                    "weightship",
+                    "operator",
+                    "--standalone",
+                    "--liveness",
+                    "",
+                    *(f"--namespace={n}" for n in self.namespaces),
+                ],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -242,8 +252,14 @@ class Rollouts:
         ]
 
 
-def operator_process(state: Path, kubeconfig: Path) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(kubeconfig, state / "operator-e2e.log")
+def operator_process(
+    state: Path,
+    kubeconfig: Path,
+    namespaces: tuple[str, ...] = (),
+) -> Iterator[OperatorProcess]:
+    """One operator per test module, watching only that module's namespaces (globs), so
+    modules never fight over each other's rollouts."""
+    op = OperatorProcess(kubeconfig, state / "operator-e2e.log", namespaces)
     op.start()
     try:
         yield op

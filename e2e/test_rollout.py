@@ -26,6 +26,8 @@ from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.controller.kube import Conflict, Kube
 from weightship.dev import testkit
 
+NAMESPACE_PREFIX = "ro-"
+
 
 @pytest.fixture(scope="module")
 def crds(cluster: Any) -> None:
@@ -34,7 +36,9 @@ def crds(cluster: Any) -> None:
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, crds: None) -> Iterator[OperatorProcess]:
-    yield from operator_process(cluster.paths.root, cluster.paths.admin_kubeconfig)
+    yield from operator_process(
+        cluster.paths.root, cluster.paths.admin_kubeconfig, namespaces=(f"{NAMESPACE_PREFIX}*",)
+    )
 
 
 @pytest.fixture(scope="module")

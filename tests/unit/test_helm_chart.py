@@ -1,0 +1,283 @@
+"""The Helm chart in charts/weightship, linted and rendered by the real helm binary.
+
+helm comes from `make deps` (hack/deps.sh builds it into ~/.cache/weightship/bin). Without
+it these tests fail rather than skip, so a green run always means the chart was rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "weightship"
+CACHE = Path(os.environ.get("WEIGHTSHIP_CACHE", Path.home() / ".cache" / "weightship"))
+HELM = CACHE / "bin" / "helm"
+KUBE_VERSION = "1.34.0"
+DEFAULT: tuple[str, ...] = ()
+EXTRAS = ("serviceMonitor.enabled=true", "operator.peering.enabled=true")
+SCOPED = ("operator.watchNamespaces={serving,ml}",)
+SCENARIOS = {"default": DEFAULT, "extras": EXTRAS, "scoped": SCOPED, "all": EXTRAS + SCOPED}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    if not HELM.is_file():
+        pytest.fail(f"helm not found at {HELM}: run `make deps` (or `bash hack/deps.sh helm`)")
+    result = subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=120)
+    if check and result.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
+    return result
+
+
+def set_args(values: tuple[str, ...]) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+@cache
+def render(values: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
+    out = helm(
+        "template", "ws", str(CHART), "--namespace", "weightship-system",
+        "--kube-version", KUBE_VERSION, *set_args(values),
+    ).stdout  # fmt: skip
+    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+
+
+def of_kind(docs: tuple[dict[str, Any], ...], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: tuple[dict[str, Any], ...], kind: str, suffix: str = "") -> dict[str, Any]:
+    found = [d for d in of_kind(docs, kind) if d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"expected one {kind} *{suffix}, got {len(found)}"
+    return found[0]
+
+
+def containers(docs: tuple[dict[str, Any], ...]) -> Iterator[tuple[dict, dict]]:
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Job"):
+            pod = doc["spec"]["template"]["spec"]
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                yield pod, container
+
+
+def rules(docs: tuple[dict[str, Any], ...], kind: str, suffix: str) -> list[dict[str, Any]]:
+    return [r for d in of_kind(docs, kind) if d["metadata"]["name"].endswith(suffix)
+            for r in d["rules"]]  # fmt: skip
+
+
+def allows(rule: dict[str, Any], group: str, resource: str, verb: str) -> bool:
+    return group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+
+
+@pytest.mark.parametrize("values", [DEFAULT, EXTRAS + SCOPED], ids=["default", "all"])
+def test_lint(values: tuple[str, ...]) -> None:
+    result = helm("lint", str(CHART), "--strict", *set_args(values))
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_container_is_locked_down(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    found = list(containers(docs))
+    assert len(found) == 2  # operator and agent
+    for pod, container in found:
+        ctx = container["securityContext"]
+        pod_ctx = pod.get("securityContext", {})
+        name = container["name"]
+        assert ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True, name
+        assert ctx.get("runAsUser", pod_ctx.get("runAsUser")) not in (None, 0), name
+        assert ctx["readOnlyRootFilesystem"] is True, name
+        assert ctx["allowPrivilegeEscalation"] is False, name
+        assert ctx["capabilities"]["drop"] == ["ALL"], name
+        assert "add" not in ctx["capabilities"], name
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile"))
+        assert seccomp == {"type": "RuntimeDefault"}, name
+        assert not pod.get("hostNetwork") and not pod.get("hostPID"), name
+        tmp = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}.get("/tmp")
+        assert {"name": tmp, "emptyDir": {"sizeLimit": "256Mi"}} in pod["volumes"], name
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rbac_is_least_privilege(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    all_rules = [r for kind in ("ClusterRole", "Role") for r in rules(docs, kind, "")]
+    assert all_rules
+    for rule in all_rules:
+        for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert not any("*" in item for item in rule.get(key, [])), rule
+        assert "nonResourceURLs" not in rule, rule
+    operator = rules(docs, "ClusterRole", "-operator")
+    deletes = {(g, r) for rule in operator if "delete" in rule["verbs"]
+               for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
+    assert deletes == {("apps", "replicasets")}
+    for rule in all_rules:  # nobody may create, change or list Secrets
+        if "secrets" in rule["resources"]:
+            assert rule["verbs"] == ["get"], rule
+    required = [
+        ("weightship.io", "modelrollouts/status", "patch"),
+        ("weightship.io", "modelrollouts/finalizers", "update"),
+        ("weightship.io", "weightcaches", "watch"),
+        ("apps", "replicasets", "create"),
+        ("", "pods/status", "patch"),
+        ("", "nodes", "patch"),
+        ("", "events", "create"),
+        ("events.k8s.io", "events", "create"),
+        ("gateway.networking.k8s.io", "httproutes", "patch"),
+    ]
+    for need in required:
+        assert any(allows(rule, *need) for rule in operator), need
+    assert not any(allows(r, "weightship.io", "weightcaches", "patch") for r in operator)
+    agent = rules(docs, "ClusterRole", "-agent")
+    for need in [
+        ("weightship.io", "weightcaches", "create"),
+        ("weightship.io", "weightcaches/status", "patch"),
+        ("weightship.io", "modelrollouts", "watch"),
+        ("", "nodes", "get"),
+    ]:
+        assert any(allows(rule, *need) for rule in agent), need
+    assert not any(allows(r, "weightship.io", "modelrollouts", "patch") for r in agent)
+
+
+def test_secrets_are_namespaced_when_namespaces_are() -> None:
+    cluster_wide = rules(render(DEFAULT), "ClusterRole", "")
+    assert any(allows(r, "", "secrets", "get") for r in cluster_wide)
+    docs = render(SCOPED)
+    assert not any(allows(r, "", "secrets", "get") for r in rules(docs, "ClusterRole", ""))
+    roles = of_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "serving"]
+    for binding in of_kind(docs, "RoleBinding"):
+        subjects = {s["name"] for s in binding["subjects"]}
+        assert subjects == {"ws-weightship-operator", "ws-weightship-agent"}
+
+
+def test_operator_deployment() -> None:
+    deploy = one(render(DEFAULT), "Deployment", "-operator")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"ghcr.io/weightship/weightship:{chart()['appVersion']}"
+    assert container["imagePullPolicy"] == "IfNotPresent"
+    assert container["args"] == [
+        "operator",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--standalone",
+    ]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert "readinessProbe" not in container
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"healthz": 8080, "metrics": 9100}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["WEIGHTSHIP_METRICS_PORT"]["value"] == "9100"
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    scoped = one(render(SCOPED + EXTRAS), "Deployment", "-operator")
+    args = scoped["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[2:] == ["--namespace=serving", "--namespace=ml"]
+
+
+def test_agent_daemonset() -> None:
+    docs = render(DEFAULT)
+    ds = one(docs, "DaemonSet", "-agent")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"] == ["agent"]
+    env = {e["name"]: e.get("valueFrom", e.get("value")) for e in container["env"]}
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["WEIGHTSHIP_CACHE_DIR"] == "/var/cache/weightship"
+    assert {"name": "peer", "containerPort": 8479, "protocol": "TCP"} in container["ports"]
+    cache_volume = next(v for v in pod["volumes"] if v["name"] == "cache")
+    assert cache_volume["hostPath"] == {
+        "path": "/var/cache/weightship",
+        "type": "DirectoryOrCreate",
+    }
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["cache"] == "/var/cache/weightship"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == 65532
+    assert pod["serviceAccountName"] == "ws-weightship-agent"
+    custom = render(
+        (
+            "agent.cacheDir=/mnt/nvme/ws",
+            "agent.nodeSelector.gpu=h100",
+            "agent.tolerations[0].operator=Exists",
+        )
+    )
+    pod = one(custom, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert (
+        next(v for v in pod["volumes"] if v["name"] == "cache")["hostPath"]["path"]
+        == "/mnt/nvme/ws"
+    )
+
+
+def test_optional_parts() -> None:
+    docs = render(DEFAULT)
+    assert not of_kind(docs, "ServiceMonitor")
+    assert not of_kind(docs, "CustomResourceDefinition")
+    service = one(docs, "Service", "-metrics")
+    assert service["spec"]["ports"][0]["port"] == 9100
+    deploy = one(docs, "Deployment", "-operator")
+    assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    extras = render(EXTRAS)
+    monitor = one(extras, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    crds = {c["metadata"]["name"] for c in of_kind(extras, "CustomResourceDefinition")}
+    assert crds == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    peering = one(extras, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "weightship"  # kopf's settings.peering.name
+    assert "post-install" in peering["metadata"]["annotations"]["helm.sh/hook"]
+    assert (
+        "--standalone"
+        not in one(extras, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    operator = rules(extras, "ClusterRole", "-operator")
+    assert any(allows(r, "kopf.dev", "clusterkopfpeerings", "patch") for r in operator)
+    namespaced = render(EXTRAS + SCOPED)
+    assert {p["metadata"]["namespace"] for p in of_kind(namespaced, "KopfPeering")} == {
+        "serving",
+        "ml",
+    }
+    assert not of_kind(namespaced, "ClusterKopfPeering")
+
+
+def test_values_schema_rejects_unknown_keys() -> None:
+    for bogus in ("bogus=1", "operator.bogus=1", "agent.serviceAccount.bogus=1"):
+        result = helm(
+            "template", "ws", str(CHART), "--kube-version", KUBE_VERSION, "--set", bogus,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode != 0, bogus
+        assert "additional properties" in result.stderr, result.stderr
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+
+
+def test_chart_metadata_and_crds() -> None:
+    meta = chart()
+    assert (meta["apiVersion"], meta["name"], meta["version"], meta["appVersion"]) == (
+        "v2",
+        "weightship",
+        "0.1.0",
+        "0.1.0",
+    )
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    assert chart_crds == sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    for name in chart_crds:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), name
+
+
+def chart() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())
