@@ -22,8 +22,8 @@ deps:
 	bash hack/deps.sh all >/dev/null
 
 lint: venv
-	$(BIN)/ruff check operator tests e2e bench
-	$(BIN)/ruff format --check operator tests e2e bench
+	$(BIN)/ruff check operator tests e2e bench argocd
+	$(BIN)/ruff format --check operator tests e2e bench argocd
 	$(BIN)/mypy
 
 unit: venv

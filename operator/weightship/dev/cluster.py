@@ -169,6 +169,22 @@ def _make_pki(cfg: ClusterConfig) -> None:
     pki.write_kubeconfig(cfg.paths.admin_kubeconfig, p, "admin")
 
 
+def _let_containers_run_python() -> None:
+    """Non-root containers run the host's interpreter and this package (process nodes pull
+    no images). Give "other" search permission on their parent directories (e.g. a 0700
+    /root holding pyenv): search only, no listing, and nothing else changes."""
+    import stat
+    import sys
+
+    import weightship
+
+    for target in (Path(sys.executable).resolve(), Path(weightship.__file__).resolve()):
+        for parent in target.parents:
+            mode = parent.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                parent.chmod(mode | stat.S_IXOTH)
+
+
 def up(cfg: ClusterConfig, log: Log = print) -> None:
     """Start (or finish starting) the cluster. Idempotent: running parts are kept."""
     _check_prerequisites()
@@ -176,6 +192,7 @@ def up(cfg: ClusterConfig, log: Log = print) -> None:
     for d in (paths.root, paths.logs, paths.pids, paths.nodes, paths.s3_data, paths.prometheus):
         d.mkdir(parents=True, exist_ok=True)
     network.ensure_bridge([process_node_ip(i) for i in range(cfg.process_nodes)])
+    _let_containers_run_python()
     _make_pki(cfg)
     (paths.root / "scheduler.yaml").write_text(components.scheduler_config(paths))
 
