@@ -11,38 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from kubernetes import client
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
 from weightship.dev import testkit
+from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def apply_crds(api: client.ApiClient) -> None:
-    ext = client.ApiextensionsV1Api(api)
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        try:
-            ext.create_custom_resource_definition(crd)
-        except client.ApiException as e:
-            if e.status != 409:
-                raise
-            current = ext.read_custom_resource_definition(crd["metadata"]["name"])
-            crd["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(crd["metadata"]["name"], crd)
-
-        def established(name: str = crd["metadata"]["name"]) -> bool:
-            got = ext.read_custom_resource_definition(name)
-            return any(
-                c.type == "Established" and c.status == "True" for c in got.status.conditions or []
-            )
-
-        testkit.wait_until(established, timeout=30, what=f"CRD {crd['metadata']['name']}")
 
 
 @dataclass

@@ -3,7 +3,6 @@ non-root pod with a read-only root and the chart's least-privilege RBAC, drives 
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,54 +11,23 @@ import pytest
 
 from e2e.operator_fixtures import (
     Rollouts,
-    apply_crds,
     publish_models,
     rollout_body,
     s3_secret,
 )
 from weightship.dev import testkit
-from weightship.dev.layout import bin_dir
+from weightship.dev.install import apply_crds, helm, install_chart
 
 NAMESPACE_PREFIX = "ch-"
-CHART = Path(__file__).resolve().parent.parent / "charts" / "weightship"
-
-
-def helm(cluster: Any, *args: str) -> str:
-    proc = subprocess.run(
-        [str(bin_dir() / "helm"), "--kubeconfig", str(cluster.paths.admin_kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 @pytest.fixture
 def release(cluster: Any, namespace: str) -> Iterator[str]:
     apply_crds(cluster.api)
     name = testkit.unique_name("ws")
-    helm(
-        cluster,
-        "install",
-        name,
-        str(CHART),
-        "--namespace",
-        namespace,
-        "--wait",
-        "--timeout",
-        "120s",
-        "--set",
-        f"operator.watchNamespaces={{{namespace}}}",
-        "--set",
-        "operator.nodeSelector.weightship\\.io/node-kind=process",
-        "--set",
-        "agent.enabled=false",
-        "--set",
-        "image.tag=e2e",
-    )
+    install_chart(cluster.paths, name, namespace, [namespace])
     yield name
-    helm(cluster, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
+    helm(cluster.paths, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
 
 
 def test_chart_installs_and_its_operator_runs_a_rollout(

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from weightship import __version__
+from weightship.agent.cli import agent_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -176,6 +177,7 @@ def _register_data_commands() -> None:
 
 
 _register_data_commands()
+main.add_command(agent_command, "agent")
 
 
 @main.group()
@@ -262,6 +264,14 @@ def cluster_status(output: str) -> None:
         )
     if not any(r.name == "kube-apiserver" and r.healthy for r in rows):
         sys.exit(1)
+
+
+@dev.command("demo")
+def dev_demo() -> None:
+    """A real rollout and a real rollback on the local cluster (what `make demo` runs)."""
+    from weightship.dev.demo import main as demo_main
+
+    demo_main()
 
 
 @dev.command("kubelet")

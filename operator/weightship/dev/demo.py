@@ -1,0 +1,315 @@
+"""`make demo`: a real rollout and a real rollback on the local cluster.
+
+1. Start the cluster (if needed), install the CRDs and the Helm chart (the operator runs
+   as a non-root pod on a process node).
+2. Publish three model versions to the local S3 server: v1 and v2 good, v3 corrupt (its
+   bytes no longer match its manifest).
+3. v1 becomes stable; v2 walks the canary steps to Healthy; v3's canary pods refuse the
+   corrupt weights, never turn Ready, and the progress deadline rolls it back on its own:
+   stable (v2) is full size again before the canary goes, and the spec is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from rich.console import Console
+from rich.table import Table
+
+from weightship.controller.builders import GROUP
+from weightship.controller.kube import PLURAL, VERSION
+from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.dev import cluster as local_cluster
+from weightship.dev import install, nodes, testkit
+from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
+
+NAMESPACE = "demo"
+SYSTEM_NAMESPACE = "weightship-system"
+BUCKET = "demo-models"
+STEPS = [
+    {"setWeight": 34},
+    {"pause": {"duration": "5s"}},
+    {"setWeight": 67},
+    {"pause": {"duration": "5s"}},
+    {"setWeight": 100},
+]
+
+
+def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
+    secret_env = [
+        {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    ]
+    return {
+        "replicas": 3,
+        "selector": {"matchLabels": {"app": "llm"}},
+        "template": {
+            "metadata": {
+                "labels": {"app": "llm"},
+                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8080"},
+            },
+            "spec": {
+                "nodeSelector": {"weightship.io/node-kind": "process"},
+                "terminationGracePeriodSeconds": 2,
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": "python:3.11-slim",
+                        "command": ["python3", "-m", "weightship.dev.demoserver"],
+                        "env": [
+                            *secret_env,
+                            {"name": "SCRATCH_DIR", "value": "/scratch"},
+                            {
+                                "name": "NODE_NAME",
+                                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                            },
+                        ],
+                        "ports": [{"name": "http", "containerPort": 8080}],
+                        "readinessProbe": {
+                            "httpGet": {"path": "/healthz", "port": "http"},
+                            "periodSeconds": 1,
+                        },
+                        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                    }
+                ],
+                "volumes": [{"name": "scratch", "emptyDir": {}}],
+            },
+        },
+        "model": {
+            "source": {
+                "uri": uri,
+                "endpoint": endpoint,
+                "region": "us-east-1",
+                "credentialsSecretRef": {"name": "s3-credentials"},
+            },
+            "revision": revision,
+        },
+        # The node agents and the readiness-gate verifier arrive with their own issues;
+        # until then the demo server verifies what it loads itself.
+        "prefetch": {"enabled": False},
+        "validation": {"checksum": False},
+        "strategy": {
+            "canary": {
+                "steps": STEPS,
+                "progressDeadlineSeconds": 25,
+                "abortScaleDownDelaySeconds": 5,
+            }
+        },
+    }
+
+
+def publish_versions(endpoint: str, root: Path) -> dict[str, str]:
+    s3 = make_client(
+        S3Settings(
+            endpoint_url=endpoint,
+            region="us-east-1",
+            access_key_id=S3_ACCESS_KEY,
+            secret_access_key=S3_SECRET_KEY,
+        )
+    )
+    try:
+        s3.create_bucket(Bucket=BUCKET)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    except Exception as e:
+        if "BucketAlreadyExists" not in str(e) and "BucketAlreadyOwnedByYou" not in str(e):
+            raise
+    uris = {}
+    for version in ("v1", "v2", "v3"):
+        folder = root / version
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(os.urandom(4 << 20))
+        uri = f"s3://{BUCKET}/llm/{version}/"
+        publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
+        uris[version] = uri
+    # v3 goes bad after publishing: one byte flipped in S3, its manifest unchanged.
+    key = "llm/v3/model.safetensors"
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    return uris
+
+
+class Demo:
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.paths = ClusterPaths.default()
+        self.api: client.ApiClient
+        self.custom: client.CustomObjectsApi
+
+    def say(self, text: str) -> None:
+        self.console.rule(f"[bold]{text}")
+
+    def setup(self) -> dict[str, str]:
+        self.say("local cluster")
+        if not local_cluster.is_up(self.paths):
+            local_cluster.up(local_cluster.ClusterConfig(paths=self.paths), log=self.console.print)
+        self.api = nodes.admin_api(self.paths)
+        self.custom = client.CustomObjectsApi(self.api)
+        core = client.CoreV1Api(self.api)
+        install.apply_crds(self.api)
+        self.console.print("CRDs applied")
+        try:
+            core.delete_namespace(NAMESPACE)
+            # A previous demo's operator may be gone: release its finalizers on the way out.
+            for mr in self.custom.list_namespaced_custom_object(
+                GROUP, VERSION, NAMESPACE, PLURAL
+            ).get("items", []):
+                self.custom.patch_namespaced_custom_object(
+                    GROUP,
+                    VERSION,
+                    NAMESPACE,
+                    PLURAL,
+                    mr["metadata"]["name"],
+                    {"metadata": {"finalizers": None}},
+                )
+            testkit.wait_until(
+                lambda: not _exists(core, NAMESPACE), timeout=120, what="old demo namespace to go"
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        core.create_namespace({"metadata": {"name": NAMESPACE}})
+        core.create_namespaced_secret(
+            NAMESPACE,
+            {
+                "metadata": {"name": "s3-credentials"},
+                "stringData": {
+                    "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                    "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+                },
+            },
+        )
+        with self.console.status("helm upgrade --install weightship (operator on a process node)"):
+            install.install_chart(self.paths, "weightship", SYSTEM_NAMESPACE, [NAMESPACE])
+        self.console.print(f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}")
+        uris = publish_versions(local_cluster.s3_endpoint(), self.paths.root / "demo-models")
+        self.console.print(
+            f"published v1, v2 and v3 (corrupted after publishing) to s3://{BUCKET}/llm/"
+        )
+        return uris
+
+    def get(self) -> dict[str, Any]:
+        return dict(
+            self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "llm")
+        )
+
+    def follow(self, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> None:
+        """Print each change of phase, step, weight or replica counts until `until`."""
+        last = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.get().get("status") or {}
+            replicas = status.get("replicas") or {}
+            line = (
+                status.get("phase"),
+                status.get("currentStepIndex"),
+                status.get("canaryWeight"),
+                replicas.get("stable"),
+                replicas.get("canary"),
+                replicas.get("ready"),
+                status.get("message"),
+            )
+            if line != last:
+                phase, step, weight, stable, canary, ready, message = line
+                self.console.print(
+                    f"  [cyan]{phase or '-':<11}[/] step {step if step is not None else '-'}"
+                    f"  weight {weight or 0:>3}%  stable {stable or 0} canary {canary or 0}"
+                    f" ready {ready or 0}  [dim]{message or ''}[/]"
+                )
+                last = line
+            if until(status):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(
+            "the rollout did not get there in time; see `weightship status "
+            f"llm -n {NAMESPACE}` and the operator's log"
+        )
+
+    def run(self) -> None:
+        uris = self.setup()
+        endpoint = local_cluster.s3_endpoint()
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "ModelRollout",
+            "metadata": {"name": "llm"},
+            "spec": rollout_spec(uris["v1"], "v1", endpoint),
+        }
+
+        self.say("v1: the first revision goes straight to stable")
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+        self.follow(lambda s: s.get("phase") == "Healthy")
+
+        self.say("v2: a canary walks 34% → pause → 67% → pause → 100%")
+        self._set_model(uris["v2"], "v2")
+        self.follow(
+            lambda s: (
+                s.get("phase") == "Healthy"
+                and (s.get("stableRevision") or {}).get("revision") == "v2"
+            )
+        )
+
+        self.say("v3: corrupt weights; the canary never turns Ready and rolls back by itself")
+        self._set_model(uris["v3"], "v3")
+        self.follow(
+            lambda s: s.get("phase") == "Degraded" and (s.get("replicas") or {}).get("canary") == 0
+        )
+        self.report()
+
+    def _set_model(self, uri: str, revision: str) -> None:
+        self.custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            NAMESPACE,
+            PLURAL,
+            "llm",
+            {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}},
+        )
+
+    def report(self) -> None:
+        self.say("what happened")
+        obj = self.get()
+        status = obj["status"]
+        table = Table("at", "revision", "outcome", "reason", "message")
+        for h in status.get("history") or []:
+            table.add_row(h["at"], h["revision"], h["outcome"], h["reason"], h.get("message") or "")
+        self.console.print(table)
+        self.console.print(f"phase: [red]{status['phase']}[/]: {status['message']}")
+        self.console.print(
+            f"stable: {status['stableRevision']['revision']}  "
+            f"spec still asks for: {obj['spec']['model']['revision']} "
+            "(the spec is never changed: no GitOps drift)"
+        )
+        for log in sorted(self.paths.nodes.glob(f"*/logs/{NAMESPACE}_*server.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if "refusing to serve" in line:
+                    self.console.print(f"[dim]{log.parent.parent.name}:[/] {line}")
+                    break
+            else:
+                continue
+            break
+        self.console.print(
+            f"\nLook around: weightship status llm -n {NAMESPACE}; "
+            f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
+            f"-n {NAMESPACE}"
+        )
+
+
+def _exists(core: client.CoreV1Api, name: str) -> bool:
+    try:
+        core.read_namespace(name)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def main() -> None:
+    Demo(Console()).run()
