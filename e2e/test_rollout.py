@@ -246,3 +246,79 @@ def test_stale_status_writes_conflict(
         lambda s: (s.get("control") or {}).get("promote", {}).get("acknowledged") is not None,
     )
     assert rollouts.get("llm")["status"]["message"] != "stale write"
+
+
+def test_gateway_api_weights_and_selectors_follow_the_canary(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    ns = rollouts.namespace
+    for service in ("llm-stable", "llm-canary"):
+        cluster.core.create_namespaced_service(
+            ns,
+            {
+                "metadata": {"name": service},
+                "spec": {"selector": {"app": "llm"}, "ports": [{"port": 8080}]},
+            },
+        )
+    routes = ("gateway.networking.k8s.io", "v1", ns, "httproutes")
+    custom = client.CustomObjectsApi(cluster.api)
+    custom.create_namespaced_custom_object(
+        *routes,
+        {
+            "apiVersion": "gateway.networking.k8s.io/v1",
+            "kind": "HTTPRoute",
+            "metadata": {"name": "llm"},
+            "spec": {
+                "parentRefs": [{"name": "inference-gateway"}],
+                "rules": [
+                    {
+                        "backendRefs": [
+                            {"name": "llm-stable", "port": 8080, "weight": 100},
+                            {"name": "llm-canary", "port": 8080, "weight": 0},
+                        ]
+                    }
+                ],
+            },
+        },
+    )
+    routing = {
+        "gatewayAPI": {
+            "httpRoute": {"name": "llm"},
+            "stableBackend": "llm-stable",
+            "canaryBackend": "llm-canary",
+        }
+    }
+    body = rollout_body(
+        "llm",
+        models["v1"],
+        "v1",
+        [{"setWeight": 30}, {"pause": {}}],
+        cluster.s3_endpoint,
+        trafficRouting=routing,
+    )
+    rollouts.create(body)
+    healthy_on(rollouts, "llm", "v1")
+    rollouts.set_model("llm", models["v2"], "v2")
+    status = rollouts.wait_phase("llm", "Paused")["status"]
+
+    def weights() -> dict[str, int]:
+        route = custom.get_namespaced_custom_object(*routes, "llm")
+        return {r["name"]: r["weight"] for r in route["spec"]["rules"][0]["backendRefs"]}
+
+    def selects(service: str) -> str:
+        selector = cluster.core.read_namespaced_service(service, ns).spec.selector
+        return str(selector.get("weightship.io/revision-hash"))
+
+    assert weights() == {"llm-stable": 70, "llm-canary": 30}
+    assert selects("llm-stable") == status["stableRevision"]["podTemplateHash"]
+    assert selects("llm-canary") == status["canaryRevision"]["podTemplateHash"]
+
+    user_actions.promote(cluster.api, ns, "llm", full=True)
+    promoted = healthy_on(rollouts, "llm", "v2")["status"]
+    testkit.wait_until(
+        lambda: weights() == {"llm-stable": 100, "llm-canary": 0},
+        timeout=30,
+        what="all traffic on the new stable",
+        detail=lambda: str(weights()),
+    )
+    assert selects("llm-stable") == promoted["stableRevision"]["podTemplateHash"]

@@ -11,6 +11,7 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import (
+    REVISION_LABEL,
     VERIFIED_GATE,
     replicaset_body,
     staged_node_label,
@@ -67,17 +68,26 @@ def apply_scales(kube: Kube, rollout: ModelRollout, observed: Observed, decision
 
 
 def apply_traffic(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:
+    """Gateway API routing: point the stable and canary Services at their revisions, then
+    set the HTTPRoute's backend weights. Selectors first, so weight never reaches a Service
+    that still selects the wrong pods."""
     routing = rollout.spec.strategy.canary.traffic_routing
     gateway = routing.gateway_api if routing is not None else None
-    if decision.traffic is None or gateway is None:
+    traffic = decision.traffic
+    if traffic is None or gateway is None:
         return
+    namespace = rollout.metadata.namespace or "default"
+    selector = dict(rollout.spec.selector.match_labels or {})
+    for service, revision in (
+        (gateway.stable_backend, traffic.stable_hash),
+        (gateway.canary_backend, traffic.canary_hash or traffic.stable_hash),
+    ):
+        if revision is not None:
+            kube.set_service_selector(namespace, service, {**selector, REVISION_LABEL: revision})
     kube.set_route_weights(
-        gateway.http_route.namespace or rollout.metadata.namespace or "default",
+        gateway.http_route.namespace or namespace,
         gateway.http_route.name,
-        {
-            gateway.stable_backend: decision.traffic.stable,
-            gateway.canary_backend: decision.traffic.canary,
-        },
+        {gateway.stable_backend: traffic.stable, gateway.canary_backend: traffic.canary},
     )
 
 

@@ -180,6 +180,15 @@ class Kube:
             self.core.create_namespaced_event(meta["namespace"], body)
 
     @api_retry
+    def set_service_selector(self, namespace: str, name: str, selector: dict[str, str]) -> None:
+        service = self.core.read_namespaced_service(name, namespace)
+        if (service.spec.selector or {}) != selector:
+            # A JSON merge patch cannot drop keys it does not name: replace the selector.
+            self.core.patch_namespaced_service(
+                name, namespace, [{"op": "replace", "path": "/spec/selector", "value": selector}]
+            )
+
+    @api_retry
     def set_route_weights(self, namespace: str, route: str, weights: dict[str, int]) -> None:
         """Set backendRef weights by Service name on every rule of an HTTPRoute."""
         obj = self.custom.get_namespaced_custom_object(

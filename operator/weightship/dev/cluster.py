@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightship.dev import components, network, nodes, pki, processes
+from weightship.dev import components, install, network, nodes, pki, processes
 from weightship.dev.layout import (
     APISERVER_PORT,
     BRIDGE_IP,
@@ -30,6 +30,7 @@ from weightship.dev.layout import (
     S3_SECRET_KEY,
     ClusterPaths,
     bin_dir,
+    cache_dir,
     process_node_ip,
 )
 
@@ -215,6 +216,10 @@ def up(cfg: ClusterConfig, log: Log = print) -> None:
 
     api = nodes.admin_api(paths)
     nodes.bootstrap_rbac(api)
+    gateway_crds = cache_dir() / "gateway-api"
+    if gateway_crds.is_dir():
+        install.apply_crds(api, gateway_crds)
+        log(f"  {'gateway API CRDs':<24} installed")
     nodes.ensure_kwok_nodes(api, cfg.kwok_nodes)
     log(f"  {'kwok nodes':<24} {cfg.kwok_nodes}")
     for index, name in enumerate(nodes.process_node_names(cfg.process_nodes)):
