@@ -120,6 +120,20 @@ def test_new_revision_waits_for_prefetch(
     assert rollout.status.canary_revision.revision == "v2"
 
 
+def test_promote_while_prefetching_is_reported_not_lost_silently() -> None:
+    rollout, stable = healthy_rollout(STEPS)
+    rollout = with_model_revision(rollout, "v2")
+    observed = observe(replica_set(stable, 4), digest=DIGEST_B, prefetch=staged(DIGEST_B, 1, 10))
+    rollout, _ = advance(rollout, observed, at(60))
+    rollout = with_control(rollout, promote=PromoteRequest(requested_at="t1", mode="Full"))
+    rollout, decision = advance(rollout, observed, at(61))
+    assert rollout.status.phase == "Prefetching"
+    assert "RequestIgnored" in reasons(decision)
+    assert rollout.status.control is not None and rollout.status.control.promote is not None
+    assert rollout.status.control.promote.acknowledged == "t1"
+    assert rollout.status.current_step_index == 0
+
+
 def test_prefetch_past_deadline_aborts() -> None:
     rollout, stable = healthy_rollout(STEPS)
     rollout = with_model_revision(rollout, "v2")

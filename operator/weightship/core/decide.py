@@ -363,6 +363,11 @@ class _Reconcile:
             self.events.append(Event("Normal", "Prefetched", result.message))
             status.step_start_time = self.now
             return True
+        if self.promote is not None:
+            # Steps have not started: say so rather than drop the request silently.
+            self.events.append(Event("Normal", "RequestIgnored",
+                                     "promote ignored: the canary is still prefetching"))
+            self.promote = None
         if not self._deadline_exceeded("prefetch"):
             self._progressing("Prefetching", f"prefetching {canary.revision}: {result.message}")
             self.status.phase = "Prefetching"
