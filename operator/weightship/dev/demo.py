@@ -276,9 +276,11 @@ class Demo:
         self.say("what happened")
         obj = self.get()
         status = obj["status"]
-        table = Table("at", "revision", "outcome", "reason", "message")
+        table = Table("at (UTC)", "revision", "outcome", "reason", "message")
         for h in status.get("history") or []:
-            table.add_row(h["at"], h["revision"], h["outcome"], h["reason"], h.get("message") or "")
+            table.add_row(
+                h["at"][11:19], h["revision"], h["outcome"], h["reason"], h.get("message") or ""
+            )
         self.console.print(table)
         self.console.print(f"phase: [red]{status['phase']}[/]: {status['message']}")
         self.console.print(
