@@ -25,6 +25,8 @@ from weightship import rollouts as user_actions
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.controller.kube import Conflict, Kube
 from weightship.dev import testkit
+from weightship.dev.layout import BRIDGE_IP
+from weightship.dev.slackreceiver import SlackReceiver
 
 NAMESPACE_PREFIX = "ro-"
 
@@ -322,3 +324,42 @@ def test_gateway_api_weights_and_selectors_follow_the_canary(
         detail=lambda: str(weights()),
     )
     assert selects("llm-stable") == promoted["stableRevision"]["podTemplateHash"]
+
+
+def test_slack_hears_about_promotions_and_a_dead_webhook_blocks_nothing(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    ns = rollouts.namespace
+    with SlackReceiver(host=BRIDGE_IP) as slack:
+        dead = slack.url.replace(f":{slack.server.server_address[1]}/", ":9/")
+        for name, url in (("slack", slack.url), ("dead-slack", dead)):
+            cluster.core.create_namespaced_secret(
+                ns, {"metadata": {"name": name}, "stringData": {"url": url}}
+            )
+        for name, secret in (("llm", "slack"), ("quiet", "dead-slack")):
+            body = rollout_body(name, models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint)
+            body["spec"]["notifications"] = {
+                "slack": {
+                    "webhookSecretRef": {"name": secret},
+                    "channel": "#ml-oncall",
+                    "events": ["Promoted", "RolledBack"],
+                }
+            }
+            rollouts.create(body)
+        for name in ("llm", "quiet"):
+            healthy_on(rollouts, name, "v1")
+            rollouts.set_model(name, models["v2"], "v2")
+        healthy_on(rollouts, "llm", "v2")
+        healthy_on(rollouts, "quiet", "v2")  # the dead webhook held nothing up
+        testkit.wait_until(
+            lambda: len(slack.received) >= 2, timeout=30, what="two Slack messages for llm"
+        )
+    texts = [m["text"] for m in slack.received]
+    assert any("llm: Promoted" in t and "v2" in t for t in texts), texts
+    assert all(m["channel"] == "#ml-oncall" for m in slack.received)
+
+    def failure_event() -> Any:
+        return [e for e in rollouts.events("quiet") if e.reason == "NotificationFailed"]
+
+    failed = testkit.wait_until(failure_event, timeout=90, what="a NotificationFailed event")
+    assert "secret-token" not in failed[0].message

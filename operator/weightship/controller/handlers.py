@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 from weightship.controller.builders import GROUP, ROLLOUT_LABEL
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
+from weightship.notify.slack import SlackSender
 
 FINALIZER = f"{GROUP}/finalizer"
 WAKE_POLL_SECONDS = 0.5
@@ -41,7 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
-    memo.reconciler = Reconciler(Kube(load_client()))
+    memo.reconciler = Reconciler(Kube(load_client()), slack=SlackSender())
     memo.wakeups = {}
     memo.wakeups_lock = threading.Lock()
     port = int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))

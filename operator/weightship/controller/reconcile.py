@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -17,6 +18,8 @@ from weightship.controller.observe import ManifestResolver, MeasureFn, observe, 
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
 from weightship.core.gates import DEFAULT_GATES, GateSet
+from weightship.notify import blocks
+from weightship.notify.slack import SlackSender
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class Reconciler:
     kube: Kube
     gates: GateSet = DEFAULT_GATES
     measure: MeasureFn = prometheus_measure
+    slack: SlackSender | None = None
     manifests: ManifestResolver = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,15 +86,35 @@ class Reconciler:
         assert isinstance(meta, dict)
         if patch:
             self.kube.patch_rollout_status(meta["namespace"], meta["name"], resource_version, patch)
-        # Events only after the status write succeeded: a 409 retries without duplicates.
+        # Events and messages only after the status write succeeded: a 409 retries
+        # without duplicates.
         apply.apply_events(self.kube, dict(body), decision)
+        if decision.notifications:
+            self._notify(dict(body), decision)
+
+    def _notify(self, body: dict[str, Any], decision: Decision) -> None:
+        slack = ((body.get("spec") or {}).get("notifications") or {}).get("slack")
+        if not slack or self.slack is None:
+            return
+        ref = slack["webhookSecretRef"]
+        namespace = body["metadata"]["namespace"]
+        try:
+            url = self.kube.secret_data(namespace, ref["name"])[ref.get("key", "url")]
+        except Exception as e:  # a missing Secret must not stop the rollout
+            self.kube.event(
+                body,
+                "Warning",
+                "NotificationFailed",
+                f"cannot read the Slack webhook from Secret {ref['name']}: {type(e).__name__}",
+            )
+            return
         for note in decision.notifications:
-            log.info(
-                "notification %s for %s/%s: %s",
-                note.event,
-                meta["namespace"],
-                meta["name"],
-                note.message,
+            self.slack.submit(
+                url,
+                blocks.payload(note, slack.get("channel")),
+                on_failure=lambda error: self.kube.event(
+                    body, "Warning", "NotificationFailed", error
+                ),
             )
 
 

@@ -365,8 +365,11 @@ class _Reconcile:
             return True
         if self.promote is not None:
             # Steps have not started: say so rather than drop the request silently.
-            self.events.append(Event("Normal", "RequestIgnored",
-                                     "promote ignored: the canary is still prefetching"))
+            self.events.append(
+                Event(
+                    "Normal", "RequestIgnored", "promote ignored: the canary is still prefetching"
+                )
+            )
             self.promote = None
         if not self._deadline_exceeded("prefetch"):
             self._progressing("Prefetching", f"prefetching {canary.revision}: {result.message}")
@@ -689,6 +692,7 @@ class _Reconcile:
             "canary": status.canary_revision.revision if status.canary_revision else "",
             "stable": status.stable_revision.revision if status.stable_revision else "",
             "step": f"{status.current_step_index or 0}/{len(self.steps)}",
+            "weight": f"{status.canary_weight}%",
         }
         self.notifications.append(Notification(event, reason, message, tuple(details.items())))
 

@@ -185,6 +185,34 @@ class ChunkStore:
             raise InsufficientSpaceError(needed, self.available_bytes(), self.root)
         return evicted
 
+    def eviction_plan(self, needed: int, pinned: Collection[str]) -> list[str]:
+        """The unpinned models, least recently used first, that ``ensure_space`` would
+        evict to fit ``needed`` bytes; evicts nothing. Lets a caller report them first.
+
+        Raises InsufficientSpaceError when even evicting all of them would not do.
+        """
+        available = self.available_bytes()
+        if needed <= available:
+            return []
+        keep = {digest_hex(d) for d in pinned}
+        plan = []
+        for digest in self._models_by_last_use():
+            if digest_hex(digest) in keep:
+                continue
+            plan.append(digest)
+            available += self._exclusive_bytes(digest)
+            if available >= needed:
+                return plan
+        raise InsufficientSpaceError(needed, available, self.root)
+
+    def missing_bytes(self, manifest: Manifest) -> int:
+        """What staging ``manifest`` still needs on disk: its unique chunks not in the
+        store, plus its files not assembled yet (the same sum ``stage()`` checks)."""
+        files_dir = self.files_dir(manifest.digest)
+        chunks = {c.sha256: c.size for c in manifest.chunks if not self.has_chunk(c.sha256)}
+        files = [f for f in manifest.files if not (files_dir / f.path).is_file()]
+        return sum(chunks.values()) + sum(f.size for f in files)
+
     def evict(self, digest: str) -> bool:
         """Remove a model and the chunks no other model references.
 

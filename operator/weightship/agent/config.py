@@ -1,0 +1,78 @@
+"""Agent settings, from the environment the DaemonSet sets (downward API) or CLI flags."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CACHE_DIR = Path("/var/cache/weightship")
+DEFAULT_PEER_PORT = 8479
+DEFAULT_METRICS_PORT = 9101
+
+
+class ConfigError(ValueError):
+    """A required setting is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_name: str
+    pod_ip: str
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    peer_port: int = DEFAULT_PEER_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics server
+    # Only rollouts in namespaces matching these globs count; empty = the whole cluster.
+    namespaces: tuple[str, ...] = ()
+    capacity_bytes: int | None = None  # cap on what the cache may use; None = the disk
+    reserve_bytes: int = 1 << 30  # always left free on the node's disk
+    workers: int = 4  # parallel chunk fetches while staging
+    resync_s: float = 30.0  # full re-evaluation even when no watch event arrives
+    # WeightCache status writes: see weightship.agent.status.
+    min_progress_interval_s: float = 2.0
+    cluster_write_budget_per_s: float = 100.0
+    heartbeat_s: float = 60.0
+
+    @property
+    def peer_endpoint(self) -> str:
+        return f"{self.pod_ip}:{self.peer_port}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AgentConfig:
+        """Read NODE_NAME, POD_IP, WEIGHTSHIP_CACHE_DIR, WEIGHTSHIP_PEER_PORT, ..."""
+        node = env.get("NODE_NAME", "").strip()
+        pod_ip = env.get("POD_IP", "").strip()
+        missing = [n for n, v in (("NODE_NAME", node), ("POD_IP", pod_ip)) if not v]
+        if missing:
+            raise ConfigError(
+                f"{' and '.join(missing)} not set: the DaemonSet passes them from the downward "
+                "API (fieldRef spec.nodeName and status.podIP)"
+            )
+        namespaces = tuple(
+            n.strip() for n in env.get("WEIGHTSHIP_WATCH_NAMESPACES", "").split(",") if n.strip()
+        )
+        capacity = env.get("WEIGHTSHIP_CACHE_CAPACITY_BYTES", "").strip()
+        return cls(
+            node_name=node,
+            pod_ip=pod_ip,
+            cache_dir=Path(env.get("WEIGHTSHIP_CACHE_DIR") or DEFAULT_CACHE_DIR),
+            peer_port=_int(env, "WEIGHTSHIP_PEER_PORT", DEFAULT_PEER_PORT),
+            metrics_port=_int(env, "WEIGHTSHIP_METRICS_PORT", DEFAULT_METRICS_PORT),
+            namespaces=namespaces,
+            capacity_bytes=int(capacity) if capacity else None,
+            reserve_bytes=_int(env, "WEIGHTSHIP_CACHE_RESERVE_BYTES", 1 << 30),
+            workers=_int(env, "WEIGHTSHIP_STAGE_WORKERS", 4),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r} must not be negative")
+    return value

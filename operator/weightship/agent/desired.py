@@ -1,0 +1,225 @@
+"""Which manifests this node wants, given the rollouts and the node's labels. Pure.
+
+A rollout targets this node when its prefetch is enabled and `spec.prefetch.nodeSelector`
+matches the node's labels (an empty selector matches every node, as the operator counts
+it). It wants three digests: the canary's (to stage before the canary starts), the
+stable's and the retiring revision's (pins, so a rollback needs no download).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
+
+Role = Literal["canary", "stable", "retiring"]
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+ROLE_ORDER: dict[Role, int] = {"canary": 0, "stable": 1, "retiring": 2}
+_SUFFIXES: dict[str, int | Decimal] = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "m": Decimal("0.001"), "n": Decimal("1e-9"), "u": Decimal("1e-6"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a rollout's current weights live (spec.model.source)."""
+
+    namespace: str
+    uri: str
+    endpoint: str | None = None
+    region: str | None = None
+    secret_name: str | None = None  # credentialsSecretRef, in the rollout's namespace
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One digest this node should stage (and pin), with everything needed to fetch it."""
+
+    digest: str
+    role: Role  # the most urgent role any rollout gives it
+    pinned_by: tuple[str, ...]  # namespace/name, sorted
+    sources: tuple[ModelSource, ...]  # spec sources of the wanting rollouts, canary first
+    peer_to_peer: bool  # False when any wanting rollout turned it off
+    bandwidth_limit: int | None  # bytes/s, the lowest cap of the wanting rollouts
+
+
+@dataclass
+class _Acc:
+    roles: set[Role] = field(default_factory=set)
+    pins: set[str] = field(default_factory=set)
+    sources: list[tuple[int, str, ModelSource]] = field(default_factory=list)
+    p2p: bool = True
+    limit: int | None = None
+
+
+def parse_quantity(value: str | int | float | None) -> int | None:
+    """A Kubernetes quantity ("100Mi", "1.5G", 1048576) as whole bytes; None when unset.
+
+    Raises ValueError on anything else.
+    """
+    if value is None or value == "":
+        return None
+    text = str(value).strip()
+    number, multiplier = text, Decimal(1)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            number, multiplier = text[: -len(suffix)], Decimal(str(_SUFFIXES[suffix]))
+            break
+    if not _NUMBER.fullmatch(number):
+        raise ValueError(f"not a quantity: {value!r}")
+    try:
+        amount = Decimal(number) * multiplier
+    except InvalidOperation:
+        raise ValueError(f"not a quantity: {value!r}") from None
+    if amount < 0:
+        raise ValueError(f"negative quantity: {value!r}")
+    return int(amount)
+
+
+def selector_matches(selector: Mapping[str, str] | None, labels: Mapping[str, str]) -> bool:
+    """matchLabels semantics: every key present with an equal value; empty matches all."""
+    return all(labels.get(k) == v for k, v in (selector or {}).items())
+
+
+def namespace_allowed(namespace: str, patterns: Collection[str]) -> bool:
+    return not patterns or any(fnmatch.fnmatchcase(namespace, p) for p in patterns)
+
+
+def rollout_digests(rollout: Mapping[str, Any]) -> list[tuple[Role, str]]:
+    """(role, digest) for the canary, stable and retiring revisions that have a digest."""
+    status = rollout.get("status") or {}
+    out: list[tuple[Role, str]] = []
+    for role, key in (
+        ("canary", "canaryRevision"),
+        ("stable", "stableRevision"),
+        ("retiring", "retiring"),
+    ):
+        digest = (status.get(key) or {}).get("manifestDigest")
+        if isinstance(digest, str) and digest.startswith("sha256:"):
+            out.append((role, digest))  # type: ignore[arg-type]
+    return out
+
+
+def wanted(
+    rollouts: Iterable[Mapping[str, Any]],
+    node_labels: Mapping[str, str],
+    namespaces: Collection[str] = (),
+) -> list[Wanted]:
+    """Every digest this node wants, most urgent first (canary, then stable, retiring).
+
+    Rollouts being deleted, or with prefetch disabled, or not selecting this node, want
+    nothing. A malformed bandwidth limit is ignored (the apiserver validates it).
+    """
+    acc: dict[str, _Acc] = {}
+    for r in rollouts:
+        meta = r.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+        if meta.get("deletionTimestamp") or not namespace_allowed(namespace, namespaces):
+            continue
+        spec = r.get("spec") or {}
+        prefetch = spec.get("prefetch") or {}
+        if not prefetch.get("enabled", True):
+            continue
+        if not selector_matches(prefetch.get("nodeSelector"), node_labels):
+            continue
+        source = _source(namespace, spec)
+        try:
+            limit = parse_quantity(prefetch.get("bandwidthLimit"))
+        except ValueError:
+            limit = None
+        for role, digest in rollout_digests(r):
+            a = acc.setdefault(digest, _Acc())
+            a.roles.add(role)
+            a.pins.add(f"{namespace}/{name}")
+            if source is not None:
+                a.sources.append((ROLE_ORDER[role], f"{namespace}/{name}", source))
+            a.p2p = a.p2p and bool(prefetch.get("peerToPeer", True))
+            if limit:
+                a.limit = limit if a.limit is None else min(a.limit, limit)
+    out = []
+    for digest, a in acc.items():
+        sources: list[ModelSource] = []
+        for _, _, s in sorted(a.sources, key=lambda t: (t[0], t[1])):
+            if s not in sources:
+                sources.append(s)
+        out.append(
+            Wanted(
+                digest=digest,
+                role=min(a.roles, key=ROLE_ORDER.__getitem__),
+                pinned_by=tuple(sorted(a.pins)),
+                sources=tuple(sources),
+                peer_to_peer=a.p2p,
+                bandwidth_limit=a.limit,
+            )
+        )
+    return sorted(out, key=lambda w: (ROLE_ORDER[w.role], w.pinned_by, w.digest))
+
+
+def next_to_stage(
+    wants: Iterable[Wanted],
+    staged: Collection[str],
+    retry_at: Mapping[str, float],
+    now: float,
+) -> Wanted | None:
+    """The most urgent wanted digest not staged yet and not waiting out a failure."""
+    for w in wants:
+        if w.digest not in staged and retry_at.get(w.digest, 0.0) <= now:
+            return w
+    return None
+
+
+def retry_delay_s(failures: int, base_s: float = 5.0, cap_s: float = 300.0) -> float:
+    """Back-off after ``failures`` consecutive failed attempts: 5 s doubling to 5 min."""
+    return float(min(cap_s, base_s * 2.0 ** max(0, failures - 1)))
+
+
+def _source(namespace: str, spec: Mapping[str, Any]) -> ModelSource | None:
+    src = (spec.get("model") or {}).get("source") or {}
+    uri = src.get("uri")
+    if not isinstance(uri, str) or not uri:
+        return None
+    return ModelSource(
+        namespace=namespace,
+        uri=uri,
+        endpoint=src.get("endpoint"),
+        region=src.get("region"),
+        secret_name=(src.get("credentialsSecretRef") or {}).get("name"),
+    )
+
+
+def live_peers(
+    caches: Iterable[Mapping[str, Any]], self_node: str, now: datetime, max_age_s: float
+) -> list[tuple[str, str]]:
+    """(node, host:port) of the other agents that reported a peer endpoint recently.
+
+    A cache whose agent has not written for ``max_age_s`` (several heartbeats) belongs to
+    a dead or partitioned agent: asking it would only cost a timeout per chunk.
+    """
+    out = []
+    for c in caches:
+        node = (c.get("spec") or {}).get("nodeName") or (c.get("metadata") or {}).get("name")
+        status = c.get("status") or {}
+        endpoint = status.get("peerEndpoint")
+        if not node or node == self_node or not endpoint:
+            continue
+        updated = _parse_time(status.get("updatedAt"))
+        if updated is None or (now - updated).total_seconds() > max_age_s:
+            continue
+        out.append((str(node), str(endpoint)))
+    return sorted(out)
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

@@ -1,0 +1,477 @@
+"""The agent loop: watch rollouts, stage what this node wants one model at a time, serve
+chunks to peers, report the cache in this node's WeightCache.
+
+Level-triggered and restart-safe: every tick recomputes what is wanted from the
+rollouts, and what is staged from the disk. The cache on disk (journal, chunks, STAGED
+markers) and the WeightCache status are the only memory, so a restarted agent resumes
+an interrupted stage without fetching a verified chunk again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+from weightship.agent import desired, status
+from weightship.agent.config import AgentConfig
+from weightship.agent.desired import ModelSource, Wanted
+from weightship.agent.kube import AgentKube, RolloutInformer
+from weightship.agent.metrics import STATES, AgentMetrics
+from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, StageBusyError
+from weightship.data.fetcher import ChunkOrigin, Peer, TokenBucket
+from weightship.data.manifest import MANIFEST_NAME, Manifest, ManifestError
+from weightship.data.peer import PeerServer
+from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
+from weightship.data.stage import StageCancelledError, StageProgress, stage
+
+log = logging.getLogger(__name__)
+
+MIN_TICK_GAP_S = 0.5  # debounce: a burst of watch events makes one tick
+PEER_MAX_AGE_S = 180.0
+BUSY_RETRY_S = 2.0  # three heartbeats without a write: the peer is presumed dead
+
+
+class StageError(RuntimeError):
+    """Staging cannot proceed; the message is what lastError shows."""
+
+
+class NoOrigin:
+    """The origin when no rollout's source holds this digest any more (an old stable
+    pinned for rollback): chunks can only come from peers."""
+
+    def __init__(self, digest: str, why: str) -> None:
+        self.digest, self.why = digest, why
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        raise StageError(
+            f"no peer has {path} at offset {offset} of {self.digest}, and no origin holds "
+            f"it: {self.why}"
+        )
+
+
+@dataclass
+class _Job:
+    want: Wanted
+    cancel: threading.Event
+    thread: threading.Thread
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        kube: AgentKube,
+        metrics: AgentMetrics,
+        *,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.cfg = config
+        self.kube = kube
+        self.metrics = metrics
+        self.now = now
+        self.store = ChunkStore(
+            config.cache_dir,
+            capacity_bytes=config.capacity_bytes,
+            reserve_bytes=config.reserve_bytes,
+        )
+        self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.report = threading.Event()
+        self.lock = threading.Lock()  # guards entries, clock, wants, node_count
+        self.entries: dict[str, status.Entry] = {}
+        self.clock = status.WriteClock()
+        self.wants: list[Wanted] = []
+        self.node_count = 1
+        self.job: _Job | None = None
+        self.failures: dict[str, int] = {}
+        self.retry_at: dict[str, float] = {}
+        self.informer = RolloutInformer(kube, self.wake.set)
+        self.peer_server: PeerServer | None = None
+        self._labels: dict[str, str] = {}
+        self._labels_at = float("-inf")
+        self._totals: dict[str, int] = {}  # digest -> manifest size (manifests are immutable)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve and stage until `stop` is set."""
+        self.store.discard_temp_files()
+        node = self.kube.node(self.cfg.node_name)
+        self._labels, self._labels_at = dict(node["metadata"].get("labels") or {}), time.monotonic()
+        cache = self.kube.ensure_weight_cache(node)
+        self.entries = status.recover(cache.get("status"))
+        try:
+            self.node_count = max(1, len(self.kube.weight_caches()))
+        except Exception as e:
+            log.warning("cannot list WeightCaches: %s", e)
+        self.peer_server = PeerServer(self.store, self.cfg.pod_ip, self.cfg.peer_port).start()
+        log.info(
+            "agent for node %s: cache %s, peers at %s, %d manifests recovered from status",
+            self.cfg.node_name,
+            self.cfg.cache_dir,
+            self.peer_server.address,
+            len(self.entries),
+        )
+        self._changed(urgent=True)
+        reporter = threading.Thread(target=self._report_loop, name="status", daemon=True)
+        reporter.start()
+        self.informer.start(self.stop)
+        try:
+            while not self.stop.is_set():
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("tick failed; retrying")
+                self.wake.wait(timeout=self._next_wait_s())
+                self.wake.clear()
+                self.stop.wait(MIN_TICK_GAP_S)
+        finally:
+            self._shutdown(reporter)
+
+    def _next_wait_s(self) -> float:
+        """Until the next resync, or the next retry of a failed or busy stage if sooner."""
+        retries = [t - time.monotonic() for t in self.retry_at.values()]
+        return max(0.0, min([self.cfg.resync_s, *retries]))
+
+    def _shutdown(self, reporter: threading.Thread) -> None:
+        job = self.job
+        if job is not None:
+            job.cancel.set()
+            job.thread.join(timeout=20)
+        self.stop.set()
+        reporter.join(timeout=10)
+        self._write_status()  # the last word: what is staged and what is left
+        if self.peer_server is not None:
+            self.peer_server.stop()
+
+    # ---- one evaluation ---------------------------------------------------------------
+    def tick(self) -> None:
+        if not self.informer.synced.is_set():
+            return
+        if time.monotonic() - self._labels_at >= self.cfg.resync_s:
+            node = self.kube.node(self.cfg.node_name)
+            self._labels, self._labels_at = (
+                dict(node["metadata"].get("labels") or {}),
+                time.monotonic(),
+            )
+        wants = desired.wanted(self.informer.snapshot(), self._labels, self.cfg.namespaces)
+        pins = {w.digest: w.pinned_by for w in wants}
+        disk = self._scan_disk()
+        job = self.job
+        running = job is not None and job.thread.is_alive()
+        with self.lock:
+            self.wants = wants
+            before = self.entries
+            self.entries = status.reconcile(
+                before, disk, pins, job.want.digest if job and running else None, self.now()
+            )
+            if _shape(before) != _shape(self.entries):
+                self._changed_locked(urgent=True)
+        for digest in list(self.failures):
+            if digest not in pins:
+                self.failures.pop(digest, None)
+                self.retry_at.pop(digest, None)
+        if job is not None and running:
+            if job.want.digest not in pins and not job.cancel.is_set():
+                log.info("%s is no longer wanted: cancelling its stage", job.want.digest)
+                job.cancel.set()
+            return
+        self.job = None
+        staged = {m.digest for m in disk if m.staged}
+        nxt = desired.next_to_stage(wants, staged, self.retry_at, time.monotonic())
+        if nxt is not None:
+            cancel = threading.Event()
+            thread = threading.Thread(
+                target=self._stage, args=(nxt, cancel), name="stage", daemon=True
+            )
+            self.job = _Job(nxt, cancel, thread)
+            thread.start()
+
+    def _scan_disk(self) -> list[status.DiskModel]:
+        out = []
+        for digest in self.store.models():
+            total = self._totals.get(digest)
+            if total is None:
+                try:
+                    raw = (self.store.model_dir(digest) / "manifest.json").read_bytes()
+                    total = Manifest.parse(raw).total_size
+                    self._totals[digest] = total
+                except (OSError, ManifestError):
+                    total = 0
+            out.append(status.DiskModel(digest, self.store.is_staged(digest), total))
+        return out
+
+    # ---- staging one model ------------------------------------------------------------
+    def _stage(self, want: Wanted, cancel: threading.Event) -> None:
+        digest, started = want.digest, time.monotonic()
+        self._update(
+            digest,
+            state="Staging",
+            started_at=self.now(),
+            completed_at=None,
+            bytes_done=0,
+            bytes_from_peers=0,
+            bytes_from_origin=0,
+            pinned_by=want.pinned_by,
+        )
+        try:
+            manifest, origin = self._resolve(want)
+            self._update(digest, bytes_total=manifest.total_size)
+            with self.lock:
+                pinned = {w.digest for w in self.wants} | {digest}
+            self._make_room(manifest, pinned)
+            peers = self._peers() if want.peer_to_peer else []
+            log.info(
+                "staging %s (%d bytes) with %d peers%s",
+                digest,
+                manifest.total_size,
+                len(peers),
+                f", capped at {want.bandwidth_limit} B/s" if want.bandwidth_limit else "",
+            )
+            result = stage(
+                manifest,
+                self.store,
+                origin,
+                peers,
+                node=self.cfg.node_name,
+                metrics=self.metrics.data,
+                pinned=pinned,
+                workers=self.cfg.workers,
+                bandwidth=TokenBucket(want.bandwidth_limit) if want.bandwidth_limit else None,
+                progress=lambda p: self._progress(digest, p),
+                cancel=cancel,
+            )
+        except StageBusyError:
+            # Another process holds the model's lock: a previous agent on this node that
+            # is still dying (a force-deleted pod). Not a failure; try again shortly.
+            log.info("%s is locked by another stager; retrying in %.0fs", digest, BUSY_RETRY_S)
+            self.retry_at[digest] = time.monotonic() + BUSY_RETRY_S
+        except StageCancelledError:
+            log.info("staging %s cancelled; verified chunks are kept", digest)
+            self.metrics.stages.labels("cancelled").inc()
+        except Exception as e:
+            message = _describe(e, digest)
+            failures = self.failures.get(digest, 0) + 1
+            self.failures[digest] = failures
+            delay = desired.retry_delay_s(failures)
+            self.retry_at[digest] = time.monotonic() + delay
+            log.warning("staging %s failed (retry in %.0fs): %s", digest, delay, message)
+            self.metrics.stages.labels("failed").inc()
+            self._update(digest, state="Failed", last_error=status.clip(message))
+        else:
+            self.failures.pop(digest, None)
+            self.retry_at.pop(digest, None)
+            seconds = time.monotonic() - started
+            self.metrics.stages.labels("staged").inc()
+            self.metrics.stage_seconds.observe(seconds)
+            log.info(
+                "staged %s in %.1fs: %d bytes from origin, %d from peers, %d local",
+                digest,
+                seconds,
+                result.from_origin,
+                result.from_peers,
+                result.from_local,
+            )
+            self._update(
+                digest,
+                state="Staged",
+                bytes_done=result.done_bytes,
+                bytes_total=result.total_bytes,
+                bytes_from_origin=result.from_origin,
+                bytes_from_peers=result.from_peers,
+                completed_at=self.now(),
+                last_error=None,
+            )
+        finally:
+            self.wake.set()
+
+    def _resolve(self, want: Wanted) -> tuple[Manifest, ChunkOrigin]:
+        """The manifest of ``want.digest`` and an origin holding its weights.
+
+        The rollouts' S3 sources come first (the manifest read there must hash to the
+        wanted digest); then the manifest this node saved when it began staging it, with
+        peers as the only source of chunks.
+        """
+        problems = []
+        for source in want.sources:
+            location = f"{source.uri.rstrip('/')}/{MANIFEST_NAME}"
+            try:
+                origin = self._origin(source)
+                manifest = S3Origin(
+                    origin.client, origin.location, RetryPolicy(attempts=3, max_backoff_s=2.0)
+                ).read_manifest()
+            except ManifestError as e:
+                problems.append(f"the manifest at {location} is invalid: {e}")
+                continue
+            except Exception as e:
+                problems.append(f"cannot read the manifest at {location}: {_short(e)}")
+                continue
+            if manifest.digest == want.digest:
+                return manifest, origin
+            problems.append(
+                f"the manifest at {location} has digest {manifest.digest}, not {want.digest} "
+                "(the weights there were republished after the rollout recorded its digest)"
+            )
+        saved = self.store.model_dir(want.digest) / "manifest.json"
+        kept: Manifest | None = None
+        with contextlib.suppress(OSError, ManifestError):
+            kept = Manifest.parse(saved.read_bytes(), source=str(saved))
+        if kept is not None and kept.digest == want.digest:
+            return kept, NoOrigin(want.digest, "; ".join(problems) or "no source")
+        detail = "; ".join(problems) or "no rollout that wants it names an S3 source"
+        raise StageError(f"cannot get the manifest {want.digest}: {detail}")
+
+    def _origin(self, source: ModelSource) -> S3Origin:
+        creds: dict[str, str] = {}
+        if source.secret_name:
+            try:
+                creds = self.kube.secret_data(source.namespace, source.secret_name)
+            except Exception as e:
+                raise StageError(
+                    f"cannot read Secret {source.namespace}/{source.secret_name} "
+                    f"(credentialsSecretRef): {_short(e)}"
+                ) from e
+        client = make_client(
+            S3Settings(
+                endpoint_url=source.endpoint,
+                region=source.region,
+                access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
+                secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
+                session_token=creds.get("AWS_SESSION_TOKEN"),
+            )
+        )
+        return S3Origin(client, S3Location.parse(source.uri))
+
+    def _peers(self) -> list[Peer]:
+        caches = self.kube.weight_caches()
+        with self.lock:
+            self.node_count = max(1, len(caches))
+        found = desired.live_peers(caches, self.cfg.node_name, self.now(), PEER_MAX_AGE_S)
+        return [Peer(node, address) for node, address in found]
+
+    def _make_room(self, manifest: Manifest, pinned: set[str]) -> None:
+        """Evict unpinned models (LRU) before staging, reporting them as Evicting first."""
+        plan = self.store.eviction_plan(self.store.missing_bytes(manifest), pinned)
+        if not plan:
+            return
+        for digest in plan:
+            self._update(digest, state="Evicting")
+        for digest in plan:
+            log.info("evicting %s to make room for %s", digest, manifest.digest)
+            if self.store.evict(digest):
+                self.metrics.evictions.inc()
+                with self.lock:
+                    self.entries.pop(digest, None)
+                    self._changed_locked(urgent=True)
+
+    # ---- status -----------------------------------------------------------------------
+    def _update(self, digest: str, **changes: Any) -> None:
+        with self.lock:
+            is_new = digest not in self.entries
+            old = self.entries.get(digest) or status.Entry(digest, "Staging")
+            new = replace(old, **changes)
+            self.entries[digest] = new
+            self._changed_locked(urgent=is_new or new.state != old.state)
+
+    def _progress(self, digest: str, p: StageProgress) -> None:
+        with self.lock:
+            old = self.entries.get(digest)
+            if old is None or old.state != "Staging":
+                return
+            self.entries[digest] = replace(
+                old,
+                bytes_done=p.done_bytes,
+                bytes_total=p.total_bytes,
+                bytes_from_origin=p.from_origin,
+                bytes_from_peers=p.from_peers,
+            )
+            self.clock.dirty = True
+
+    def _changed(self, *, urgent: bool) -> None:
+        with self.lock:
+            self._changed_locked(urgent=urgent)
+
+    def _changed_locked(self, *, urgent: bool) -> None:
+        if urgent:
+            self.clock.urgent = True
+            self.report.set()
+        else:
+            self.clock.dirty = True
+
+    def _report_loop(self) -> None:
+        while not self.stop.is_set():
+            self.report.wait(timeout=0.5)
+            self.report.clear()
+            with self.lock:
+                interval = status.progress_interval_s(
+                    self.node_count,
+                    min_interval_s=self.cfg.min_progress_interval_s,
+                    cluster_budget_per_s=self.cfg.cluster_write_budget_per_s,
+                )
+                due = status.write_due(self.clock, time.monotonic(), interval, self.cfg.heartbeat_s)
+            if due:
+                self._write_status()
+
+    def _write_status(self) -> None:
+        with self.lock:
+            entries = list(self.entries.values())
+            status.mark_written(self.clock, time.monotonic())
+        usage = shutil.disk_usage(self.cfg.cache_dir)
+        capacity = usage.total
+        if self.cfg.capacity_bytes is not None:
+            capacity = min(capacity, self.cfg.capacity_bytes)
+        free = self.store.available_bytes()
+        body = status.build_status(
+            peer_endpoint=self.cfg.peer_endpoint,
+            capacity_bytes=capacity,
+            free_bytes=free,
+            entries=entries,
+            now=self.now(),
+        )
+        try:
+            try:
+                self.kube.patch_weight_cache_status(self.cfg.node_name, body)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                # Someone deleted this node's WeightCache: it is recreated, not given up.
+                self.kube.ensure_weight_cache(self.kube.node(self.cfg.node_name))
+                self.kube.patch_weight_cache_status(self.cfg.node_name, body)
+            self.metrics.status_writes.labels("ok").inc()
+        except Exception as e:
+            log.warning("writing WeightCache %s status failed: %s", self.cfg.node_name, e)
+            self.metrics.status_writes.labels("error").inc()
+            with self.lock:
+                self.clock.urgent = True  # retried after the next report tick
+            self.stop.wait(1.0)
+        self.metrics.cache_capacity.set(capacity)
+        self.metrics.cache_free.set(free)
+        self.metrics.cache_used.set(self.store.used_bytes())
+        for state in STATES:
+            self.metrics.models.labels(state).set(sum(e.state == state for e in entries))
+
+
+def _shape(entries: dict[str, status.Entry]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """What makes a status change urgent: the set of entries, their states and pins."""
+    return {d: (e.state, e.pinned_by) for d, e in entries.items()}
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _describe(e: BaseException, digest: str) -> str:
+    if isinstance(e, StageError):
+        return str(e)
+    if isinstance(e, InsufficientSpaceError):
+        return f"cannot stage {digest}: {e}"
+    return f"staging {digest} failed: {type(e).__name__}: {_short(e, 700)}"

@@ -1,0 +1,1 @@
+"""Notifications: Slack Block Kit messages built purely, sent off the reconcile path."""
