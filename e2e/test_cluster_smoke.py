@@ -528,3 +528,43 @@ def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: 
     finally:
         cluster.apps.delete_namespaced_daemon_set("fleet-agent", namespace)
         delete_kwok_nodes(cluster.api, names, workers=32)
+
+
+def test_volume_over_the_checkout_keeps_the_image_visible(cluster: Any, namespace: str) -> None:
+    """An emptyDir mounted over a parent of the checkout (as /tmp is when CI clones into
+    /tmp) must not hide the interpreter and package that stand in for the image."""
+    checkout_parent = str(Path(__file__).resolve().parents[1].parent)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "shadowed"},
+        "spec": {
+            "nodeName": cluster.process_nodes[0],
+            "restartPolicy": "Never",
+            "securityContext": {"runAsUser": 65532, "runAsNonRoot": True},
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python:3.11-slim",
+                    "command": [
+                        "python3",
+                        "-c",
+                        "import weightship, pathlib; "
+                        f"pathlib.Path('{checkout_parent}/scratch').write_text('ok')",
+                    ],
+                    "securityContext": {"readOnlyRootFilesystem": True},
+                    "volumeMounts": [{"name": "scratch", "mountPath": checkout_parent}],
+                }
+            ],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+        },
+    }
+    cluster.core.create_namespaced_pod(namespace, pod)
+    p = testkit.wait_until(
+        lambda: (lambda p: p if p.status.phase in ("Succeeded", "Failed") else None)(
+            cluster.core.read_namespaced_pod("shadowed", namespace)
+        ),
+        timeout=60,
+        what="pod to finish",
+    )
+    assert p.status.phase == "Succeeded", describe_pods(cluster, namespace)

@@ -22,9 +22,38 @@ def _mount(*args: str) -> None:
         raise SystemExit(f"weightship-shim: mount {' '.join(args)}: {proc.stderr.strip()}")
 
 
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _stash_shadowed(keep: list[str], destinations: list[str]) -> dict[str, Path]:
+    """The "image" is the host: its interpreter, virtualenv and source must stay visible
+    even when a volume is mounted over a parent of theirs (an emptyDir at /tmp over a
+    checkout in /tmp). Bind them aside first; `_restore` puts them back on top."""
+    stashed = {}
+    for i, path in enumerate(keep):
+        if any(_under(path, d) and path != d for d in destinations):
+            aside = Path("/run/weightship-keep") / f"{os.getpid()}-{i}"
+            aside.mkdir(parents=True, exist_ok=True)
+            _mount("--bind", path, str(aside))
+            stashed[path] = aside
+    return stashed
+
+
+def _restore(stashed: dict[str, Path], *, read_only: bool) -> None:
+    for path, aside in stashed.items():
+        Path(path).mkdir(parents=True, exist_ok=True)
+        _mount("--bind", str(aside), path)
+        if read_only:
+            _mount("-o", "remount,bind,ro", path)
+        subprocess.run(["umount", str(aside)], check=False, capture_output=True)
+        aside.rmdir()
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     socket.sethostname(spec["hostname"])
+    stashed = _stash_shadowed(spec.get("keep") or [], [m["dst"] for m in spec["mounts"]])
     for m in spec["mounts"]:
         dst = Path(m["dst"])
         if Path(m["src"]).is_dir():
@@ -35,6 +64,7 @@ def main(spec_path: str) -> None:
         _mount("--bind", m["src"], str(dst))
         if m.get("readOnly"):
             _mount("-o", "remount,bind,ro", str(dst))
+    _restore(stashed, read_only=bool(spec.get("readOnlyRootFilesystem")))
     if spec.get("readOnlyRootFilesystem"):
         _mount("-o", "remount,bind,ro", "/")
     workdir = spec.get("workingDir") or "/"

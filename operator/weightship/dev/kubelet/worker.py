@@ -34,6 +34,14 @@ log = logging.getLogger("weightship.kubelet")
 CONTAINER_PATH = os.pathsep.join(
     [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")]
 )
+# What stands in for the container image: kept visible even under a volume's mountPath.
+IMAGE_PATHS = sorted(
+    {
+        str(Path(sys.prefix)),
+        str(Path(sys.base_prefix)),
+        str(Path(__file__).resolve().parents[4]),  # the checkout holding this package
+    }
+)
 BACKOFF_START = 1.0
 BACKOFF_MAX = 20.0  # kubelet uses 10 s .. 5 min; tests need faster restarts
 
@@ -290,6 +298,7 @@ class PodWorker(threading.Thread):
                     "mounts": mounts,
                     "argv": argv,
                     "env": env,
+                    "keep": IMAGE_PATHS,
                     "workingDir": spec.get("workingDir"),
                     **security,
                 }
