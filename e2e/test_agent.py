@@ -381,11 +381,18 @@ def test_agents_stage_peer_to_peer_before_the_canary(
     assert from_origin + from_peers == n * size
     assert from_origin <= 1.5 * size, f"origin served {from_origin / size:.2f}x S"
 
-    # Metrics, scrapeable by annotation.
-    pod = agents.pod_on(cluster.process_nodes[0])
-    with urllib.request.urlopen(f"http://{pod.status.pod_ip}:9101/metrics", timeout=5) as r:
-        text = r.read().decode()
-    assert 'weightship_agent_chunk_bytes_total{source="origin"}' in text
+    # Metrics, scrapeable by annotation: summed over the agents they match the status.
+    metric_bytes = 0.0
+    for node in cluster.process_nodes:
+        pod = agents.pod_on(node)
+        with urllib.request.urlopen(f"http://{pod.status.pod_ip}:9101/metrics", timeout=5) as r:
+            text = r.read().decode()
+            for line in text.splitlines():
+                if line.startswith("weightship_agent_chunk_bytes_total{") and (
+                    'source="origin"' in line or 'source="peer"' in line
+                ):
+                    metric_bytes += float(line.rsplit(" ", 1)[1])
+    assert metric_bytes == from_origin + from_peers
     assert "weightship_agent_cache_free_bytes" in text
     assert 'weightship_agent_models{state="Staged"} 1.0' in text
 
