@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -363,3 +365,107 @@ def test_slack_hears_about_promotions_and_a_dead_webhook_blocks_nothing(
 
     failed = testkit.wait_until(failure_event, timeout=90, what="a NotificationFailed event")
     assert "secret-token" not in failed[0].message
+
+
+ERROR_RATIO = (
+    '(sum(rate(weightship_echo_http_requests_total{{namespace="{{{{ namespace }}}}",'
+    'weightship_io_revision_hash="{{{{ canaryHash }}}}",code="500"}}[{window}])) or vector(0))'
+    ' / sum(rate(weightship_echo_http_requests_total{{namespace="{{{{ namespace }}}}",'
+    'weightship_io_revision_hash="{{{{ canaryHash }}}}"}}[{window}]))'
+)
+
+
+def test_prometheus_analysis_passes_a_good_canary_and_rolls_back_a_bad_one(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    steps = [
+        {"setWeight": 50},
+        {"pause": {"duration": "12s"}},
+        {"analysis": {"metrics": ["error-rate"]}},
+        {"setWeight": 100},
+    ]
+    analysis = {
+        "prometheus": {"address": cluster.prometheus_url},
+        "metrics": [
+            {
+                "name": "error-rate",
+                "query": ERROR_RATIO.format(window="20s"),
+                "max": 0.05,
+                "interval": "4s",
+                "count": 3,
+                "failureLimit": 0,
+                "inconclusiveLimit": 2,
+            }
+        ],
+    }
+    body = rollout_body(
+        "llm",
+        models["v1"],
+        "v1",
+        steps,
+        cluster.s3_endpoint,
+        analysis=analysis,
+        abortScaleDownDelaySeconds=0,
+    )
+    body["spec"]["template"]["metadata"]["annotations"] = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8080",
+    }
+    rollouts.create(body)
+    healthy_on(rollouts, "llm", "v1")
+
+    stop = threading.Event()
+
+    def traffic() -> None:
+        """Steady completion requests to every pod of the rollout, both revisions."""
+        while not stop.is_set():
+            pods = cluster.core.list_namespaced_pod(
+                rollouts.namespace, label_selector="weightship.io/rollout=llm"
+            ).items
+            for pod in pods:
+                if pod.status.pod_ip:
+                    request = urllib.request.Request(
+                        f"http://{pod.status.pod_ip}:8080/v1/completions",
+                        data=b'{"prompt": "hello"}',
+                        method="POST",
+                    )
+                    with contextlib.suppress(OSError):
+                        urllib.request.urlopen(request, timeout=2).close()
+            stop.wait(0.1)
+
+    load = threading.Thread(target=traffic, daemon=True)
+    load.start()
+    try:
+        rollouts.set_model("llm", models["v2"], "v2")
+        healthy_on(rollouts, "llm", "v2")
+        passed = [e.message for e in rollouts.events("llm") if e.reason == "AnalysisSuccessful"]
+        assert passed, "the analysis step ran and passed"
+
+        # Same weights, but the new pods answer half their requests with a 500.
+        container = copy.deepcopy(body["spec"]["template"]["spec"]["containers"][0])
+        container["env"] = [*container.get("env", []), {"name": "ECHO_ERROR_RATE", "value": "0.5"}]
+        rollouts.custom.patch_namespaced_custom_object(
+            "weightship.io",
+            "v1alpha1",
+            rollouts.namespace,
+            "modelrollouts",
+            "llm",
+            {
+                "spec": {
+                    "model": {"source": {"uri": models["v1"]}, "revision": "v1-bad"},
+                    "template": {"spec": {"containers": [container]}},
+                }
+            },
+        )
+        bad = rollouts.wait(
+            "llm", "rolled back by analysis", lambda s: s.get("phase") == "Degraded", timeout=120
+        )["status"]
+    finally:
+        stop.set()
+        load.join(5)
+    assert bad["abort"]["reason"] == "AnalysisFailed", bad["message"]
+    assert "error-rate" in bad["message"]
+    run = next(r for r in bad["analysis"]["runs"] if r["metric"] == "error-rate")
+    assert run["failed"] >= 1 and run["measurements"][-1]["value"] > 0.05
+    assert bad["stableRevision"]["revision"] == "v2"
+    assert [h["outcome"] for h in bad["history"]][-1] == "RolledBack"

@@ -5,6 +5,8 @@ GET /peer?ip=  fetch another pod's `/` from inside this pod (pod-to-pod traffic)
 GET /whoami    read this pod through the API with the pod's own service-account token
 GET /metrics   Prometheus metrics (a request counter)
 GET /healthz   200 once started
+POST /v1/completions  an OpenAI-style completion (the prompt reversed); ECHO_ERROR_RATE
+               of them answer 500, counted in weightship_echo_http_requests_total
 On start it writes `<ECHO_DATA_DIR>/<pod>.started`; on SIGTERM `<pod>.terminated`, then
 exits: the tests read these from each node's hostPath directory.
 """
@@ -17,6 +19,7 @@ import os
 import signal
 import socketserver
 import sys
+import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +29,27 @@ from urllib.parse import parse_qs, urlparse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 REQUESTS = Counter("weightship_echo_requests", "Requests served", ["path"])
+HTTP_REQUESTS = Counter(
+    "weightship_echo_http_requests", "Completions answered, by status code", ["code", "revision"]
+)
+
+
+class ErrorInjector:
+    """ECHO_ERROR_RATE (0..1) of completion requests get a 500, spread evenly and
+    deterministically, so a canary with a bad knob fails analysis every time."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = min(max(rate, 0.0), 1.0)
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def next_fails(self) -> bool:
+        with self.lock:
+            self.count += 1
+            return int(self.count * self.rate) > int((self.count - 1) * self.rate)
+
+
+ERRORS = ErrorInjector(float(os.environ.get("ECHO_ERROR_RATE", "0") or 0))
 POD_NETWORK = ipaddress.ip_network("198.18.0.0/16")
 
 
@@ -78,6 +102,25 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, json.dumps(identity()).encode())
         else:
             self._send(404, b"{}")
+
+    def do_POST(self) -> None:
+        url = urlparse(self.path)
+        REQUESTS.labels(path=url.path).inc()
+        if url.path != "/v1/completions":
+            self._send(404, b"{}")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        prompt = json.loads(self.rfile.read(length) or b"{}").get("prompt", "")
+        code = 500 if ERRORS.next_fails() else 200
+        HTTP_REQUESTS.labels(
+            code=str(code), revision=os.environ.get("WEIGHTSHIP_MODEL_REVISION", "")
+        ).inc()
+        body = (
+            {"error": "injected"}
+            if code == 500
+            else {"object": "text_completion", "choices": [{"index": 0, "text": prompt[::-1]}]}
+        )
+        self._send(code, json.dumps(body).encode())
 
     def _peer(self, query: dict[str, list[str]]) -> None:
         ip = ipaddress.ip_address(query.get("ip", ["0.0.0.0"])[0])  # noqa: S104
