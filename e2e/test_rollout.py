@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import socket
+import socketserver
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -469,3 +473,90 @@ def test_prometheus_analysis_passes_a_good_canary_and_rolls_back_a_bad_one(
     assert run["failed"] >= 1 and run["measurements"][-1]["value"] > 0.05
     assert bad["stableRevision"]["revision"] == "v2"
     assert [h["outcome"] for h in bad["history"]][-1] == "RolledBack"
+
+
+class SwitchableProxy:
+    """An HTTP proxy to Prometheus that the test can take down and bring back."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        with socket.socket() as s:
+            s.bind((BRIDGE_IP, 0))
+            self.port = s.getsockname()[1]
+        self.server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{BRIDGE_IP}:{self.port}"
+
+    def up(self) -> None:
+        target = self.target
+
+        class Forward(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                return
+
+            def do_GET(self) -> None:
+                with urllib.request.urlopen(target + self.path, timeout=10) as resp:
+                    body = resp.read()
+                self.send_response(resp.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def server_bind(self) -> None:
+                socketserver.TCPServer.server_bind(self)
+
+        self.server = Server((BRIDGE_IP, self.port), Forward)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def test_unreachable_prometheus_pauses_and_the_rollout_resumes_when_it_returns(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    proxy = SwitchableProxy(cluster.prometheus_url)
+    steps = [{"setWeight": 50}, {"analysis": {"metrics": ["always-fine"]}}, {"setWeight": 100}]
+    analysis = {
+        "prometheus": {"address": proxy.url},
+        "metrics": [
+            {
+                "name": "always-fine",
+                "query": "vector(0)",
+                "max": 1,
+                "interval": "2s",
+                "count": 2,
+                "consecutiveErrorLimit": 1,
+            }
+        ],
+    }
+    rollouts.create(
+        rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint, analysis=analysis)
+    )
+    healthy_on(rollouts, "llm", "v1")
+    try:
+        rollouts.set_model("llm", models["v2"], "v2")
+        paused = rollouts.wait(
+            "llm",
+            "paused on an unreachable Prometheus",
+            lambda s: s.get("phase") == "Paused" and "unreachable" in (s.get("message") or ""),
+        )["status"]
+        time.sleep(6)  # several measurement intervals: still blind, so still paused
+        still = rollouts.get("llm")["status"]
+        assert still["phase"] == "Paused"
+        assert still["stableRevision"]["revision"] == "v1"
+        assert still["currentStepIndex"] == paused["currentStepIndex"] == 1
+        proxy.up()
+        healthy_on(rollouts, "llm", "v2")
+    finally:
+        proxy.down()
+    assert "AnalysisResumed" in [e.reason for e in rollouts.events("llm")]

@@ -74,9 +74,12 @@ def run_of(m: Metric, values: list[float | str | None]) -> MetricRun:
         ({}, [None], "Inconclusive"),
         ({"inconclusiveLimit": 1}, [None, 0.0], "Running"),
         ({}, ["e", "e", "e", "e"], "Running"),
-        ({}, ["e", "e", "e", "e", "e"], "Failed"),
+        # An unreachable provider pauses (inconclusive) and never fails the canary...
+        ({}, ["e", "e", "e", "e", "e"], "Inconclusive"),
+        # ...and the run resumes as soon as a query succeeds again.
+        ({}, ["e", "e", "e", "e", "e", "e", 0.0], "Running"),
         ({}, ["e", "e", "e", "e", 0.0, "e", "e", "e", "e"], "Running"),
-        ({"consecutiveErrorLimit": 0}, ["e"], "Failed"),
+        ({"consecutiveErrorLimit": 0}, ["e"], "Inconclusive"),
     ],
 )
 def test_metric_run_limits(overrides: dict[str, Any], values: list[Any], phase: str) -> None:

@@ -335,6 +335,33 @@ def test_inconclusive_analysis_resumes_only_on_promote() -> None:
     assert promoted.status.current_step_index == 2
 
 
+def test_unreachable_prometheus_pauses_then_resumes_by_itself() -> None:
+    rollout, stable, canary = canary_started(ANALYSIS_STEPS)
+    rollout = at_step(rollout, 1, canary_weight=25)
+    base = seen(stable, canary, 1)
+
+    def measured(*points: ObservedMeasurement) -> Any:
+        return observe(
+            *base.replica_sets, digest=DIGEST_B, prefetch=staged(DIGEST_B), measurements=points
+        )
+
+    errors = tuple(
+        ObservedMeasurement("error-rate", at(100 + i), error="connection refused") for i in range(5)
+    )
+    paused, decision = advance(rollout, measured(*errors), at(105))
+    assert paused.status.phase == "Paused"
+    assert "unreachable" in paused.status.message
+    assert decision.requeue_after is not None, "it keeps polling the provider"
+    assert paused.status.current_step_index == 1, "never promoted while blind"
+
+    back, decision = advance(
+        paused, measured(ObservedMeasurement("error-rate", at(200), 0.0)), at(200)
+    )
+    assert back.status.phase == "Progressing"
+    assert back.status.pause_start_time is None
+    assert "AnalysisResumed" in reasons(decision)
+
+
 # --- promotion ----------------------------------------------------------------
 
 

@@ -463,7 +463,8 @@ class Metric(ApiModel):
     )
     consecutive_error_limit: int = Field(
         4,
-        description="Query errors in a row tolerated; one more fails the metric.",
+        description="Query errors in a row tolerated. Beyond it the provider is taken as "
+        "unreachable: the rollout pauses (never promotes) and resumes when a query succeeds.",
         ge=0,
         le=1000,
     )

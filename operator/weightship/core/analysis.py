@@ -1,9 +1,12 @@
 """Analysis steps, evaluated purely from status plus fresh measurements.
 
-Semantics follow Argo Rollouts' AnalysisRun: a metric fails once failed > failureLimit or
-consecutive errors > consecutiveErrorLimit, is inconclusive once inconclusive >
-inconclusiveLimit, and passes after `count` measurements. Empty or NaN results follow the
-metric's noDataPolicy instead of erroring (a top complaint about Argo and Flagger).
+Semantics follow Argo Rollouts' AnalysisRun: a metric fails once failed > failureLimit, is
+inconclusive once inconclusive > inconclusiveLimit, and passes after `count` measurements.
+Empty or NaN results follow the metric's noDataPolicy instead of erroring (a top complaint
+about Argo and Flagger). Unlike Argo, consecutive query errors > consecutiveErrorLimit do not
+fail the canary: an unreachable Prometheus says nothing about the model. The run is
+inconclusive (the rollout pauses, never promotes), keeps measuring, and resumes by itself
+once a query succeeds.
 """
 
 from __future__ import annotations
@@ -55,11 +58,16 @@ def measurement_phase(metric: Metric, value: float | None, error: str | None) ->
     return "Successful"
 
 
+def unreachable(metric: Metric, run: MetricRun) -> bool:
+    """Too many query errors in a row: the provider, not the canary, is in trouble."""
+    return run.consecutive_error > metric.consecutive_error_limit
+
+
 def metric_phase(metric: Metric, run: MetricRun) -> AnalysisPhase:
     if run.failed > metric.failure_limit:
         return "Failed"
-    if run.consecutive_error > metric.consecutive_error_limit:
-        return "Failed"
+    if unreachable(metric, run):
+        return "Inconclusive"
     if run.inconclusive > metric.inconclusive_limit:
         return "Inconclusive"
     if run.count >= metric.count:
@@ -68,10 +76,13 @@ def metric_phase(metric: Metric, run: MetricRun) -> AnalysisPhase:
 
 
 def _describe(metric: Metric, run: MetricRun) -> str | None:
-    if run.phase == "Failed" and run.consecutive_error > metric.consecutive_error_limit:
+    if run.phase == "Inconclusive" and unreachable(metric, run):
+        last_error = run.measurements[-1].message if run.measurements else None
         return (
             f"{metric.name}: {run.consecutive_error} query errors in a row "
-            f"(consecutiveErrorLimit {metric.consecutive_error_limit})"
+            f"(consecutiveErrorLimit {metric.consecutive_error_limit}), last: {last_error}; "
+            f"the metrics provider looks unreachable: paused, measuring every "
+            f"{metric.interval}, resumes when a query succeeds"
         )
     if run.phase == "Failed":
         last = next((m for m in reversed(run.measurements) if m.phase == "Failed"), None)
@@ -166,7 +177,7 @@ def apply_measurements(
                 key=lambda m: m.at,
             )
             for observed in fresh:
-                if run.phase != "Running":
+                if not measuring(metric, run):
                     break
                 if last_at is None or observed.at > last_at:
                     run = record_measurement(run, metric, observed)
@@ -178,8 +189,13 @@ def apply_measurements(
     )
 
 
+def measuring(metric: Metric, run: MetricRun) -> bool:
+    """Still taking measurements: running, or waiting out an unreachable provider."""
+    return run.phase == "Running" or (run.phase == "Inconclusive" and unreachable(metric, run))
+
+
 def next_measurement_at(run: MetricRun, metric: Metric, started_at: datetime) -> datetime | None:
-    if run.phase != "Running":
+    if not measuring(metric, run):
         return None
     if not run.measurements:
         return started_at

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from weightship.api.models import ModelRollout
-from weightship.api.spec import CanaryStep, NotificationEvent, PauseStep
+from weightship.api.spec import CanaryStep, Metric, NotificationEvent, PauseStep
 from weightship.api.status import (
     MAX_HISTORY,
     MAX_PREFETCH_NODES,
@@ -503,16 +503,30 @@ class _Reconcile:
                 self.events.append(Event("Warning", "InconclusiveAnalysis", result.message))
                 self._notify("Paused", "InconclusiveAnalysis", result.message)
             self._paused("InconclusiveAnalysis", f"{label} inconclusive: {result.message}")
+            # An unreachable provider is still polled: the step resumes when it answers.
+            self._measurement_timer(metrics, fallback=None)
         else:
+            if status.pause_start_time is not None:
+                # Queries succeed again after an unreachable spell: carry on measuring.
+                status.pause_start_time = None
+                self.events.append(
+                    Event("Normal", "AnalysisResumed", f"{label}: queries succeed again; measuring")
+                )
             self._progressing("AnalysisRunning", f"{label}: measuring")
-            by_name = {m.name: m for m in metrics}
-            due = [
-                next_measurement_at(run, by_name[run.metric], status.analysis.started_at)
-                for run in status.analysis.runs
-                if run.metric in by_name
-            ]
-            pending = [_ceil_seconds(at - self.now) for at in due if at is not None]
-            self.timers.append(min(pending, default=POLL_SECONDS))
+            self._measurement_timer(metrics, fallback=POLL_SECONDS)
+
+    def _measurement_timer(self, metrics: list[Metric], fallback: float | None) -> None:
+        analysis = self.status.analysis
+        assert analysis is not None
+        by_name = {m.name: m for m in metrics}
+        due = [
+            next_measurement_at(run, by_name[run.metric], analysis.started_at)
+            for run in analysis.runs
+            if run.metric in by_name
+        ]
+        pending = [_ceil_seconds(at - self.now) for at in due if at is not None]
+        if pending or fallback is not None:
+            self.timers.append(min(pending, default=fallback or POLL_SECONDS))
 
     def _final(self) -> None:
         label = "promoting" if self.status.stable_revision is not None else "first deployment"
