@@ -118,7 +118,6 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint
             *("--manifest", str(manifest_path), "--cache", str(cache_root / name)),
             *("--run-dir", str(RUN_DIR), "--workers", str(args.workers)),
             *("--timeout", str(args.timeout)),
-            *(["--balanced-owners"] if args.balanced_owners else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -173,7 +172,7 @@ def wait_all(procs: list[subprocess.Popen[bytes]], paths: list[Path], timeout_s:
 def default_cache_root(size: int, nodes: int) -> Path:
     """tmpfs when it has room: 8 nodes share this VM's one disk, a real node has its own."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * size * nodes:
+    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size * nodes:
         return shm / "wsbench-fleet"
     return WORK / "fleet-cache"
 
@@ -188,11 +187,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--modes", default="p2p,origin-only")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
-    p.add_argument(
-        "--balanced-owners",
-        action="store_true",
-        help="experiment: bounded-load chunk ownership (patched in fleet_node, not the library)",
-    )
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib = 64
@@ -214,7 +208,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rate_mbit": args.rate_mbit,
         "chunk_mib": args.chunk_mib,
         "workers": args.workers,
-        "balanced_owners": args.balanced_owners,
         "bound_seconds": manifest.total_size / rate,
     }
     cleanup()

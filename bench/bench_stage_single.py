@@ -1,8 +1,9 @@
 """One node: stage() from a local S3 server (versitygw on loopback) against s5cmd.
 
-Both read the same objects from the same server. Ours verifies every chunk's sha256,
-fsyncs it, and assembles the files; s5cmd only downloads, so it is shown alone and with
-a separate sha256 pass over what it wrote (verified against verified).
+Both read the same objects from the same server. Ours verifies every chunk's sha256 (as
+the body streams in), writes it once at its offset into the preallocated file, and
+fsyncs each file once; s5cmd only downloads, so it is shown alone and with a separate
+sha256 pass over what it wrote (verified against verified).
 
     sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
     .venv/bin/python bench/bench_stage_single.py --quick         # 128 MiB, fewer configs
@@ -42,10 +43,10 @@ from benchlib import (
     table,
     verify_files,
 )
-from weightship.data import chunkstore
-from weightship.data.chunkstore import ChunkStore, ModelStaging
+from weightship.data.chunkstore import ChunkStore
 from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.s3 import S3Origin
 from weightship.data.stage import stage
 
@@ -134,30 +135,19 @@ def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
 def profile_ours(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, float]:
     """One staging run with the library's phases timed (bench-side wrappers, no edits)."""
     t = Timers()
-    real_fsync, real_materialize = os.fsync, ModelStaging.materialize
-
-    def fsync(fd: int) -> None:
-        name = "fsync (file)" if getattr(t.local, "in_file", False) else "fsync (chunk)"
-        t.wrap(name, real_fsync)(fd)
-
-    def materialize(self: ModelStaging, path: str) -> None:
-        t.local.in_file = True
-        try:
-            real_materialize(self, path)
-        finally:
-            t.local.in_file = False
-
+    real_put = ModelStaging.put
     with (
-        patched(origin, "read_range", t.wrap("S3 GET (boto3)", origin.read_range)),
-        patched(chunkstore, "verify_chunk", t.wrap("sha256 verify", chunkstore.verify_chunk)),
-        patched(ChunkStore, "put_chunk", t.wrap("put_chunk total", ChunkStore.put_chunk)),
-        patched(ModelStaging, "materialize", t.wrap("assemble file total", materialize)),
-        patched(os, "fsync", fsync),
+        patched(
+            origin,
+            "read_range_hashed",
+            t.wrap("S3 GET + sha256 (streamed)", origin.read_range_hashed),
+        ),
+        patched(ModelStaging, "put", t.wrap("put total", real_put)),
+        patched(os, "fsync", t.wrap("fsync (file)", os.fsync)),
     ):
         wall = run_ours(origin, manifest, workers)
     s = t.seconds
-    s["chunk write+rename"] = s["put_chunk total"] - s["sha256 verify"] - s["fsync (chunk)"]
-    s["file copy"] = s["assemble file total"] - s["fsync (file)"]
+    s["pwrite + journal"] = s["put total"] - s["fsync (file)"]
     s["wall"] = wall
     return dict(s)
 
@@ -166,8 +156,11 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
     """Seconds for the same chunks with parts of the path taken away."""
     chunks = manifest.chunks
 
-    def get(c: Any) -> bytes:
+    def get(c: Any) -> Any:
         return origin.read_range(c.file, c.offset, c.size)
+
+    def get_hashed(c: Any) -> Any:
+        return origin.read_range_hashed(c.file, c.offset, c.size)
 
     def timed(fn: Callable[[Any], Any], items: Any) -> float:
         started = time.perf_counter()
@@ -180,8 +173,9 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
     with patched(os, "fsync", lambda fd: None):
         no_fsync = run_ours(origin, manifest, workers)
     return {
-        "S3 GET only (boto3, bytes dropped)": timed(get, chunks),
-        "S3 GET + sha256, in memory": timed(lambda c: hashlib.sha256(get(c)).digest(), chunks),
+        "S3 GET only (bytes dropped)": timed(get, chunks),
+        "S3 GET + sha256 streamed, in memory": timed(get_hashed, chunks),
+        "S3 GET, then sha256, in memory": timed(lambda c: hashlib.sha256(get(c)).digest(), chunks),
         "sha256 only, in memory": timed(lambda _: hashlib.sha256(blob).digest(), chunks),
         "stage() with fsync disabled": no_fsync,
     }
@@ -258,14 +252,7 @@ def report(r: dict[str, Any]) -> None:
     if "profile" in r:
         prof, wall = r["profile"], r["profile"]["wall"]
         print(f"\n### Where the time goes (one run, {b['workers']} workers; thread-seconds)\n")
-        names = [
-            "S3 GET (boto3)",
-            "sha256 verify",
-            "chunk write+rename",
-            "fsync (chunk)",
-            "file copy",
-            "fsync (file)",
-        ]
+        names = ["S3 GET + sha256 (streamed)", "pwrite + journal", "fsync (file)"]
         rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
         print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
         print()

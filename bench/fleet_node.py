@@ -16,7 +16,6 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from benchlib import settings, verify_files
-from weightship.data import rendezvous
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import Peer
 from weightship.data.manifest import Manifest
@@ -33,9 +32,17 @@ class CountingClient(PeerClient):
         super().__init__()
         self.counts = {"ok": 0, "not_yet": 0, "busy": 0, "failed": 0}
 
-    def fetch(self, address: str, sha256: str, *, start: int = 0, end: int | None = None) -> bytes:
+    def fetch(
+        self,
+        address: str,
+        sha256: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        wait_s: float = 0.0,
+    ) -> bytes:
         try:
-            body = super().fetch(address, sha256, start=start, end=end)
+            body = super().fetch(address, sha256, start=start, end=end, wait_s=wait_s)
         except ChunkNotOnPeerError:
             self.counts["not_yet"] += 1
             raise
@@ -47,29 +54,6 @@ class CountingClient(PeerClient):
             raise
         self.counts["ok"] += 1
         return body
-
-
-def balance_owners(manifest: Manifest, nodes: list[str]) -> None:
-    """Experiment (--balanced-owners): rendezvous with bounded loads. Each chunk goes to
-    the best-ranked node that owns fewer than ceil(chunks/nodes); every node computes the
-    same map from the manifest alone. Patches rendezvous.rank in this process only."""
-    digests = list(dict.fromkeys(c.sha256 for c in manifest.chunks))
-    cap = -(-len(digests) // len(nodes))
-    load = dict.fromkeys(nodes, 0)
-    owner = {}
-    plain_rank = rendezvous.rank
-    for d in digests:
-        node = next(n for n in plain_rank(nodes, d) if load[n] < cap)
-        owner[d], load[node] = node, load[node] + 1
-
-    def rank(peers: object, key: str) -> list[str]:
-        order = plain_rank(peers, key)  # type: ignore[arg-type]
-        if owner.get(key) in order:
-            order.remove(owner[key])
-            order.insert(0, owner[key])
-        return order
-
-    rendezvous.rank = rank  # type: ignore[assignment]
 
 
 def wait_for(path: Path, timeout_s: float) -> str:
@@ -93,8 +77,6 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
     client = make_client(settings(args.endpoint, connections=2 * args.workers))
     origin = S3Origin(client, S3Location(args.bucket, args.prefix))
     peers = [Peer(n, a) for n, _, a in (p.partition("=") for p in args.peers.split(",") if p)]
-    if args.balanced_owners and peers:
-        balance_owners(manifest, sorted(p.node for p in peers))
     host, _, port = args.listen.rpartition(":")
     with PeerServer(store, host, int(port)):
         (run_dir / f"{args.node}.ready").touch()
@@ -149,7 +131,6 @@ def main() -> None:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--balanced-owners", action="store_true")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     try:

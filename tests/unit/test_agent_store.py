@@ -16,16 +16,15 @@ def staged(store: ChunkStore, folder: Path, size: int) -> Manifest:
     (folder / "w.bin").write_bytes(os.urandom(size))
     manifest = build_manifest(LocalFolder(folder), chunk_size=CHUNK)
     with store.begin(manifest) as s:
+        s.prepare()
         for c in manifest.chunks:
-            store.put_chunk(c.sha256, LocalFolder(folder).read_range(c.file, c.offset, c.size))
-        s.record(range(len(manifest.chunks)))
-        s.materialize("w.bin")
+            s.put(c.sha256, LocalFolder(folder).read_range(c.file, c.offset, c.size))
         s.mark_staged()
     return manifest
 
 
 def test_missing_bytes_and_eviction_plan(tmp_path: Path) -> None:
-    store = ChunkStore(tmp_path / "cache", capacity_bytes=10 * CHUNK * 2 + 100)
+    store = ChunkStore(tmp_path / "cache", capacity_bytes=10 * CHUNK + 1000)
     old = staged(store, tmp_path / "old", 4 * CHUNK)
     pinned = staged(store, tmp_path / "pinned", 4 * CHUNK)
     os.utime(store.model_dir(old.digest) / "STAGED", (1, 1))  # least recently used
@@ -34,7 +33,7 @@ def test_missing_bytes_and_eviction_plan(tmp_path: Path) -> None:
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "w.bin").write_bytes(os.urandom(3 * CHUNK))
     new = build_manifest(LocalFolder(tmp_path / "new"), chunk_size=CHUNK)
-    assert store.missing_bytes(new) == 2 * 3 * CHUNK  # chunks plus the assembled file
+    assert store.missing_bytes(new) == 3 * CHUNK  # each byte is stored once
 
     assert store.eviction_plan(CHUNK, {pinned.digest}) == []
     assert store.eviction_plan(store.missing_bytes(new), {pinned.digest}) == [old.digest]

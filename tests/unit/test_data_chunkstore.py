@@ -1,9 +1,12 @@
 import hashlib
+import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from weightship.data.chunkstore import (
+    CACHE_FORMAT,
     ChunkStore,
     ChunkVerificationError,
     StageBusyError,
@@ -21,28 +24,7 @@ def test_verify_chunk() -> None:
     assert not verify_chunk(b"abd", sha(b"abc"))
 
 
-def test_put_chunk_stores_only_verified_bytes(tmp_path: Path) -> None:
-    store = ChunkStore(tmp_path)
-    good = b"x" * 1000
-    with pytest.raises(ChunkVerificationError):
-        store.put_chunk(sha(good), b"y" * 1000)
-    assert not store.has_chunk(sha(good))
-    assert list((tmp_path / "tmp").iterdir()) == []
-
-    path = store.put_chunk(sha(good), good)
-    assert path == tmp_path / "chunks" / sha(good)
-    assert store.read_chunk(sha(good)) == good
-    assert store.read_chunk(sha(good), 10, 20) == good[10:20]
-    assert store.read_chunk(sha(b"absent")) is None
-
-
-@pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63])
-def test_chunk_paths_accept_only_hex_digests(tmp_path: Path, bad: str) -> None:
-    with pytest.raises(ValueError, match="not a sha256 digest"):
-        ChunkStore(tmp_path).chunk_path(bad)
-
-
-_BLOCKS = {sha(bytes([c]) * 1024): bytes([c]) * 1024 for c in b"sab"}
+_BLOCKS = {sha(bytes([c]) * 1024): bytes([c]) * 1024 for c in b"sabxyz"}
 
 
 def _bytes_of(digest: str) -> bytes:
@@ -52,28 +34,67 @@ def _bytes_of(digest: str) -> bytes:
 def _manifest(folder: Path, files: dict[str, bytes]) -> Manifest:
     folder.mkdir()
     for name, data in files.items():
-        (folder / name).write_bytes(data)
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
     return build_manifest(LocalFolder(folder), chunk_size=1024)
 
 
-def test_evict_keeps_chunks_other_models_share(tmp_path: Path) -> None:
+def _stage_all(store: ChunkStore, m: Manifest) -> None:
+    with store.begin(m) as staging:
+        staging.prepare()
+        for c in m.chunks:
+            staging.put(c.sha256, _bytes_of(c.sha256))
+        staging.mark_staged()
+
+
+def test_put_writes_only_verified_bytes_once_at_their_offsets(tmp_path: Path) -> None:
+    m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024 + b"s" * 1024, "d/e": b""})
+    store = ChunkStore(tmp_path / "cache")
+    s_sha, a_sha = sha(b"s" * 1024), sha(b"a" * 1024)
+    with store.begin(m) as staging:
+        staging.prepare()
+        assert staging.is_materialized("d/e")  # an empty file needs no chunk
+        with pytest.raises(ChunkVerificationError):
+            staging.put(s_sha, b"y" * 1024)
+        assert not store.has_chunk(s_sha)
+        assert staging.put(s_sha, b"s" * 1024) == 2  # both positions with that digest
+        assert staging.put(s_sha, b"s" * 1024) == 0  # nothing left to write
+        assert store.read_chunk(s_sha) == b"s" * 1024  # served from the partial file
+        assert store.read_chunk(s_sha, 10, 20) == b"s" * 10
+        assert not (staging.dir / "files" / "w").exists()  # not visible before complete
+        assert staging.put(a_sha, b"a" * 1024) == 1
+        assert (staging.dir / "files" / "w").read_bytes() == (tmp_path / "m" / "w").read_bytes()
+        staging.mark_staged()
+        assert (staging.dir / "journal").read_text().split() == ["0", "2", "1"]
+    assert store.read_chunk(sha(b"absent")) is None
+    assert not (store.model_dir(m.digest) / "partial").exists()
+    assert store.used_bytes() < 3 * 1024 + 2048  # one copy: no chunk files beside the files
+    # A new store (agent restart) finds the chunks in the finished files.
+    again = ChunkStore(tmp_path / "cache")
+    assert again.read_chunk(a_sha) == b"a" * 1024
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63])
+def test_chunk_lookups_accept_only_hex_digests(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match="not a sha256 digest"):
+        ChunkStore(tmp_path).has_chunk(bad)
+
+
+def test_evict_keeps_other_models_chunks(tmp_path: Path) -> None:
     shared, only_a, only_b = b"s" * 1024, b"a" * 1024, b"b" * 1024
     a = _manifest(tmp_path / "a", {"w": shared + only_a})
     b = _manifest(tmp_path / "b", {"w": shared + only_b})
     store = ChunkStore(tmp_path / "cache")
     for m in (a, b):
-        with store.begin(m) as staging:
-            for c in m.chunks:
-                store.put_chunk(c.sha256, _bytes_of(c.sha256))
-            staging.record(range(len(m.chunks)))
-            staging.materialize("w")
-            staging.mark_staged()
+        _stage_all(store, m)
     assert store.is_staged(a.digest) and store.is_staged(b.digest)
 
     assert store.evict(a.digest)
     assert not store.is_staged(a.digest)
     assert not store.model_dir(a.digest).exists()
     assert store.has_chunk(sha(shared)) and store.has_chunk(sha(only_b))
+    assert store.read_chunk(sha(shared)) == shared  # now from b's file
     assert not store.has_chunk(sha(only_a))
     assert (store.files_dir(b.digest) / "w").read_bytes() == shared + only_b
 
@@ -89,11 +110,44 @@ def test_a_model_has_one_stager_at_a_time(tmp_path: Path) -> None:
         pass
 
 
-def test_journal_ignores_torn_lines_and_missing_chunks(tmp_path: Path) -> None:
+def test_journal_ignores_torn_lines_and_unverified_bytes(tmp_path: Path) -> None:
     m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024 + b"b" * 1024})
     store = ChunkStore(tmp_path / "cache")
     with store.begin(m) as staging:
-        store.put_chunk(m.chunks[0].sha256, _bytes_of(m.chunks[0].sha256))
-        staging.record([0, 1])  # chunk 1 never reached the store (crash before rename)
+        staging.prepare()
+        staging.put(m.chunks[0].sha256, _bytes_of(m.chunks[0].sha256))
+        staging.record([1])  # journaled, but the write was lost (power cut before writeback)
         (staging.dir / "journal").open("a").write("2")  # torn line, no newline
+    with store.begin(m) as staging:  # resume: journaled bytes are verified again
         assert staging.journaled() == {0}
+        assert store.has_chunk(m.chunks[0].sha256)
+        assert not store.has_chunk(m.chunks[1].sha256)
+
+
+def test_preallocated_space_counts_as_used(tmp_path: Path) -> None:
+    m = _manifest(tmp_path / "m", {"w": os.urandom(4096)})
+    store = ChunkStore(tmp_path / "cache")
+    assert store.missing_bytes(m) == 4096
+    with store.begin(m) as staging:
+        staging.prepare()
+        assert staging.missing_bytes() == 0  # the partial file holds its space already
+
+
+def test_old_cache_format_is_discarded_with_a_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "cache"
+    (root / "chunks").mkdir(parents=True)
+    (root / "chunks" / ("0" * 64)).write_bytes(b"old")
+    (root / "models" / ("1" * 64) / "files").mkdir(parents=True)
+    (root / "unrelated").write_text("kept")
+    with caplog.at_level(logging.WARNING):
+        store = ChunkStore(root)
+    assert "discarding the node cache" in caplog.text
+    assert not (root / "chunks").exists()
+    assert store.models() == []
+    assert (root / "unrelated").read_text() == "kept"
+    assert (root / "FORMAT").read_text().strip() == CACHE_FORMAT
+    caplog.clear()
+    ChunkStore(root)
+    assert "discarding" not in caplog.text

@@ -1,12 +1,15 @@
 import hashlib
 import http.client
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from weightship.data.chunkstore import ChunkStore
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.peer import (
     ChunkNotOnPeerError,
     PeerBusyError,
@@ -20,11 +23,36 @@ DATA = bytes(range(256)) * 40
 DIGEST = hashlib.sha256(DATA).hexdigest()
 
 
+def model_of(folder: Path, data: bytes) -> Manifest:
+    """A model whose one chunk is ``data``, at an offset inside its second file."""
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"a" * len(data))
+    (folder / "b.bin").write_bytes(b"b" * len(data) + data)
+    return build_manifest(LocalFolder(folder), chunk_size=len(data))
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[PeerServer]:
-    store = ChunkStore(tmp_path)
-    store.put_chunk(DIGEST, DATA)
-    (tmp_path / "secret").write_text("not a chunk")
+def store(tmp_path: Path) -> ChunkStore:
+    return ChunkStore(tmp_path / "cache")
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Manifest:
+    return model_of(tmp_path / "src", DATA)
+
+
+def put_all(store: ChunkStore, m: Manifest, folder: Path) -> None:
+    with store.begin(m) as staging:
+        staging.prepare()
+        for c in m.chunks:
+            staging.put(c.sha256, LocalFolder(folder).read_range(c.file, c.offset, c.size))
+        staging.mark_staged()
+
+
+@pytest.fixture
+def server(tmp_path: Path, store: ChunkStore, model: Manifest) -> Iterator[PeerServer]:
+    put_all(store, model, tmp_path / "src")
+    (store.root / "secret").write_text("not a chunk")
     with PeerServer(store, "127.0.0.1") as s:
         yield s
 
@@ -125,3 +153,52 @@ def test_parse_range() -> None:
     for bad in ("bytes=100-", "bytes=5-2", "bytes=-", "bytes=0-1,3-4", "items=0-1"):
         with pytest.raises(ValueError):
             parse_range(bad, 100)
+
+
+def test_long_poll_answers_when_the_chunk_lands(
+    tmp_path: Path, store: ChunkStore, model: Manifest
+) -> None:
+    with PeerServer(store, "127.0.0.1") as server, store.begin(model) as staging:
+        staging.prepare()
+        client = PeerClient(timeout_s=5)
+        started = time.monotonic()
+        with pytest.raises(ChunkNotOnPeerError):
+            client.fetch(server.address, DIGEST, wait_s=0.2)  # nothing lands: 404 after it
+        assert 0.15 < time.monotonic() - started < 2
+
+        def land() -> None:
+            time.sleep(0.3)
+            staging.put(DIGEST, DATA)
+
+        threading.Thread(target=land).start()
+        started = time.monotonic()
+        assert client.fetch(server.address, DIGEST, wait_s=3) == DATA
+        assert time.monotonic() - started < 2.5  # answered when it landed, not at the end
+        # Served from the partial file, at the chunk's offset, while the file is incomplete.
+        assert not (staging.dir / "files" / "b.bin").exists()
+        assert client.fetch(server.address, DIGEST, start=5, end=9) == DATA[5:9]
+
+
+def test_client_reuses_one_connection_per_peer(server: PeerServer) -> None:
+    accepted = []
+    real = server._server.get_request
+
+    def counting() -> tuple[socket.socket, object]:
+        conn = real()
+        accepted.append(conn)
+        return conn
+
+    server._server.get_request = counting  # type: ignore[method-assign]
+    client = PeerClient(timeout_s=5)
+    for _ in range(5):
+        assert client.fetch(server.address, DIGEST) == DATA
+    with pytest.raises(ChunkNotOnPeerError):
+        client.fetch(server.address, "0" * 64)
+    assert client.fetch(server.address, DIGEST) == DATA
+    assert len(accepted) == 1
+    # The server closed the idle connection: the client reconnects without an error.
+    conns = client._local.conns
+    next(iter(conns.values())).sock.shutdown(socket.SHUT_RDWR)
+    assert client.fetch(server.address, DIGEST) == DATA
+    assert len(accepted) == 2
+    client.close()

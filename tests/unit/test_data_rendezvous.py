@@ -1,7 +1,7 @@
 import hashlib
 from collections import Counter
 
-from weightship.data.rendezvous import rank
+from weightship.data.rendezvous import balanced_owners, rank, rank_with_owner
 
 PEERS = [f"node-{i}" for i in range(10)]
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(5000)]
@@ -29,3 +29,26 @@ def test_removing_a_peer_moves_only_its_keys() -> None:
         before = rank(PEERS, key)
         after = rank(survivors, key)
         assert after == [p for p in before if p != gone]
+
+
+def test_balanced_owners_cap_every_node_and_agree_everywhere() -> None:
+    keys = KEYS[:203]
+    owners = balanced_owners(keys, PEERS)
+    assert balanced_owners(keys, list(reversed(PEERS))) == owners  # any node, same map
+    loads = Counter(owners.values())
+    assert set(loads) == set(PEERS)
+    assert max(loads.values()) == 21  # ceil(203 / 10)
+    assert sum(loads.values()) == len(keys)
+    # Most keys keep their plain rendezvous owner; the cap only moves the overflow.
+    same = sum(owners[k] == rank(PEERS, k)[0] for k in keys)
+    assert same > 0.7 * len(keys)
+
+
+def test_a_dead_owner_falls_through_its_ranking() -> None:
+    owners = balanced_owners(KEYS[:100], PEERS)
+    for key in KEYS[:100]:
+        order = rank_with_owner(PEERS, key, owners[key])
+        assert order[0] == owners[key] and sorted(order) == sorted(PEERS)
+        # Every node agrees on who takes over: the next node of the plain ranking.
+        assert order[1:] == [p for p in rank(PEERS, key) if p != owners[key]]
+    assert rank_with_owner(PEERS, KEYS[0], None) == rank(PEERS, KEYS[0])

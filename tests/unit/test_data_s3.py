@@ -1,3 +1,4 @@
+import hashlib
 import itertools
 import json
 import random
@@ -106,6 +107,11 @@ def test_publish_then_build_from_s3_matches_local(origin: S3Origin, weights: Pat
     assert from_s3.digest == build_manifest(LocalFolder(weights), chunk_size=1 * MiB).digest
     data = (weights / "model.safetensors").read_bytes()
     assert origin.read_range("model.safetensors", 3 * MiB, 100) == data[3 * MiB : 3 * MiB + 100]
+    # Hashed as the body streams in, in pieces: the same digest as hashing it after.
+    piece = data[MiB // 2 : MiB // 2 + 2 * MiB + 7]
+    got, digest = origin.read_range_hashed("model.safetensors", MiB // 2, len(piece))
+    assert got == piece
+    assert digest == hashlib.sha256(piece).hexdigest()
 
 
 def test_slowdown_is_retried(origin: S3Origin) -> None:

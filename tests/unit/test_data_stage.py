@@ -3,6 +3,7 @@ import random
 import shutil
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_disk_too_small_fails_before_fetching(
     monkeypatch.setattr(chunkstore.shutil, "disk_usage", lambda _: real._replace(free=3 * CHUNK))
     origin = CountingOrigin(tmp_path / "src")
     with pytest.raises(
-        InsufficientSpaceError, match=rf"need {8 * CHUNK} bytes .*{3 * CHUNK} bytes"
+        InsufficientSpaceError, match=rf"need {4 * CHUNK} bytes .*{3 * CHUNK} bytes"
     ):
         stage(m, store, origin, [], node="n1", metrics=metrics()[0])
     assert origin.reads == 0
@@ -130,8 +131,8 @@ def test_lru_eviction_respects_pins(tmp_path: Path) -> None:
         name: make_model(tmp_path / name, {"w.bin": random_bytes(size, seed)})
         for seed, name in enumerate("ABCDE")
     }
-    # Each staged model takes 2*size (chunks + files): room for two, not three.
-    store = ChunkStore(tmp_path / "cache", capacity_bytes=5 * size)
+    # Each staged model takes size (one copy of its bytes): room for two, not three.
+    store = ChunkStore(tmp_path / "cache", capacity_bytes=5 * size // 2)
 
     def stage_model(name: str, pinned: tuple[str, ...] = ()) -> None:
         stage(
@@ -207,13 +208,36 @@ def names_ranked(sha: str, first: str, rest: list[str]) -> str:
     raise AssertionError("no such name")
 
 
+class MemorySink:
+    """A ChunkSink that keeps verified chunks in memory."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, bytes] = {}
+
+    def has(self, sha256: str) -> bool:
+        return sha256 in self.chunks
+
+    def put(self, sha256: str, data: bytes, *, verified_sha256: str | None = None) -> int:
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ChunkVerificationError(sha256)
+        self.chunks[sha256] = bytes(data)
+        return 1
+
+
+def put_model(store: ChunkStore, m: Manifest, src: Path) -> None:
+    with store.begin(m) as staging:
+        staging.prepare()
+        for c in m.chunks:
+            staging.put(c.sha256, LocalFolder(src).read_range(c.file, c.offset, c.size))
+        staging.mark_staged()
+
+
 @pytest.fixture
 def good_peer(tmp_path: Path) -> Iterator[tuple[Manifest, Path, str]]:
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(CHUNK, 5)})
     store = ChunkStore(tmp_path / "good")
-    for c in m.chunks:
-        store.put_chunk(c.sha256, LocalFolder(src).read_range(c.file, c.offset, c.size))
+    put_model(store, m, src)
     with PeerServer(store, "127.0.0.1") as server:
         yield m, src, server.address
 
@@ -234,17 +258,18 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
     assert ranking == [ours, "good", "me"]
     dp, registry = metrics()
     origin = CountingOrigin(src)
-    store = ChunkStore(tmp_path / "me")
+    sink = MemorySink()
     fetcher = ChunkFetcher(
         node="me",
         peers=[Peer(ours, bad.address), Peer("good", good_address)],
         origin=origin,
-        store=store,
+        sink=sink,
         metrics=dp,
+        chunks=m.chunks,
         policy=FAST,
     )
     assert fetcher.fetch(chunk) == "peer"
-    assert store.read_chunk(chunk.sha256) == (src / "w.bin").read_bytes()
+    assert sink.chunks[chunk.sha256] == (src / "w.bin").read_bytes()
     assert origin.reads == 0
     assert len(bad.requests) == 1
     assert ours in fetcher.health.avoided()
@@ -260,7 +285,7 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
         assert (failures or 0, demotions) == (0, 0)
 
     # The avoided peer is not asked again during its cool-down.
-    store.chunk_path(chunk.sha256).unlink()
+    sink.chunks.clear()
     assert fetcher.fetch(chunk) == "peer"
     assert len(bad.requests) == 1
 
@@ -278,7 +303,7 @@ def test_dead_owner_hands_ownership_to_the_next_node(tmp_path: Path) -> None:
             node="me",
             peers=[Peer(dead, dead_address)],
             origin=origin,
-            store=ChunkStore(tmp_path / "me"),
+            sink=MemorySink(),
             metrics=metrics()[0],
             policy=FAST,
         )
@@ -311,13 +336,16 @@ def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
         for t in threads:
             t.join(timeout=60)
     assert set(results) == set(nodes)
+    owners = rendezvous.balanced_owners([c.sha256 for c in m.chunks], nodes)
+    loads = Counter(owners.values())
+    assert max(loads.values()) - min(loads.values()) <= 1  # balanced, not per-chunk luck
     assert origin.bytes == m.total_size  # each chunk left the origin exactly once
     assert origin.reads == len(m.chunks)
     for n in nodes:
         r = results[n]
         assert r.from_origin + r.from_peers == m.total_size and r.from_local == 0
         assert stores[n].is_staged(m.digest) and same_files(m, stores[n], src)
-        owned = sum(c.size for c in m.chunks if rendezvous.rank(nodes, c.sha256)[0] == n)
+        owned = sum(c.size for c in m.chunks if owners[c.sha256] == n)
         assert r.from_origin == owned
     assert (
         registry.get_sample_value("weightship_agent_chunk_bytes_total", {"source": "peer"})
@@ -357,7 +385,7 @@ def test_origin_that_changed_since_the_manifest_fails_clearly(tmp_path: Path) ->
     with pytest.raises(ChunkVerificationError, match="re-run `weightship manifest`"):
         stage(m, store, CountingOrigin(tmp_path / "src"), [], node="n1", metrics=dp, workers=1)
     assert not store.is_staged(m.digest)
-    assert not any(store.root.joinpath("chunks").iterdir())
+    assert not store.has_chunk(m.chunks[0].sha256)
     failures = registry.get_sample_value(
         "weightship_agent_chunk_verification_failures_total", {"source": "origin"}
     )

@@ -1,17 +1,20 @@
-"""The node cache on disk, content addressed.
+"""The node cache on disk: one copy of every staged byte, found by chunk digest.
 
 Layout under the cache root (a hostPath):
 
-    chunks/<sha256-hex>            verified chunks only (temp file, fsync, rename)
+    FORMAT                         cache format version ("weightship-cache 2")
     tmp/                           temp files; same filesystem, so renames are atomic
     models/<manifest-digest-hex>/
         manifest.json              the manifest, canonical bytes
-        journal                    append-only verified chunk indexes (resume)
-        files/<path>               a file appears here only once all its chunks verified
+        journal                    append-only chunk indexes verified and written (resume)
+        partial/<path>.partial     preallocated; verified chunks are written at their offsets
+        files/<path>               renamed from partial/ once every chunk verified (fsynced)
         STAGED                     completion marker, written by rename; mtime = last use
 
-A chunk file exists under its digest only after its bytes matched that digest, so a
-restarted stage, or another model sharing the chunk, never fetches it again.
+Each verified chunk is written once, with ``pwrite`` at its offset into its file's
+``.partial``. When a file's last chunk is in, the file is fsynced once and renamed into
+``files/``. There is no separate chunk store: a ``ChunkIndex`` (digest -> model, file,
+offset, size) lets the peer server and dedupe find verified chunks inside the files.
 """
 
 from __future__ import annotations
@@ -19,17 +22,27 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from weightship.data.manifest import SHA256_HEX, Manifest, validate_relative_path
+from weightship.data.chunkindex import ChunkIndex, ChunkLocation
+from weightship.data.manifest import SHA256_HEX, Manifest
+
+if TYPE_CHECKING:
+    from weightship.data.modelstaging import ModelStaging
+
+log = logging.getLogger(__name__)
 
 STAGED_MARKER = "STAGED"
-_COPY_BLOCK = 1024 * 1024
+FORMAT_FILE = "FORMAT"
+CACHE_FORMAT = "weightship-cache 2"
+PARTIAL_SUFFIX = ".partial"
+Buffer = bytes | bytearray | memoryview
 
 
 class ChunkVerificationError(ValueError):
@@ -53,11 +66,11 @@ class StageBusyError(RuntimeError):
     """Another stager holds this model's lock."""
 
 
-def sha256_hex(data: bytes) -> str:
+def sha256_hex(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def verify_chunk(data: bytes, sha256: str) -> bool:
+def verify_chunk(data: Buffer, sha256: str) -> bool:
     return sha256_hex(data) == sha256
 
 
@@ -69,7 +82,7 @@ def digest_hex(digest: str) -> str:
     return hex_part
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -86,40 +99,74 @@ class ChunkStore:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.reserve_bytes = reserve_bytes
-        for sub in ("chunks", "tmp", "models"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
+        self._check_format()
+        for sub in ("tmp", "models"):
+            (root / sub).mkdir(exist_ok=True)
+        self.index = ChunkIndex()
+        for digest in self.models():
+            self._index_finished_files(digest)
+
+    def _check_format(self) -> None:
+        """Discard a cache written in another format (nothing is migrated)."""
+        marker = self.root / FORMAT_FILE
+        try:
+            found = marker.read_text().strip()
+        except FileNotFoundError:
+            found = None
+        if found == CACHE_FORMAT:
+            return
+        old = [self.root / s for s in ("chunks", "models", "tmp") if (self.root / s).is_dir()]
+        if any(any(p.iterdir()) for p in old):
+            log.warning(
+                "discarding the node cache in %s: it is in format %r, this agent uses %r; "
+                "its models will be fetched again",
+                self.root,
+                found or "weightship-cache 1",
+                CACHE_FORMAT,
+            )
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        tmp = self._temp_path("format")
+        tmp.write_text(CACHE_FORMAT + "\n")
+        tmp.replace(marker)
 
     # Chunks -----------------------------------------------------------------------------
 
-    def chunk_path(self, sha256: str) -> Path:
-        return self.root / "chunks" / digest_hex(sha256)
+    def locate(self, sha256: str) -> ChunkLocation | None:
+        return self.index.get(digest_hex(sha256))
 
     def has_chunk(self, sha256: str) -> bool:
-        return self.chunk_path(sha256).is_file()
+        return self.locate(sha256) is not None
 
-    def put_chunk(self, sha256: str, data: bytes) -> Path:
-        """Verify ``data`` and store it under its digest. Raises ChunkVerificationError."""
-        if not verify_chunk(data, sha256):
-            raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-        final = self.chunk_path(sha256)
-        if final.is_file():
-            return final
-        tmp = self._temp_path(final.name)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(final)
-        return final
+    def open_chunk(self, sha256: str, wait_s: float = 0.0) -> tuple[BinaryIO, ChunkLocation] | None:
+        """An open file holding the verified chunk, and where in it; None when absent.
+
+        ``wait_s`` > 0 waits that long for the chunk to land. The caller closes the file.
+        """
+        sha = digest_hex(sha256)
+        loc = self.index.wait(sha, wait_s) if wait_s > 0 else self.index.get(sha)
+        if loc is None:
+            return None
+        mdir = self.root / "models" / loc.model
+        final, partial = final_path(mdir, loc.path), partial_path(mdir, loc.path)
+        for path in (final, partial, final):  # the partial may be renamed in between
+            try:
+                return open(path, "rb"), loc  # the caller closes it
+            except FileNotFoundError:
+                continue
+        return None  # evicted meanwhile
 
     def read_chunk(self, sha256: str, start: int = 0, end: int | None = None) -> bytes | None:
         """Bytes [start, end) of a verified chunk, or None when the chunk is absent."""
-        try:
-            with open(self.chunk_path(sha256), "rb") as f:
-                f.seek(start)
-                return f.read(-1 if end is None else end - start)
-        except FileNotFoundError:
+        found = self.open_chunk(sha256)
+        if found is None:
             return None
+        f, loc = found
+        with f:
+            stop = loc.size if end is None else min(end, loc.size)
+            return os.pread(f.fileno(), max(0, stop - start), loc.offset + start)
 
     def discard_temp_files(self) -> None:
         """Remove temp files left by a crash. Call once at agent start, before staging."""
@@ -128,6 +175,19 @@ class ChunkStore:
 
     def _temp_path(self, hint: str) -> Path:
         return self.root / "tmp" / f"{hint[:16]}.{uuid.uuid4().hex}"
+
+    def _index_finished_files(self, digest: str) -> None:
+        """Index the chunks of a model's finished (fsynced, renamed) files. Partial files
+        are indexed when their stage resumes and re-verifies them."""
+        mdir = self.model_dir(digest)
+        manifest = _saved_manifest(mdir)
+        if manifest is None:
+            return
+        sizes = {f.path: f.size for f in manifest.files}
+        finished = {p for p, size in sizes.items() if size_or_none(final_path(mdir, p)) == size}
+        for c in manifest.chunks:
+            if c.file in finished:
+                self.index.add(c.sha256, ChunkLocation(mdir.name, c.file, c.offset, c.size))
 
     # Models -----------------------------------------------------------------------------
 
@@ -148,12 +208,15 @@ class ChunkStore:
         os.utime(self.model_dir(digest) / STAGED_MARKER)
 
     def begin(self, manifest: Manifest) -> ModelStaging:
+        """Lock ``manifest``'s model for staging (StageBusyError when another holds it)."""
+        from weightship.data.modelstaging import ModelStaging  # it builds on this module
+
         return ModelStaging(self, manifest)
 
     # Space ------------------------------------------------------------------------------
 
     def used_bytes(self) -> int:
-        return sum(_tree_size(self.root / sub) for sub in ("chunks", "tmp", "models"))
+        return sum(_tree_size(self.root / sub) for sub in ("tmp", "models"))
 
     def available_bytes(self) -> int:
         free = shutil.disk_usage(self.root).free - self.reserve_bytes
@@ -206,46 +269,39 @@ class ChunkStore:
         raise InsufficientSpaceError(needed, available, self.root)
 
     def missing_bytes(self, manifest: Manifest) -> int:
-        """What staging ``manifest`` still needs on disk: its unique chunks not in the
-        store, plus its files not assembled yet (the same sum ``stage()`` checks)."""
-        files_dir = self.files_dir(manifest.digest)
-        chunks = {c.sha256: c.size for c in manifest.chunks if not self.has_chunk(c.sha256)}
-        files = [f for f in manifest.files if not (files_dir / f.path).is_file()]
-        return sum(chunks.values()) + sum(f.size for f in files)
+        """What staging ``manifest`` still needs on disk: its files not finished yet, less
+        what their preallocated partial files already hold (the sum ``stage()`` checks).
+        Each byte is stored once, so a staged model takes S."""
+        mdir = self.model_dir(manifest.digest)
+        needed = 0
+        for f in manifest.files:
+            if size_or_none(final_path(mdir, f.path)) == f.size:
+                continue
+            needed += f.size - min(f.size, allocated(partial_path(mdir, f.path)))
+        return needed
 
     def evict(self, digest: str) -> bool:
-        """Remove a model and the chunks no other model references.
+        """Remove a model (its files are the only copy of its chunks).
 
         Returns False when the model is being staged right now.
         """
         mdir = self.model_dir(digest)
         try:
-            lock = _ModelLock(mdir)
+            lock = ModelLock(mdir)
         except StageBusyError:
             return False
         try:
             # Unmark first: a half-deleted model must never look staged.
             (mdir / STAGED_MARKER).unlink(missing_ok=True)
-            own = set(_manifest_chunk_digests(mdir))
-            for sha in own - self._referenced_elsewhere(digest):
-                self.chunk_path(sha).unlink(missing_ok=True)
-            shutil.rmtree(mdir / "files", ignore_errors=True)
+            self.index.drop_model(mdir.name)  # peers are no longer sent there
+            for sub in ("files", "partial"):
+                shutil.rmtree(mdir / sub, ignore_errors=True)
             for name in ("manifest.json", "journal"):
                 (mdir / name).unlink(missing_ok=True)
         finally:
             lock.release()
         shutil.rmtree(mdir, ignore_errors=True)
         return True
-
-    def _referenced_elsewhere(self, digest: str) -> set[str]:
-        """Chunk digests that models other than ``digest`` (staged or staging) need."""
-        me = digest_hex(digest)
-        return {
-            sha
-            for d in self.models()
-            if digest_hex(d) != me
-            for sha in _manifest_chunk_digests(self.model_dir(d))
-        }
 
     def _models_by_last_use(self) -> list[str]:
         def last_use(digest: str) -> float:
@@ -260,93 +316,11 @@ class ChunkStore:
         return sorted(self.models(), key=last_use)
 
     def _exclusive_bytes(self, digest: str) -> int:
-        """What evicting ``digest`` alone would free."""
-        mdir = self.model_dir(digest)
-        exclusive = set(_manifest_chunk_digests(mdir)) - self._referenced_elsewhere(digest)
-        chunk_bytes = sum(_size_or_zero(self.chunk_path(sha)) for sha in exclusive)
-        return chunk_bytes + _tree_size(mdir / "files")
+        """What evicting ``digest`` alone would free: models share no files."""
+        return _tree_size(self.model_dir(digest))
 
 
-class ModelStaging:
-    """One model being staged: holds its lock, journal, and file materialization."""
-
-    def __init__(self, store: ChunkStore, manifest: Manifest) -> None:
-        self.store = store
-        self.manifest = manifest
-        self.dir = store.model_dir(manifest.digest)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _ModelLock(self.dir)
-        manifest_path = self.dir / "manifest.json"
-        if not manifest_path.is_file():
-            tmp = store._temp_path("manifest")
-            tmp.write_bytes(manifest.canonical_bytes())
-            tmp.replace(manifest_path)
-        (self.dir / "files").mkdir(exist_ok=True)
-        self._journal = os.open(self.dir / "journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def close(self) -> None:
-        os.close(self._journal)
-        self._lock.release()
-
-    def __enter__(self) -> ModelStaging:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def is_staged(self) -> bool:
-        return (self.dir / STAGED_MARKER).is_file()
-
-    def journaled(self) -> set[int]:
-        """Chunk indexes the journal lists whose chunk is still in the store."""
-        text = (self.dir / "journal").read_text()
-        lines = text.split("\n")[:-1]  # a torn last line (crash mid-write) has no newline
-        chunks = self.manifest.chunks
-        indexes = {int(s) for s in lines if s.isdigit() and int(s) < len(chunks)}
-        return {i for i in indexes if self.store.has_chunk(chunks[i].sha256)}
-
-    def record(self, indexes: Iterable[int]) -> None:
-        """Append verified chunk indexes; one write, so lines never interleave."""
-        line = "".join(f"{i}\n" for i in indexes)
-        if line:
-            os.write(self._journal, line.encode())
-
-    def file_path(self, path: str) -> Path:
-        return self.dir / "files" / validate_relative_path(path)
-
-    def is_materialized(self, path: str) -> bool:
-        return self.file_path(path).is_file()
-
-    def materialize(self, path: str) -> None:
-        """Assemble a file from its verified chunks and move it under its final name."""
-        tmp = self.store._temp_path("file")
-        with open(tmp, "wb") as out:
-            for chunk in self.manifest.chunks_of(path):
-                with open(self.store.chunk_path(chunk.sha256), "rb") as src:
-                    _copy_all(src, out, chunk.size)
-            out.flush()
-            os.fsync(out.fileno())
-        final = self.file_path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.replace(final)
-
-    def mark_staged(self) -> None:
-        """Write the completion marker, after checking every file is in place."""
-        for f in self.manifest.files:
-            p = self.file_path(f.path)
-            if not p.is_file() or p.stat().st_size != f.size:
-                raise RuntimeError(
-                    f"cannot mark {self.manifest.digest} staged: {f.path} incomplete"
-                )
-        _fsync_dir(self.dir / "files")
-        tmp = self.store._temp_path("staged")
-        tmp.write_text(self.manifest.digest + "\n")
-        tmp.replace(self.dir / STAGED_MARKER)
-        _fsync_dir(self.dir)
-
-
-class _ModelLock:
+class ModelLock:
     def __init__(self, model_dir: Path) -> None:
         model_dir.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(model_dir / "lock", os.O_WRONLY | os.O_CREAT, 0o644)
@@ -362,40 +336,39 @@ class _ModelLock:
         os.close(self._fd)
 
 
-def _copy_all(src: BinaryIO, dst: BinaryIO, size: int) -> None:
-    """Append ``src`` to ``dst`` in the kernel (a reflink on XFS/btrfs) where possible."""
-    copied = 0
-    try:
-        while copied < size:
-            n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied)
-            if n == 0:
-                break
-            copied += n
-    except OSError:
-        pass  # filesystems without copy_file_range: copy in user space below
-    if copied < size:
-        src.seek(copied)
-        dst.seek(0, os.SEEK_END)
-        shutil.copyfileobj(src, dst, _COPY_BLOCK)
+def final_path(model_dir: Path, path: str) -> Path:
+    return model_dir / "files" / path
 
 
-def _manifest_chunk_digests(model_dir: Path) -> list[str]:
+def partial_path(model_dir: Path, path: str) -> Path:
+    return model_dir / "partial" / (path + PARTIAL_SUFFIX)
+
+
+def _saved_manifest(model_dir: Path) -> Manifest | None:
     try:
         data = (model_dir / "manifest.json").read_bytes()
     except FileNotFoundError:
-        return []
-    return [c.sha256 for c in Manifest.parse(data, source=str(model_dir)).chunks]
+        return None
+    return Manifest.parse(data, source=str(model_dir))
 
 
-def _size_or_zero(path: Path) -> int:
+def allocated(path: Path) -> int:
+    """Bytes of disk a file holds (a preallocated file holds its size)."""
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def size_or_none(path: Path) -> int | None:
     try:
         return path.stat().st_size
     except FileNotFoundError:
-        return 0
+        return None
 
 
 def _tree_size(root: Path) -> int:
     total = 0
     for dirpath, _, names in os.walk(root):
-        total += sum(_size_or_zero(Path(dirpath) / n) for n in names)
+        total += sum(size_or_none(Path(dirpath) / n) or 0 for n in names)
     return total

@@ -1,10 +1,13 @@
 """Coordinator-free chunk fetching.
 
-For each chunk every node ranks the live peers by rendezvous hash. The first ("owner")
-fetches from origin; the others ask the owner, then the next peers in the ranking,
-falling through on timeouts, dead peers and 404s, waiting a bounded time for the owner,
-and going to origin last. A dead owner drops out of the ranking, so the next node takes
-over without anyone deciding it. Every byte is verified before it is stored.
+Every node computes the same owner for each chunk from the manifest and the node set
+(rendezvous hashing with bounded loads: each node owns at most ceil(chunks / nodes)).
+The owner fetches from origin; the others ask the owner (a long-poll: the owner's peer
+server holds the request until the chunk lands, up to ``long_poll_s``), then the next
+peers in the chunk's rendezvous ranking, falling through on timeouts, dead peers and
+404s, waiting a bounded time for the owner, and going to origin last. A dead owner drops
+out of the ranking, so the next node takes over without anyone deciding it. Every byte
+is verified before it is stored.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from weightship.data import rendezvous
-from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
+from weightship.data.chunkstore import Buffer, ChunkVerificationError
 from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import (
@@ -34,7 +37,24 @@ Source = Literal["origin", "peer", "local"]
 
 
 class ChunkOrigin(Protocol):
-    def read_range(self, path: str, offset: int, size: int) -> bytes: ...
+    def read_range(self, path: str, offset: int, size: int) -> Buffer: ...
+
+
+@runtime_checkable
+class HashingOrigin(Protocol):
+    """An origin that hashes the bytes as they arrive (``S3Origin``)."""
+
+    def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[Buffer, str]: ...
+
+
+class ChunkSink(Protocol):
+    """Where verified chunks go (``ModelStaging``)."""
+
+    def has(self, sha256: str) -> bool: ...
+
+    def put(self, sha256: str, data: Buffer, *, verified_sha256: str | None = None) -> int:
+        """Verify and store; raise ChunkVerificationError on a mismatch."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +67,8 @@ class Peer:
 class FetchPolicy:
     peer_timeout_s: float = 10.0
     owner_wait_s: float = 120.0  # per chunk, then origin
-    poll_interval_s: float = 0.2
+    poll_interval_s: float = 0.2  # between rounds that did not long-poll
+    long_poll_s: float = 2.0  # how long the owner may hold a request for a missing chunk
     peers_per_round: int = 3  # the owner plus the next peers asked each round
     dead_cooldown_s: float = 30.0
     demote_cooldown_s: float = 600.0
@@ -107,7 +128,7 @@ class TokenBucket:
 
 
 def fetch_order(
-    chunks: Sequence[ChunkEntry], node: str, nodes: Sequence[str], lag: int
+    chunks: Sequence[ChunkEntry], node: str, owner_of: Callable[[str], str], lag: int
 ) -> list[ChunkEntry]:
     """The order in which ``node`` should fetch ``chunks``.
 
@@ -118,7 +139,7 @@ def fetch_order(
     step: dict[str, int] = {}
     queue_len: dict[str, int] = {}
     for c in chunks:
-        owner = rendezvous.rank(nodes, c.sha256)[0]
+        owner = owner_of(c.sha256)
         step[c.sha256] = queue_len.get(owner, 0) + (0 if owner == node else lag)
         queue_len[owner] = queue_len.get(owner, 0) + 1
     return sorted(chunks, key=lambda c: step[c.sha256])
@@ -131,23 +152,35 @@ class ChunkFetcher:
         node: str,
         peers: Sequence[Peer],
         origin: ChunkOrigin,
-        store: ChunkStore,
+        sink: ChunkSink,
         metrics: DataPlaneMetrics,
+        chunks: Sequence[ChunkEntry] = (),
         policy: FetchPolicy | None = None,
         client: PeerClient | None = None,
         bandwidth: TokenBucket | None = None,
         health: PeerHealth | None = None,
     ) -> None:
+        """``chunks``: the whole manifest's, in manifest order, so that every node computes
+        the same balanced owners (a chunk not among them gets its rendezvous owner)."""
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
+        self.owners = rendezvous.balanced_owners((c.sha256 for c in chunks), self.nodes)
         self.origin = origin
-        self.store = store
+        self.sink = sink
         self.metrics = metrics
         self.policy = policy or FetchPolicy()
         self.client = client or PeerClient(self.policy.peer_timeout_s)
         self.bandwidth = bandwidth
         self.health = health or PeerHealth()
+
+    def ranking(self, sha256: str) -> list[str]:
+        """Every node, this one included: the chunk's owner first, then its rendezvous
+        ranking, which a dead owner's chunk falls through."""
+        return rendezvous.rank_with_owner(self.nodes, sha256, self.owners.get(sha256))
+
+    def owner_of(self, sha256: str) -> str:
+        return self.ranking(sha256)[0]
 
     def fetch(self, chunk: ChunkEntry) -> Source:
         """Get one chunk into the store, verified; say where it came from."""
@@ -158,9 +191,9 @@ class ChunkFetcher:
         return source
 
     def _fetch(self, chunk: ChunkEntry) -> Source:
-        if self.store.has_chunk(chunk.sha256):
+        if self.sink.has(chunk.sha256):
             return "local"
-        ranking = rendezvous.rank(self.nodes, chunk.sha256)
+        ranking = self.ranking(chunk.sha256)
         deadline = time.monotonic() + self.policy.owner_wait_s
         while True:
             avoided = self.health.avoided()
@@ -168,18 +201,24 @@ class ChunkFetcher:
             if not live or live[0] == self.node:
                 self._from_origin(chunk)
                 return "origin"
+            round_started = time.monotonic()
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
-            if any(self._from_peer(node, chunk) for node in asked):
+            # The owner (asked first) may hold the request until the chunk lands; the
+            # others answer at once.
+            wait = min(self.policy.long_poll_s, max(0.0, deadline - round_started))
+            if any(self._from_peer(n, chunk, wait if k == 0 else 0.0) for k, n in enumerate(asked)):
                 return "peer"
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.sha256, live[0])
                 self._from_origin(chunk)
                 return "origin"
-            time.sleep(self.policy.poll_interval_s)
+            if now - round_started < self.policy.poll_interval_s:  # nobody held the request
+                time.sleep(self.policy.poll_interval_s)
 
-    def _from_peer(self, node: str, chunk: ChunkEntry) -> bool:
+    def _from_peer(self, node: str, chunk: ChunkEntry, wait_s: float = 0.0) -> bool:
         try:
-            data = self.client.fetch(self.address[node], chunk.sha256)
+            data = self.client.fetch(self.address[node], chunk.sha256, wait_s=wait_s)
         except (ChunkNotOnPeerError, PeerBusyError):
             return False
         except PeerUnavailableError as exc:
@@ -196,7 +235,7 @@ class ChunkFetcher:
             return False
         self._throttle(len(data))
         try:
-            self.store.put_chunk(chunk.sha256, data)  # verifies before storing
+            self.sink.put(chunk.sha256, data)  # verifies before storing
         except ChunkVerificationError:
             log.warning("peer %s served bad bytes for chunk %s: demoted", node, chunk.sha256)
             self.metrics.verification_failures.labels("peer").inc()
@@ -207,10 +246,14 @@ class ChunkFetcher:
 
     def _from_origin(self, chunk: ChunkEntry) -> None:
         for _ in range(self.policy.origin_attempts):
-            data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
+            digest: str | None = None
+            if isinstance(self.origin, HashingOrigin):
+                data, digest = self.origin.read_range_hashed(chunk.file, chunk.offset, chunk.size)
+            else:
+                data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
             self._throttle(len(data))
             try:
-                self.store.put_chunk(chunk.sha256, data)
+                self.sink.put(chunk.sha256, data, verified_sha256=digest)
                 return
             except ChunkVerificationError:
                 self.metrics.verification_failures.labels("origin").inc()

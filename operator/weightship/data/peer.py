@@ -2,14 +2,19 @@
 
 The server serves only verified chunks, addressed by digest: the request path must be
 exactly ``/chunks/sha256/<64 lowercase hex>``, checked before anything touches the
-filesystem, so no request can name any other file.
+filesystem, so no request can name any other file. The bytes come from the model file
+that holds the chunk (``ChunkStore.open_chunk``: only verified, journaled ranges).
+
+A GET may carry ``X-Weightship-Wait: <seconds>``: when the chunk is not there yet, the
+server holds the request until it lands (at most ``MAX_WAIT_S``), instead of a 404 that
+the client would poll again. The client keeps one HTTP/1.1 connection per peer per
+thread and reuses it.
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
-import os
 import re
 import socketserver
 import threading
@@ -17,6 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import BinaryIO
 
 from weightship.data.chunkstore import ChunkStore
+
+WAIT_HEADER = "X-Weightship-Wait"
+MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +117,16 @@ class _ChunkHandler(BaseHTTPRequestHandler):
         if not m:
             self._reply(400, b"expected /chunks/sha256/<64 lowercase hex>\n")
             return
-        try:
-            with open(self.server.store.chunk_path(m.group(1)), "rb") as f:
-                self._serve_chunk(f, send_body=send_body)
-        except FileNotFoundError:
+        wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
+        found = self.server.store.open_chunk(m.group(1), wait_s=wait_s)
+        if found is None:
             self._reply(404, b"chunk not here\n")
+            return
+        f, loc = found
+        with f:
+            self._serve_chunk(f, loc.offset, loc.size, send_body=send_body)
 
-    def _serve_chunk(self, f: BinaryIO, *, send_body: bool) -> None:
-        size = os.fstat(f.fileno()).st_size
+    def _serve_chunk(self, f: BinaryIO, offset: int, size: int, *, send_body: bool) -> None:
         try:
             span = parse_range(self.headers.get("Range"), size)
         except ValueError:
@@ -129,7 +139,7 @@ class _ChunkHandler(BaseHTTPRequestHandler):
             self._reply(503, b"busy\n", {"Retry-After": "1"})
             return
         try:
-            self._send_chunk(f, size, span)
+            self._send_chunk(f, offset, size, span)
         finally:
             self.server.transfers.release()
 
@@ -142,20 +152,32 @@ class _ChunkHandler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {span[0]}-{span[1] - 1}/{size}")
         self.end_headers()
 
-    def _send_chunk(self, f: BinaryIO, size: int, span: tuple[int, int] | None) -> None:
+    def _send_chunk(
+        self, f: BinaryIO, offset: int, size: int, span: tuple[int, int] | None
+    ) -> None:
         start, end = span or (0, size)
         self._send_head(206 if span else 200, end - start, size, span)
         try:
-            self.connection.sendfile(f, start, end - start)
+            self.connection.sendfile(f, offset + start, end - start)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
 
 
+def _wait_seconds(header: str | None) -> float:
+    try:
+        return min(MAX_WAIT_S, max(0.0, float(header))) if header else 0.0
+    except ValueError:
+        return 0.0
+
+
 class PeerServer:
-    """Serves this node's verified chunks to other agents."""
+    """Serves this node's verified chunks to other agents.
+
+    ``max_concurrent`` bounds the transfers in flight (a request held by the long-poll
+    takes no slot until its chunk lands); 32 covers every worker of a few dozen peers."""
 
     def __init__(
-        self, store: ChunkStore, host: str, port: int = 0, max_concurrent: int = 8
+        self, store: ChunkStore, host: str, port: int = 0, max_concurrent: int = 32
     ) -> None:
         self._server = _Server((host, port), store, max_concurrent)
         self._thread: threading.Thread | None = None
@@ -189,41 +211,94 @@ class PeerServer:
 
 
 class PeerClient:
-    """Fetches chunks from other agents' peer servers. Every call is bounded by a timeout."""
+    """Fetches chunks from other agents' peer servers. Every call is bounded by a timeout.
+
+    Keeps one keep-alive connection per peer per thread, so a chunk does not pay a TCP
+    handshake and slow start each time. A reused connection that the server has closed
+    meanwhile (idle timeout) is retried once on a fresh one."""
 
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
+        self._local = threading.local()
 
-    def fetch(self, address: str, sha256: str, *, start: int = 0, end: int | None = None) -> bytes:
+    def fetch(
+        self,
+        address: str,
+        sha256: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        wait_s: float = 0.0,
+    ) -> bytes:
+        """The chunk's bytes [start, end). ``wait_s`` > 0 lets the peer hold the request
+        that long for a chunk it does not have yet."""
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        status, body = self._request("GET", address, sha256, headers)
+        if wait_s > 0:
+            headers[WAIT_HEADER] = f"{wait_s:.3f}"
+        status, body = self._request("GET", address, sha256, headers, self.timeout_s + wait_s)
         if status not in (200, 206):
             raise PeerError(f"{address} answered {status} for chunk {sha256}")
         return body
 
     def has(self, address: str, sha256: str) -> bool:
         try:
-            status, _ = self._request("HEAD", address, sha256, {})
+            status, _ = self._request("HEAD", address, sha256, {}, self.timeout_s)
         except ChunkNotOnPeerError:
             return False
         return status == 200
 
-    def _request(
-        self, method: str, address: str, sha256: str, headers: dict[str, str]
-    ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(address, timeout=self.timeout_s)
-        try:
-            conn.request(method, f"/chunks/sha256/{sha256}", headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
-        except (OSError, http.client.HTTPException) as exc:
-            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-        finally:
+    def close(self) -> None:
+        """Close this thread's connections."""
+        conns: dict[str, http.client.HTTPConnection] = getattr(self._local, "conns", {})
+        for conn in conns.values():
             conn.close()
-        if resp.status == 404:
-            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
-        if resp.status == 503:
-            raise PeerBusyError(f"{address} is busy")
-        return resp.status, body
+        conns.clear()
+
+    def _connection(self, address: str) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to ``address``, and whether it was used before."""
+        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(address)
+        if conn is not None:
+            return conn, True
+        conn = conns[address] = http.client.HTTPConnection(address, timeout=self.timeout_s)
+        return conn, False
+
+    def _drop(self, address: str) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(address, None)
+        if conn is not None:
+            conn.close()
+
+    def _request(
+        self, method: str, address: str, sha256: str, headers: dict[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        for attempt in range(2):
+            conn, reused = self._connection(address)
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            try:
+                conn.request(method, f"/chunks/sha256/{sha256}", headers=headers)
+                resp = conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._drop(address)
+                if reused and attempt == 0:
+                    continue  # the server closed an idle keep-alive connection: retry fresh
+                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(address)
+                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+            try:
+                body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(address)
+                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+            if resp.will_close:
+                self._drop(address)
+            if resp.status == 404:
+                raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
+            if resp.status == 503:
+                raise PeerBusyError(f"{address} is busy")
+            return resp.status, body
+        raise AssertionError("unreachable")

@@ -7,6 +7,7 @@ throttling, 5xx and connection errors; never on 4xx such as 403 or 404.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,11 +38,14 @@ from weightship.data.manifest import (
 )
 
 if TYPE_CHECKING:
+    from hashlib import _Hash as Hash
+
     from mypy_boto3_s3.client import S3Client
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 T = TypeVar("T")
 
+STREAM_PIECE = 4 * 1024 * 1024  # bytes read (and hashed) at a time from a GET body
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PARTS = 10_000
 _RETRYABLE_CODES = frozenset(
@@ -164,17 +168,46 @@ class S3Origin:
 
         return self._call(list_all)
 
-    def read_range(self, path: str, offset: int, size: int) -> bytes:
+    def read_range(self, path: str, offset: int, size: int) -> bytearray:
+        return self._get_range(path, offset, size, None)[0]
+
+    def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[bytearray, str]:
+        """The bytes and their sha256, hashed piece by piece as they arrive (hashlib
+        releases the GIL, so hashing overlaps the socket reads of other workers)."""
+        data, digest = self._get_range(path, offset, size, hashlib.sha256)
+        assert digest is not None
+        return data, digest
+
+    def _get_range(
+        self, path: str, offset: int, size: int, new_hash: Callable[[], Hash] | None
+    ) -> tuple[bytearray, str | None]:
         key = self.location.key(path)
 
-        def get() -> bytes:
+        def get() -> tuple[bytearray, str | None]:
             resp = self.client.get_object(
                 Bucket=self.location.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
             )
-            data = resp["Body"].read()
-            if len(data) != size:
-                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=size)
-            return data
+            body = resp["Body"]
+            buf = bytearray(size)  # one preallocated buffer, filled in place
+            view = memoryview(buf)
+            h = new_hash() if new_hash else None
+            got = 0
+            try:
+                while got < size:
+                    piece = view[got : min(size, got + STREAM_PIECE)]
+                    n = body.readinto(piece)  # type: ignore[arg-type]  # stub is wrong
+                    if not n:
+                        break
+                    if h is not None:
+                        h.update(view[got : got + n])
+                    got += n
+                extra = body.read(1) if got == size else b""  # EOF: the connection is reused
+            except BaseException:
+                body.close()  # a half-read connection must not go back to the pool
+                raise
+            if got != size or extra:
+                raise IncompleteReadError(actual_bytes=got + len(extra), expected_bytes=size)
+            return buf, h.hexdigest() if h is not None else None
 
         return self._call(get)
 

@@ -1,6 +1,6 @@
-"""Stage one model onto this node: plan, check space, fetch chunks, materialize, mark.
+"""Stage one model onto this node: plan, check space, fetch chunks into place, mark.
 
-Idempotent and resumable: what the journal and the chunk store already hold is never
+Idempotent and resumable: what the journal and the node's files already hold is never
 fetched again, and the model is marked staged only after every file is in place.
 """
 
@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightship.data.chunkstore import ChunkStore, ModelStaging
+from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import (
     ChunkFetcher,
     ChunkOrigin,
@@ -26,7 +26,11 @@ from weightship.data.fetcher import (
 )
 from weightship.data.manifest import ChunkEntry, Manifest
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient
+
+ORIGIN_LANE_WORKERS = 1  # with peers: workers fetching this node's own chunks from origin
+PEER_LANE_MAX = 16  # peer-lane workers at most (one per other owner below that)
 
 
 class StageCancelledError(RuntimeError):
@@ -109,8 +113,9 @@ def stage(
                 node=node,
                 peers=peers,
                 origin=origin,
-                store=store,
+                sink=staging,
                 metrics=metrics,
+                chunks=manifest.chunks,
                 policy=policy,
                 client=client,
                 bandwidth=bandwidth,
@@ -138,58 +143,54 @@ def _stage(
 ) -> None:
     manifest, store = staging.manifest, staging.store
     chunks = manifest.chunks
-    journaled = staging.journaled()
-    # Chunks already in the store (another model's, or journal lines lost in a crash)
-    # are verified already: record them, fetch nothing.
-    present = [i for i, c in enumerate(chunks) if i not in journaled and store.has_chunk(c.sha256)]
-    staging.record(present)
-    done = journaled.union(present)
+    done = staging.journaled()  # verified on resume; never fetched again
     tally.add("local", sum(chunks[i].size for i in done))
 
     todo: dict[str, list[int]] = defaultdict(list)  # digest -> chunk indexes needing it
     for i, c in enumerate(chunks):
         if i not in done:
             todo[c.sha256].append(i)
-    remaining: dict[str, int] = defaultdict(int)  # file -> chunks still missing
-    for indexes in todo.values():
-        for i in indexes:
-            remaining[chunks[i].file] += 1
+    store.ensure_space(staging.missing_bytes(), {*pinned, manifest.digest})
+    staging.prepare()
 
-    unmaterialized = [f for f in manifest.files if not staging.is_materialized(f.path)]
-    needed = sum(chunks[ix[0]].size for ix in todo.values()) + sum(f.size for f in unmaterialized)
-    store.ensure_space(needed, {*pinned, manifest.digest})
-
-    for f in unmaterialized:
-        if remaining[f.path] == 0:
-            staging.materialize(f.path)
-
-    lock = threading.Lock()
+    # Chunks this node already holds (another model's, or this one's at another index)
+    # are copied locally and verified again; nothing is fetched for them.
+    for sha, indexes in list(todo.items()):
+        data = store.read_chunk(sha)
+        if data is not None and staging.put(sha, data):
+            tally.add("local", chunks[indexes[0]].size * len(indexes))
+            del todo[sha]
 
     def fetch_one(chunk: ChunkEntry) -> None:
         if cancel.is_set():
             raise StageCancelledError(f"staging {manifest.digest} cancelled")
-        indexes = todo[chunk.sha256]
         source = fetcher.fetch(chunk)
-        staging.record(indexes)
+        n = len(todo[chunk.sha256])
         tally.add(source, chunk.size)
-        tally.add("local", chunk.size * (len(indexes) - 1))
-        with lock:
-            completed = []
-            for i in indexes:
-                remaining[chunks[i].file] -= 1
-                if remaining[chunks[i].file] == 0:
-                    completed.append(chunks[i].file)
-        for path in completed:
-            staging.materialize(path)
+        tally.add("local", chunk.size * (n - 1))
 
     unique = [chunks[ix[0]] for ix in todo.values()]
-    order = fetch_order(unique, fetcher.node, fetcher.nodes, lag=workers)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(fetch_one, c) for c in order]
+    order = fetch_order(unique, fetcher.node, fetcher.owner_of, lag=workers)
+    # Two lanes: the chunks this node owns (from the origin, the stream every other node
+    # waits for) never queue behind peer fetches that are waiting for a chunk to land.
+    owned = [c for c in order if fetcher.owner_of(c.sha256) == fetcher.node]
+    others = [c for c in order if fetcher.owner_of(c.sha256) != fetcher.node]
+    # The peer lane has a worker per other owner (capped): each waits on its owner's
+    # next chunk, so one slow owner never holds up the chunks the others already have.
+    other_owners = len({fetcher.owner_of(c.sha256) for c in others})
+    origin_workers = max(1, ORIGIN_LANE_WORKERS if others else workers)
+    peer_workers = max(1, workers - origin_workers, min(PEER_LANE_MAX, other_owners))
+    with (
+        ThreadPoolExecutor(origin_workers, thread_name_prefix="origin") as origin_lane,
+        ThreadPoolExecutor(peer_workers, thread_name_prefix="peer") as peer_lane,
+    ):
+        futures = [origin_lane.submit(fetch_one, c) for c in owned]
+        futures += [peer_lane.submit(fetch_one, c) for c in others]
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = [f for f in finished if f.exception()]
         if failed:
             cancel.set()  # queued chunks stop at once; running ones finish and are kept
-            pool.shutdown(cancel_futures=True)
+            for lane in (origin_lane, peer_lane):
+                lane.shutdown(wait=False, cancel_futures=True)
             raise failed[0].exception()  # type: ignore[misc]
     staging.mark_staged()

@@ -27,7 +27,8 @@ from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
 from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
+from weightship.dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
+from weightship.dev.slackreceiver import SlackReceiver
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "weightship-system"
@@ -142,6 +143,7 @@ class Demo:
         self.paths = ClusterPaths.default()
         self.api: client.ApiClient
         self.custom: client.CustomObjectsApi
+        self.slack: SlackReceiver
 
     def say(self, text: str) -> None:
         self.console.rule(f"[bold]{text}")
@@ -233,7 +235,16 @@ class Demo:
         )
 
     def run(self) -> None:
+        with SlackReceiver(host=BRIDGE_IP) as slack:
+            self.slack = slack
+            self._run()
+
+    def _run(self) -> None:
         uris = self.setup()
+        client.CoreV1Api(self.api).create_namespaced_secret(
+            NAMESPACE,
+            {"metadata": {"name": "slack-webhook"}, "stringData": {"url": self.slack.url}},
+        )
         endpoint = local_cluster.s3_endpoint()
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -272,6 +283,15 @@ class Demo:
             {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}},
         )
 
+    def print_slack(self) -> None:
+        testkit.wait_until(
+            lambda: any("RolledBack" in m.get("text", "") for m in self.slack.received),
+            timeout=30,
+            what="the Slack message about the rollback",
+        )
+        self.say(f"Slack ({len(self.slack.received)} messages to #ml-oncall; the last one)")
+        self.console.print(_slack_text(self.slack.received[-1]))
+
     def report(self) -> None:
         self.say("what happened")
         obj = self.get()
@@ -296,11 +316,22 @@ class Demo:
             else:
                 continue
             break
+        self.print_slack()
         self.console.print(
             f"\nLook around: weightship status llm -n {NAMESPACE}; "
             f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
             f"-n {NAMESPACE}"
         )
+
+
+def _slack_text(message: dict[str, Any]) -> str:
+    lines = []
+    for block in message.get("blocks") or []:
+        if block.get("type") in ("header", "section") and block.get("text"):
+            lines.append(block["text"]["text"])
+        for field in block.get("fields") or []:
+            lines.append(field["text"].replace("\n", ": "))
+    return "\n".join(lines)
 
 
 def _exists(core: client.CoreV1Api, name: str) -> bool:

@@ -1,0 +1,254 @@
+"""One model being staged: verified chunks written once, in place, then files renamed.
+
+Each verified chunk is written with ``pwrite`` at its offset into its file's
+preallocated ``partial/<path>.partial`` and journaled; when a file's last chunk is in,
+the file is fsynced once and renamed into ``files/``. No file appears under its final
+name before every one of its chunks verified. See ``chunkstore`` for the layout.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from weightship.data.chunkindex import ChunkLocation
+from weightship.data.chunkstore import (
+    STAGED_MARKER,
+    Buffer,
+    ChunkStore,
+    ChunkVerificationError,
+    ModelLock,
+    allocated,
+    final_path,
+    fsync_dir,
+    partial_path,
+    sha256_hex,
+    size_or_none,
+    verify_chunk,
+)
+from weightship.data.manifest import Manifest, validate_relative_path
+
+
+class ModelStaging:
+    """One model being staged: holds its lock and journal, and writes verified chunks
+    into preallocated partial files, renaming each file into place once complete.
+
+    Thread-safe: workers call ``put`` concurrently (``pwrite`` at distinct offsets)."""
+
+    def __init__(self, store: ChunkStore, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.dir = store.model_dir(manifest.digest)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = ModelLock(self.dir)
+        manifest_path = self.dir / "manifest.json"
+        if not manifest_path.is_file():
+            tmp = store._temp_path("manifest")
+            tmp.write_bytes(manifest.canonical_bytes())
+            tmp.replace(manifest_path)
+        (self.dir / "files").mkdir(exist_ok=True)
+        self._journal = os.open(self.dir / "journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._mutex = threading.Lock()
+        self._fds: dict[str, int] = {}  # open partial files
+        self._claimed: set[int] = set()  # chunk indexes being written right now
+        self._indexes_of: dict[str, list[int]] = {}
+        for i, c in enumerate(manifest.chunks):
+            self._indexes_of.setdefault(c.sha256, []).append(i)
+        self._sizes = {f.path: f.size for f in manifest.files}
+        self._done = self._recover()
+        self._remaining = {f.path: 0 for f in manifest.files}
+        for i, c in enumerate(manifest.chunks):
+            if i not in self._done:
+                self._remaining[c.file] += 1
+
+    def close(self) -> None:
+        with self._mutex:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        os.close(self._journal)
+        self._lock.release()
+
+    def __enter__(self) -> ModelStaging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def is_staged(self) -> bool:
+        return (self.dir / STAGED_MARKER).is_file()
+
+    def journaled(self) -> set[int]:
+        """Chunk indexes whose verified bytes are in place (journal checked at begin)."""
+        with self._mutex:
+            return set(self._done)
+
+    def has(self, sha256: str) -> bool:
+        """Every chunk of the model with this digest is in place."""
+        with self._mutex:
+            return all(i in self._done for i in self._indexes_of.get(sha256, [-1]))
+
+    def file_path(self, path: str) -> Path:
+        return final_path(self.dir, validate_relative_path(path))
+
+    def is_materialized(self, path: str) -> bool:
+        return size_or_none(self.file_path(path)) == self._sizes[path]
+
+    def missing_bytes(self) -> int:
+        return self.store.missing_bytes(self.manifest)
+
+    def prepare(self) -> None:
+        """Preallocate the partial file of every unfinished file, and finish the files
+        that need no chunk (empty ones, or all chunks in place before a crash)."""
+        for f in self.manifest.files:
+            if not self.is_materialized(f.path):
+                self._open_partial(f.path)
+        for path in [p for p, n in self._remaining.items() if n == 0]:
+            if not self.is_materialized(path):
+                self._finish_file(path)
+
+    def put(self, sha256: str, data: Buffer, *, verified_sha256: str | None = None) -> int:
+        """Verify ``data`` and write it at every not-yet-written chunk with this digest;
+        journal them; finish (fsync, rename) the files it completes. Returns how many
+        chunk positions were written. ``verified_sha256``: the digest the caller already
+        computed over these exact bytes (hashed as they arrived), to skip hashing again.
+
+        Raises ChunkVerificationError, writing nothing, when the bytes do not match."""
+        actual = verified_sha256 if verified_sha256 is not None else sha256_hex(data)
+        if actual != sha256:
+            raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
+        chunks = self.manifest.chunks
+        with self._mutex:
+            todo = [
+                i
+                for i in self._indexes_of.get(sha256, [])
+                if i not in self._done and i not in self._claimed
+            ]
+            self._claimed.update(todo)
+        try:
+            for i in todo:
+                if len(data) != chunks[i].size:
+                    raise ChunkVerificationError(f"chunk {sha256} has the wrong size")
+                _pwrite_all(self._open_partial(chunks[i].file), data, chunks[i].offset)
+        except BaseException:
+            with self._mutex:
+                self._claimed.difference_update(todo)
+            raise
+        self.record(todo)
+        completed = []
+        with self._mutex:
+            self._claimed.difference_update(todo)
+            self._done.update(todo)
+            for i in todo:
+                self._remaining[chunks[i].file] -= 1
+                if self._remaining[chunks[i].file] == 0:
+                    completed.append(chunks[i].file)
+        for i in todo:
+            c = chunks[i]
+            self.store.index.add(sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+        for path in completed:
+            self._finish_file(path)
+        return len(todo)
+
+    def record(self, indexes: Iterable[int]) -> None:
+        """Append chunk indexes to the journal; one write, so lines never interleave."""
+        line = "".join(f"{i}\n" for i in indexes)
+        if line:
+            os.write(self._journal, line.encode())
+
+    def mark_staged(self) -> None:
+        """Write the completion marker, after checking every file is in place."""
+        dirs = {self.dir / "files"}
+        for f in self.manifest.files:
+            p = self.file_path(f.path)
+            if size_or_none(p) != f.size:
+                raise RuntimeError(
+                    f"cannot mark {self.manifest.digest} staged: {f.path} incomplete"
+                )
+            dirs.add(p.parent)
+        for d in dirs:
+            fsync_dir(d)
+        shutil.rmtree(self.dir / "partial", ignore_errors=True)
+        tmp = self.store._temp_path("staged")
+        tmp.write_text(self.manifest.digest + "\n")
+        tmp.replace(self.dir / STAGED_MARKER)
+        fsync_dir(self.dir)
+
+    # ------------------------------------------------------------------------------------
+
+    def _open_partial(self, path: str) -> int:
+        with self._mutex:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return fd
+            partial = partial_path(self.dir, validate_relative_path(path))
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+            size = self._sizes[path]
+            if os.fstat(fd).st_size != size or allocated(partial) < size:
+                _preallocate(fd, size)
+            self._fds[path] = fd
+            return fd
+
+    def _finish_file(self, path: str) -> None:
+        """fsync the complete partial file once and rename it into place."""
+        fd = self._open_partial(path)
+        os.fsync(fd)
+        with self._mutex:
+            self._fds.pop(path, None)
+        os.close(fd)
+        final = self.file_path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial_path(self.dir, path).replace(final)
+
+    def _recover(self) -> set[int]:
+        """Chunk indexes already in place: every chunk of a finished file, and journaled
+        chunks whose bytes in the partial file still verify (a power loss can lose
+        unsynced writes but keep the journal line). Indexes them for peers and dedupe."""
+        chunks = self.manifest.chunks
+        finished = {f.path for f in self.manifest.files if self.is_materialized(f.path)}
+        done = {i for i, c in enumerate(chunks) if c.file in finished}
+        text = (self.dir / "journal").read_text()
+        lines = text.split("\n")[:-1]  # a torn last line (crash mid-write) has no newline
+        journaled = {int(s) for s in lines if s.isdigit() and int(s) < len(chunks)} - done
+        by_file: dict[str, list[int]] = {}
+        for i in sorted(journaled):
+            by_file.setdefault(chunks[i].file, []).append(i)
+        for path, indexes in by_file.items():
+            try:
+                fd = os.open(partial_path(self.dir, path), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                for i in indexes:
+                    c = chunks[i]
+                    if verify_chunk(os.pread(fd, c.size, c.offset), c.sha256):
+                        done.add(i)
+            finally:
+                os.close(fd)
+        for i in sorted(done):
+            c = chunks[i]
+            self.store.index.add(c.sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+        return done
+
+
+def _preallocate(fd: int, size: int) -> None:
+    os.ftruncate(fd, size)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:  # no fallocate here: the space is taken as chunks land
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
+
+def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
