@@ -102,6 +102,14 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
                 "abortScaleDownDelaySeconds": 5,
             }
         },
+        # A local receiver stands in for Slack's incoming webhook.
+        "notifications": {
+            "slack": {
+                "webhookSecretRef": {"name": "slack-webhook"},
+                "channel": "#ml-oncall",
+                "events": ["Promoted", "RolledBack", "Failed"],
+            }
+        },
     }
 
 
