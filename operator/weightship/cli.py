@@ -76,7 +76,13 @@ def _api() -> Any:
     try:
         config.load_kube_config()
     except config.ConfigException:
-        config.load_incluster_config()
+        try:
+            config.load_incluster_config()
+        except config.ConfigException as e:
+            raise click.ClickException(
+                "no Kubernetes credentials: set KUBECONFIG (the local cluster's is "
+                "/var/tmp/weightship-cluster/kubeconfig) or run inside a pod"
+            ) from e
     return client.ApiClient()
 
 

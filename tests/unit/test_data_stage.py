@@ -3,6 +3,7 @@ import random
 import shutil
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -14,7 +15,13 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data import chunkstore, rendezvous
 from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, InsufficientSpaceError
-from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer, TokenBucket
+from weightship.data.fetcher import (
+    ChunkFetcher,
+    FetchCancelledError,
+    FetchPolicy,
+    Peer,
+    TokenBucket,
+)
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import PeerServer
@@ -390,3 +397,33 @@ def test_origin_that_changed_since_the_manifest_fails_clearly(tmp_path: Path) ->
         "weightship_agent_chunk_verification_failures_total", {"source": "origin"}
     )
     assert failures == FetchPolicy().origin_attempts
+
+
+def test_cancel_stops_a_fetch_waiting_on_an_owner_that_never_gets_the_chunk(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 9)})
+    chunk = m.chunks[0]
+    owner = names_ranked(chunk.sha256, "owner", ["me"])
+    empty = ChunkStore(tmp_path / "empty")  # the owner is alive but never gets the chunk
+    cancel = threading.Event()
+    dp, _ = metrics()
+    origin = CountingOrigin(src)
+    with PeerServer(empty, "127.0.0.1") as server:
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(owner, server.address)],
+            origin=origin,
+            sink=MemorySink(),
+            metrics=dp,
+            chunks=m.chunks,
+            policy=FetchPolicy(owner_wait_s=60, long_poll_s=0.2, poll_interval_s=0.01),
+            cancel=cancel,
+        )
+        threading.Timer(0.5, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(FetchCancelledError):
+            fetcher.fetch(chunk)
+    assert time.monotonic() - started < 5, "cancel must not wait out owner_wait_s"
+    assert origin.reads == 0

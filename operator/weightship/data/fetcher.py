@@ -57,6 +57,10 @@ class ChunkSink(Protocol):
         ...
 
 
+class FetchCancelledError(RuntimeError):
+    """The stage this fetch belongs to was cancelled."""
+
+
 @dataclass(frozen=True)
 class Peer:
     node: str  # stable identity (the node name): ranking survives pod IP changes
@@ -159,6 +163,7 @@ class ChunkFetcher:
         client: PeerClient | None = None,
         bandwidth: TokenBucket | None = None,
         health: PeerHealth | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         """``chunks``: the whole manifest's, in manifest order, so that every node computes
         the same balanced owners (a chunk not among them gets its rendezvous owner)."""
@@ -172,6 +177,7 @@ class ChunkFetcher:
         self.policy = policy or FetchPolicy()
         self.client = client or PeerClient(self.policy.peer_timeout_s)
         self.bandwidth = bandwidth
+        self.cancel = cancel or threading.Event()
         self.health = health or PeerHealth()
 
     def ranking(self, sha256: str) -> list[str]:
@@ -196,6 +202,9 @@ class ChunkFetcher:
         ranking = self.ranking(chunk.sha256)
         deadline = time.monotonic() + self.policy.owner_wait_s
         while True:
+            if self.cancel.is_set():
+                # The model is no longer wanted: stop waiting on owners at once.
+                raise FetchCancelledError(f"fetch of chunk {chunk.sha256} cancelled")
             avoided = self.health.avoided()
             live = [n for n in ranking if n not in avoided]
             if not live or live[0] == self.node:

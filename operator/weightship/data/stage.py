@@ -18,6 +18,7 @@ from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import (
     ChunkFetcher,
     ChunkOrigin,
+    FetchCancelledError,
     FetchPolicy,
     Peer,
     Source,
@@ -119,8 +120,9 @@ def stage(
                 policy=policy,
                 client=client,
                 bandwidth=bandwidth,
+                cancel=cancel,
             )
-            _stage(staging, fetcher, tally, pinned, workers, cancel or threading.Event())
+            _stage(staging, fetcher, tally, pinned, workers, fetcher.cancel)
         else:
             tally.add("local", manifest.total_size)
         store.touch(manifest.digest)
@@ -164,7 +166,10 @@ def _stage(
     def fetch_one(chunk: ChunkEntry) -> None:
         if cancel.is_set():
             raise StageCancelledError(f"staging {manifest.digest} cancelled")
-        source = fetcher.fetch(chunk)
+        try:
+            source = fetcher.fetch(chunk)
+        except FetchCancelledError as e:
+            raise StageCancelledError(f"staging {manifest.digest} cancelled") from e
         n = len(todo[chunk.sha256])
         tally.add(source, chunk.size)
         tally.add("local", chunk.size * (n - 1))

@@ -4,9 +4,11 @@
    as a non-root pod on a process node).
 2. Publish three model versions to the local S3 server: v1 and v2 good, v3 corrupt (its
    bytes no longer match its manifest).
-3. v1 becomes stable; v2 walks the canary steps to Healthy; v3's canary pods refuse the
-   corrupt weights, never turn Ready, and the progress deadline rolls it back on its own:
-   stable (v2) is full size again before the canary goes, and the spec is left alone.
+3. Node agents stage each version on every process node (peer to peer, every chunk
+   verified) before any canary pod exists. v1 becomes stable; v2 walks the canary steps to
+   Healthy; v3's bytes fail verification on the nodes, so no pod ever sees them, and the
+   progress deadline rolls it back on its own: stable (v2) stays at full size, the spec is
+   left alone, and Slack is told why.
 """
 
 from __future__ import annotations
@@ -91,14 +93,19 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
             },
             "revision": revision,
         },
-        # The node agents and the readiness-gate verifier arrive with their own issues;
-        # until then the demo server verifies what it loads itself.
-        "prefetch": {"enabled": False},
+        # The readiness-gate verifier arrives with its own issue; until then the demo
+        # server verifies what it loads itself.
+        # Node agents stage the weights on every process node before any canary pod runs.
+        "prefetch": {
+            "enabled": True,
+            "nodeSelector": {"weightship.io/node-kind": "process"},
+            "minStagedPercent": 100,
+        },
         "validation": {"checksum": False},
         "strategy": {
             "canary": {
                 "steps": STEPS,
-                "progressDeadlineSeconds": 25,
+                "progressDeadlineSeconds": 45,
                 "abortScaleDownDelaySeconds": 5,
             }
         },
@@ -196,9 +203,15 @@ class Demo:
                 },
             },
         )
-        with self.console.status("helm upgrade --install weightship (operator on a process node)"):
-            install.install_chart(self.paths, "weightship", SYSTEM_NAMESPACE, [NAMESPACE])
-        self.console.print(f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}")
+        install.prepare_cache_dirs(self.paths)
+        with self.console.status("helm upgrade --install weightship (operator and agents)"):
+            install.install_chart(
+                self.paths, "weightship", SYSTEM_NAMESPACE, [NAMESPACE], agent=True
+            )
+        self.console.print(
+            f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}; "
+            "a node agent on every process node"
+        )
         uris = publish_versions(local_cluster.s3_endpoint(), self.paths.root / "demo-models")
         self.console.print(
             f"published v1, v2 and v3 (corrupted after publishing) to s3://{BUCKET}/llm/"
@@ -212,7 +225,7 @@ class Demo:
 
     def follow(self, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> None:
         """Print each change of phase, step, weight or replica counts until `until`."""
-        last = None
+        last, last_staging = None, ""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.get().get("status") or {}
@@ -226,14 +239,17 @@ class Demo:
                 replicas.get("ready"),
                 status.get("message"),
             )
-            if line != last:
+            staging = _staging(status) if status.get("phase") == "Prefetching" else ""
+            if line != last or (staging and staging != last_staging):
                 phase, step, weight, stable, canary, ready, message = line
                 self.console.print(
                     f"  [cyan]{phase or '-':<11}[/] step {step if step is not None else '-'}"
                     f"  weight {weight or 0:>3}%  stable {stable or 0} canary {canary or 0}"
                     f" ready {ready or 0}  [dim]{message or ''}[/]"
                 )
-                last = line
+                if staging:
+                    self.console.print(f"              [magenta]staging[/] {staging}")
+                last, last_staging = line, staging
             if until(status):
                 return
             time.sleep(0.5)
@@ -274,7 +290,7 @@ class Demo:
             )
         )
 
-        self.say("v3: corrupt weights; the canary never turns Ready and rolls back by itself")
+        self.say("v3: corrupt weights; the nodes refuse them and the rollout rolls back by itself")
         self._set_model(uris["v3"], "v3")
         self.follow(
             lambda s: s.get("phase") == "Degraded" and (s.get("replicas") or {}).get("canary") == 0
@@ -316,20 +332,36 @@ class Demo:
             f"spec still asks for: {obj['spec']['model']['revision']} "
             "(the spec is never changed: no GitOps drift)"
         )
-        for log in sorted(self.paths.nodes.glob(f"*/logs/{NAMESPACE}_*server.log")):
-            for line in log.read_text(errors="replace").splitlines():
-                if "refusing to serve" in line:
-                    self.console.print(f"[dim]{log.parent.parent.name}:[/] {line}")
-                    break
-            else:
-                continue
-            break
+        digest = (status.get("canaryRevision") or {}).get("manifestDigest")
+        caches = self.custom.list_cluster_custom_object(GROUP, VERSION, "weightcaches")
+        for cache in caches.get("items", []):
+            for entry in (cache.get("status") or {}).get("manifests") or []:
+                if entry.get("digest") == digest and entry.get("lastError"):
+                    self.console.print(
+                        f"[dim]{cache['metadata']['name']} agent:[/] "
+                        f"{entry['state']}: {entry['lastError']}"
+                    )
         self.print_slack()
         self.console.print(
             f"\nLook around: weightship status llm -n {NAMESPACE}; "
             f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
             f"-n {NAMESPACE}"
         )
+
+
+def _staging(status: dict[str, Any]) -> str:
+    """Per-node staging progress, e.g. `proc-0 100% · proc-1 40% · proc-2 Failed`."""
+    parts = []
+    for node in (status.get("prefetch") or {}).get("nodes") or []:
+        total = node.get("bytesTotal") or 0
+        done = node.get("bytesDone") or 0
+        shown = (
+            node["state"]
+            if node["state"] in ("Failed", "Pending") or not total
+            else (f"{100 * done // total}%")
+        )
+        parts.append(f"{node['name']} {shown}")
+    return " · ".join(parts)
 
 
 def _slack_text(message: dict[str, Any]) -> str:

@@ -54,13 +54,20 @@ def helm(paths: ClusterPaths, *args: str, timeout: float = 240) -> str:
 
 
 def install_chart(
-    paths: ClusterPaths, release: str, namespace: str, watch_namespaces: list[str], *extra_sets: str
+    paths: ClusterPaths,
+    release: str,
+    namespace: str,
+    watch_namespaces: list[str],
+    *extra_sets: str,
+    agent: bool = False,
 ) -> None:
-    """`helm upgrade --install` the chart, with the operator on a process node."""
+    """`helm upgrade --install` the chart, with the operator (and the agents) on process
+    nodes."""
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
         "operator.nodeSelector.weightship\\.io/node-kind=process",
-        "agent.enabled=false",
+        "agent.nodeSelector.weightship\\.io/node-kind=process",
+        f"agent.enabled={'true' if agent else 'false'}",
         "image.tag=local",
         *extra_sets,
     ]
@@ -79,3 +86,16 @@ def install_chart(
     for s in sets:
         args += ["--set", s]
     helm(paths, *args)
+
+
+def prepare_cache_dirs(
+    paths: ClusterPaths, cache_dir: str = "/var/cache/weightship", uid: int = 65532
+) -> None:
+    """What docs/helm.md asks of each node once: a cache directory the non-root agent owns."""
+    import os
+
+    for node_dir in sorted(paths.nodes.iterdir()) if paths.nodes.exists() else []:
+        target = node_dir / "root" / cache_dir.lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        for path in (target, *target.rglob("*")):
+            os.chown(path, uid, uid)
