@@ -15,8 +15,10 @@ import pytest
 from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
+from e2e.operator_fixtures import OperatorProcess, operator_process
 from weightship.dev import cluster as local_cluster
 from weightship.dev import nodes, testkit
+from weightship.dev.install import apply_crds
 from weightship.dev.layout import ClusterPaths
 
 
@@ -90,6 +92,24 @@ def s3_bucket(cluster: Cluster) -> Iterator[tuple[Any, str]]:
     yield s3, bucket
     testkit.empty_bucket(s3, bucket)
     s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Cluster) -> None:
+    apply_crds(cluster.api)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, crds: None, request: pytest.FixtureRequest
+) -> Iterator[OperatorProcess]:
+    """A real operator process per module, watching only that module's namespaces."""
+    prefix = getattr(request.module, "NAMESPACE_PREFIX", "")
+    if not prefix:
+        pytest.fail(f"{request.module.__name__} needs NAMESPACE_PREFIX to run an operator")
+    yield from operator_process(
+        cluster.paths.root, cluster.paths.admin_kubeconfig, namespaces=(f"{prefix}*",)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,6 @@ from kubernetes.client.rest import ApiException
 from e2e.operator_fixtures import (
     OperatorProcess,
     Rollouts,
-    apply_crds,
-    operator_process,
     publish_models,
     rollout_body,
     s3_secret,
@@ -36,18 +34,6 @@ CACHE_DIR = "/var/cache/weightship"
 IMAGE = "ghcr.io/weightship/weightship:test"
 PROCESS = {"weightship.io/node-kind": "process"}
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Any) -> None:
-    apply_crds(cluster.api)
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Any, crds: None) -> Iterator[OperatorProcess]:
-    yield from operator_process(
-        cluster.paths.root, cluster.paths.admin_kubeconfig, namespaces=(f"{NAMESPACE_PREFIX}*",)
-    )
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,6 @@ from kubernetes.client.rest import ApiException
 from e2e.operator_fixtures import (
     OperatorProcess,
     Rollouts,
-    apply_crds,
-    operator_process,
     publish_models,
     rollout_body,
     s3_secret,
@@ -35,18 +33,6 @@ from weightship.dev.layout import BRIDGE_IP
 from weightship.dev.slackreceiver import SlackReceiver
 
 NAMESPACE_PREFIX = "ro-"
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Any) -> None:
-    apply_crds(cluster.api)
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: Any, crds: None) -> Iterator[OperatorProcess]:
-    yield from operator_process(
-        cluster.paths.root, cluster.paths.admin_kubeconfig, namespaces=(f"{NAMESPACE_PREFIX}*",)
-    )
 
 
 @pytest.fixture(scope="module")

@@ -339,15 +339,7 @@ class Agent:
                     f"cannot read Secret {source.namespace}/{source.secret_name} "
                     f"(credentialsSecretRef): {_short(e)}"
                 ) from e
-        client = make_client(
-            S3Settings(
-                endpoint_url=source.endpoint,
-                region=source.region,
-                access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
-                secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
-                session_token=creds.get("AWS_SESSION_TOKEN"),
-            )
-        )
+        client = make_client(S3Settings.from_secret(source.endpoint, source.region, creds))
         return S3Origin(client, S3Location.parse(source.uri))
 
     def _peers(self) -> list[Peer]:

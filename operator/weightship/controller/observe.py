@@ -163,15 +163,7 @@ class ManifestResolver:
                 creds = self.kube.secret_data(
                     rollout.metadata.namespace or "default", source.credentials_secret_ref.name
                 )
-            client = make_client(
-                S3Settings(
-                    endpoint_url=source.endpoint,
-                    region=source.region,
-                    access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
-                    secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
-                    session_token=creds.get("AWS_SESSION_TOKEN"),
-                )
-            )
+            client = make_client(S3Settings.from_secret(source.endpoint, source.region, creds))
             origin = S3Origin(
                 client,
                 S3Location.parse(source.uri),

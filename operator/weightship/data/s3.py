@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +95,19 @@ class S3Settings:
     max_connections: int = 32
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
+
+    @classmethod
+    def from_secret(
+        cls, endpoint_url: str | None, region: str | None, data: Mapping[str, str]
+    ) -> S3Settings:
+        """Settings from a credentialsSecretRef Secret's data (AWS_* keys; empty = ambient)."""
+        return cls(
+            endpoint_url=endpoint_url,
+            region=region,
+            access_key_id=data.get("AWS_ACCESS_KEY_ID"),
+            secret_access_key=data.get("AWS_SECRET_ACCESS_KEY"),
+            session_token=data.get("AWS_SESSION_TOKEN"),
+        )
 
 
 @dataclass(frozen=True)
