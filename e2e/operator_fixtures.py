@@ -15,7 +15,7 @@ from kubernetes import client
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
-from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import testkit
 from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
@@ -79,14 +79,7 @@ def publish_models(
     endpoint: str, bucket: str, root: Path, versions: list[str], size: int = 2_000_000
 ) -> dict[str, str]:
     """Publish small random 'models' and return {version: s3 uri}."""
-    s3 = make_client(
-        S3Settings(
-            endpoint_url=endpoint,
-            region="us-east-1",
-            access_key_id=S3_ACCESS_KEY,
-            secret_access_key=S3_SECRET_KEY,
-        )
-    )
+    s3 = testkit.local_s3(endpoint)
     uris = {}
     for version in versions:
         folder = root / version

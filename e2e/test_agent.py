@@ -25,9 +25,8 @@ from e2e.operator_fixtures import (
 from weightship.controller.builders import GROUP, staged_node_label
 from weightship.controller.kube import VERSION
 from weightship.data.manifest import Manifest
-from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client
+from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import testkit
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
 NAMESPACE_PREFIX = "ag-"
 CACHE_DIR = "/var/cache/weightship"
@@ -50,14 +49,7 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
 
 
 def read_manifest(endpoint: str, uri: str) -> Manifest:
-    s3 = make_client(
-        S3Settings(
-            endpoint_url=endpoint,
-            region="us-east-1",
-            access_key_id=S3_ACCESS_KEY,
-            secret_access_key=S3_SECRET_KEY,
-        )
-    )
+    s3 = testkit.local_s3(endpoint)
     return S3Origin(s3, S3Location.parse(uri)).read_manifest()
 
 

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
-from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
 from weightship.dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
@@ -121,14 +121,7 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
 
 
 def publish_versions(endpoint: str, root: Path) -> dict[str, str]:
-    s3 = make_client(
-        S3Settings(
-            endpoint_url=endpoint,
-            region="us-east-1",
-            access_key_id=S3_ACCESS_KEY,
-            secret_access_key=S3_SECRET_KEY,
-        )
-    )
+    s3 = testkit.local_s3(endpoint)
     try:
         s3.create_bucket(Bucket=BUCKET)
     except s3.exceptions.BucketAlreadyOwnedByYou:

@@ -90,6 +90,20 @@ def s3_client(endpoint: str) -> Any:
     )
 
 
+def local_s3(endpoint: str) -> Any:
+    """The project's S3 client (`weightship.data.s3.make_client`) for the local server."""
+    from weightship.data.s3 import S3Settings, make_client
+
+    return make_client(
+        S3Settings(
+            endpoint_url=endpoint,
+            region="us-east-1",
+            access_key_id=S3_ACCESS_KEY,
+            secret_access_key=S3_SECRET_KEY,
+        )
+    )
+
+
 def empty_bucket(s3: Any, bucket: str) -> None:
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket):

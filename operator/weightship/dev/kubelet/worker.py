@@ -191,16 +191,19 @@ class PodWorker(threading.Thread):
 
     def _materialize_volumes(self) -> None:
         for volume in self.pod["spec"].get("volumes") or []:
-            self.backing[volume["name"]] = volumes.materialize(
-                self.pod,
-                volume,
-                pod_dir=self.pod_dir,
-                node_root=self.host.node_dir / "root",
-                source=self.host.objects,
-                pod_ip=self.pod_ip,
-                host_ip=self.host.host_ip,
-            )
+            self.backing[volume["name"]] = self._materialize(volume)
         self.last_token_refresh = time.monotonic()
+
+    def _materialize(self, volume: dict[str, Any]) -> Path:
+        return volumes.materialize(
+            self.pod,
+            volume,
+            pod_dir=self.pod_dir,
+            node_root=self.host.node_dir / "root",
+            source=self.host.objects,
+            pod_ip=self.pod_ip,
+            host_ip=self.host.host_ip,
+        )
 
     def _refresh_projected(self) -> None:
         # Tokens expire: rewrite projected volumes well before they do.
@@ -209,15 +212,7 @@ class PodWorker(threading.Thread):
         with contextlib.suppress(podspec.PodSpecError, OSError):
             for volume in self.pod["spec"].get("volumes") or []:
                 if "projected" in volume:
-                    volumes.materialize(
-                        self.pod,
-                        volume,
-                        pod_dir=self.pod_dir,
-                        node_root=self.host.node_dir / "root",
-                        source=self.host.objects,
-                        pod_ip=self.pod_ip,
-                        host_ip=self.host.host_ip,
-                    )
+                    self._materialize(volume)
         self.last_token_refresh = time.monotonic()
 
     def _config_error_all(self, message: str) -> None:
