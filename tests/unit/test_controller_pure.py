@@ -49,7 +49,7 @@ def test_replicaset_is_owned_labelled_and_selects_only_its_revision() -> None:
 def test_pods_get_model_env_cache_mount_gate_and_staged_affinity() -> None:
     pod = build()["spec"]["template"]["spec"]
     for container in pod["containers"]:
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["WEIGHTSHIP_MANIFEST_DIGEST"] == DIGEST
         mount = next(m for m in container["volumeMounts"] if m["name"] == "weightship-cache")
         assert mount["readOnly"] is True

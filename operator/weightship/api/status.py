@@ -10,11 +10,13 @@ from typing import Literal
 
 from pydantic import AwareDatetime, Field
 
-from weightship.api.base import MAX_LABEL_VALUE, MAX_MESSAGE, MAX_SHORT_TEXT, ApiModel
+from weightship.api.base import MAX_LABEL_VALUE, MAX_MESSAGE, MAX_NAME, MAX_SHORT_TEXT, ApiModel
 
 MAX_HISTORY = 10
 MAX_MEASUREMENTS = 10
 MAX_PREFETCH_NODES = 50
+MAX_VERIFICATION_FAILURES = 5
+MAX_POD_LOADS = 20
 
 # Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
 # Healthy → Healthy, Degraded → Degraded.
@@ -45,6 +47,7 @@ MeasurementPhase = Literal["Successful", "Failed", "Inconclusive", "Error"]
 AnalysisPhase = Literal["Running", "Successful", "Failed", "Inconclusive"]
 NodeStageState = Literal["Pending", "Staging", "Staged", "Failed"]
 PromoteMode = Literal["Step", "Full"]
+LoadSource = Literal["cache", "origin", "broadcast"]
 
 
 class Condition(ApiModel):
@@ -119,6 +122,58 @@ class ReplicaStatus(ApiModel):
     canary: int = Field(0, description="Pods of the canary revision.", ge=0)
     ready: int = Field(0, description="Ready pods, both revisions.", ge=0)
     verified: int = Field(0, description="Canary pods whose weights passed verification.", ge=0)
+
+
+class PodLoad(ApiModel):
+    """How one canary pod got its weights: who seeded whom, and how long it took."""
+
+    pod: str = Field(description="Pod name.", max_length=MAX_NAME)
+    source: LoadSource | None = Field(
+        None, description="cache (node cache), origin (S3) or broadcast (from a loaded peer)."
+    )
+    seeded_from: str | None = Field(
+        None, description="The pod that broadcast the weights.", max_length=MAX_NAME
+    )
+    seconds: float | None = Field(None, description="Time to loaded and verified.", ge=0)
+
+
+class PodVerificationFailure(ApiModel):
+    """A canary pod whose weights-verified gate failed, with the failing golden prompt."""
+
+    pod: str = Field(description="Pod name.", max_length=MAX_NAME)
+    reason: str = Field(
+        description="e.g. ChecksumMismatch, DigestMismatch, GoldenPromptFailed.",
+        max_length=MAX_SHORT_TEXT,
+    )
+    message: str = Field("", description="What failed.", max_length=MAX_SHORT_TEXT)
+    prompt: str | None = Field(
+        None, description="Name of the failing golden prompt.", max_length=MAX_LABEL_VALUE
+    )
+    expected: str | None = Field(
+        None, description="What the prompt expected.", max_length=MAX_SHORT_TEXT
+    )
+    got: str | None = Field(
+        None, description="What the replica answered.", max_length=MAX_SHORT_TEXT
+    )
+
+
+class VerificationStatus(ApiModel):
+    """The canary pods' readiness-gate verification."""
+
+    pod_template_hash: str = Field(
+        description="Canary revision these pods belong to.", max_length=MAX_LABEL_VALUE
+    )
+    verified: int = Field(0, description="Pods with weights-verified True.", ge=0)
+    failures: list[PodVerificationFailure] = Field(
+        default_factory=list,
+        description=f"Up to {MAX_VERIFICATION_FAILURES} pods that failed verification.",
+        max_length=MAX_VERIFICATION_FAILURES,
+    )
+    loads: list[PodLoad] = Field(
+        default_factory=list,
+        description=f"How up to {MAX_POD_LOADS} pods loaded their weights.",
+        max_length=MAX_POD_LOADS,
+    )
 
 
 class Measurement(ApiModel):
@@ -275,6 +330,9 @@ class ModelRolloutStatus(ApiModel):
     prefetch: PrefetchStatus | None = Field(None, description="Staging progress of the canary.")
     replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="Pod counts.")
     analysis: AnalysisStatus | None = Field(None, description="Current or last analysis step.")
+    verification: VerificationStatus | None = Field(
+        None, description="Canary pods' verification: failures and how each loaded."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Prefetched, Seeded, Verified, Progressing, Paused, Aborted, InvalidSpec.",

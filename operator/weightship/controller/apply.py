@@ -14,23 +14,39 @@ from weightship.controller.builders import (
     REVISION_LABEL,
     VERIFIED_GATE,
     replicaset_body,
+    scale_patch,
     staged_node_label,
 )
 from weightship.controller.kube import Kube
+from weightship.controller.seeding import scale_up_env
 from weightship.core.decision import Decision
 from weightship.core.observed import Observed
 
 log = logging.getLogger(__name__)
 
 
-def apply_scales(kube: Kube, rollout: ModelRollout, observed: Observed, decision: Decision) -> None:
+def apply_scales(
+    kube: Kube,
+    rollout: ModelRollout,
+    observed: Observed,
+    decision: Decision,
+    pods: list[dict[str, Any]],
+) -> None:
     namespace = rollout.metadata.namespace or "default"
     canary = decision.status.canary_revision
     stable = decision.status.stable_revision
     for action in decision.scales:
         if not action.create:
             assert action.name is not None
-            kube.scale_replicaset(namespace, action.name, action.replicas)
+            seen = observed.replica_set(action.revision_hash)
+            size = seen.replicas if seen is not None else 0
+            seeding = scale_up_env(
+                rollout, pods, action.name, action.revision_hash, size, action.replicas
+            )
+            env, containers = seeding if seeding is not None else (None, [])
+            kube.scale_replicaset(
+                namespace, action.name, scale_patch(action.replicas, containers, env)
+            )
             continue
         # Only the spec's current revision can be built from the spec's template.
         current = next(

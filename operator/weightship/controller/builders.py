@@ -30,21 +30,52 @@ def replicaset_name(rollout_name: str, revision_hash: str) -> str:
     return f"{rollout_name}-{revision_hash}"[:253]
 
 
-def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, str]]:
+def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, Any]]:
     model = rollout.spec.model
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "WEIGHTSHIP_MODEL_URI", "value": model.source.uri},
         {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
         {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
         {"name": "WEIGHTSHIP_CACHE_DIR", "value": rollout.spec.prefetch.cache_path},
+        {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     if model.source.endpoint:
         env.append({"name": "WEIGHTSHIP_S3_ENDPOINT", "value": model.source.endpoint})
     return env
 
 
+def seed_env(
+    rollout: ModelRollout, root_url: str | None, group: str, world_size: int
+) -> list[dict[str, Any]]:
+    """Where new pods of a scale-up receive their weights by broadcast (weightship.seeding).
+    Empty values switch broadcast off: the pods load from the node cache."""
+    seeding = rollout.spec.seeding
+    on = root_url is not None and seeding.broadcast
+    values = {
+        "WEIGHTSHIP_SEED_ROOT": root_url if on and root_url else "",
+        "WEIGHTSHIP_SEED_GROUP": group if on else "",
+        "WEIGHTSHIP_SEED_WORLD_SIZE": str(world_size) if on else "",
+        "WEIGHTSHIP_SEED_BACKEND": seeding.backend,
+        "WEIGHTSHIP_SEED_TIMEOUT_SECONDS": str(seeding.timeout_seconds),
+    }
+    return [{"name": k, "value": v} for k, v in values.items()]
+
+
+def scale_patch(
+    replicas: int, containers: list[str], env: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Strategic merge patch of a ReplicaSet: its size and, in the same write, env of the
+    pods it creates next (containers and env merge by name)."""
+    patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+    if env:
+        patch["spec"]["template"] = {
+            "spec": {"containers": [{"name": name, "env": env} for name in containers]}
+        }
+    return patch
+
+
 def _inject_container(
-    container: dict[str, Any], env: list[dict[str, str]], cache_path: str
+    container: dict[str, Any], env: list[dict[str, Any]], cache_path: str
 ) -> None:
     names = {e["name"] for e in env}
     container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + env

@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 from weightship.controller.builders import GROUP, ROLLOUT_LABEL
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
+from weightship.controller.verifier import Verifier
 from weightship.notify.slack import SlackSender
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -42,7 +43,12 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
-    memo.reconciler = Reconciler(Kube(load_client()), slack=SlackSender())
+    kube = Kube(load_client())
+    memo.reconciler = Reconciler(
+        kube,
+        slack=SlackSender(),
+        verifier=Verifier(kube, workers=int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))),
+    )
     memo.wakeups = {}
     memo.wakeups_lock = threading.Lock()
     port = int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))

@@ -113,14 +113,24 @@ class Kube:
                 raise
 
     @api_retry
-    def scale_replicaset(self, namespace: str, name: str, replicas: int) -> None:
-        self.apps.patch_namespaced_replica_set(name, namespace, {"spec": {"replicas": replicas}})
+    def scale_replicaset(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A strategic merge patch (builders.scale_patch): the size, maybe the pods' env."""
+        self.apps.patch_namespaced_replica_set(name, namespace, patch)
 
     @api_retry
-    def patch_pod_condition(self, namespace: str, name: str, condition: dict[str, Any]) -> None:
-        self.core.patch_namespaced_pod_status(
-            name, namespace, {"status": {"conditions": [condition]}}
-        )
+    def patch_pod_condition(
+        self,
+        namespace: str,
+        name: str,
+        condition: dict[str, Any],
+        annotations: dict[str, str | None] | None = None,
+    ) -> None:
+        """Set one condition (merged by type) and, in the same write, annotations: the
+        status subresource carries metadata too, so no write access to pod specs is needed."""
+        patch: dict[str, Any] = {"status": {"conditions": [condition]}}
+        if annotations:
+            patch["metadata"] = {"annotations": annotations}
+        self.core.patch_namespaced_pod_status(name, namespace, patch)
 
     @api_retry
     def deployment_template(self, namespace: str, name: str) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ progress from WeightCaches, and due Prometheus measurements. Adapters only: no d
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.controller.kube import Kube
+from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.analysis import due_queries
 from weightship.core.observed import (
     ManifestResolution,
@@ -21,18 +23,17 @@ from weightship.core.observed import (
     Observed,
     ObservedMeasurement,
     PodFailure,
+    PodLoad,
     PrefetchObservation,
     ReplicaSetObservation,
 )
+from weightship.core.verification import IN_PROGRESS_REASONS
 from weightship.data.manifest import ManifestError
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 
 log = logging.getLogger(__name__)
 
 MANIFEST_TTL_SECONDS = 30.0
-# Verifiers set the gate False with these reasons while they are still working; any other
-# False reason is a verdict (checksum mismatch, golden prompt failure).
-IN_PROGRESS_REASONS = frozenset({"Pending", "Verifying", "Loading"})
 
 
 def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -45,6 +46,18 @@ def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
 def _is_true(pod: dict[str, Any], ctype: str) -> bool:
     cond = _condition(pod, ctype)
     return bool(cond and cond.get("status") == "True")
+
+
+def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
+    try:
+        value = json.loads(annotations.get(key) or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 def replica_set_observations(
@@ -65,18 +78,36 @@ def replica_set_observations(
             continue
         members = by_revision.get(revision, [])
         failed = []
+        loads = []
         for pod in members:
             gate = _condition(pod, VERIFIED_GATE)
+            notes = pod["metadata"].get("annotations") or {}
             if (
                 gate
                 and gate.get("status") == "False"
-                and gate.get("reason") not in (IN_PROGRESS_REASONS)
+                and gate.get("reason") not in IN_PROGRESS_REASONS
             ):
+                prompt = _json_annotation(notes, FAILED_PROMPT_ANNOTATION)
                 failed.append(
                     PodFailure(
                         pod["metadata"]["name"],
                         str(gate.get("reason")),
                         str(gate.get("message") or ""),
+                        prompt=_opt_str(prompt.get("name")),
+                        expected=_opt_str(prompt.get("expected")),
+                        got=_opt_str(prompt.get("got")),
+                    )
+                )
+            loaded = _json_annotation(notes, LOADED_ANNOTATION)
+            if loaded:
+                source = loaded.get("source")
+                seconds = loaded.get("seconds")
+                loads.append(
+                    PodLoad(
+                        pod["metadata"]["name"],
+                        source if source in ("cache", "origin", "broadcast") else None,
+                        _opt_str(loaded.get("seededFrom")),
+                        float(seconds) if isinstance(seconds, int | float) else None,
                     )
                 )
         ready = sum(_is_true(p, "Ready") for p in members)
@@ -87,9 +118,14 @@ def replica_set_observations(
                 replicas=int((rs.get("spec") or {}).get("replicas") or 0),
                 ready=ready,
                 available=ready,
-                seeded=sum(_is_true(p, "ContainersReady") for p in members),
+                seeded=sum(
+                    LOADED_ANNOTATION in (p["metadata"].get("annotations") or {})
+                    or _is_true(p, "ContainersReady")
+                    for p in members
+                ),
                 verified=sum(_is_true(p, VERIFIED_GATE) for p in members),
                 failed=tuple(failed),
+                loads=tuple(sorted(loads, key=lambda load: load.pod)),
             )
         )
     return tuple(out)

@@ -15,6 +15,7 @@ from weightship.api.status import ModelRolloutStatus
 from weightship.controller import apply, metrics
 from weightship.controller.kube import Kube
 from weightship.controller.observe import ManifestResolver, MeasureFn, observe, prometheus_measure
+from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
 from weightship.core.gates import DEFAULT_GATES, GateSet
@@ -24,6 +25,7 @@ from weightship.notify.slack import SlackSender
 log = logging.getLogger(__name__)
 
 IDLE_RECHECK_SECONDS = 30.0
+VERIFY_RECHECK_SECONDS = 2.0  # while pods wait for a verdict (their server is loading)
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Reconciler:
     gates: GateSet = DEFAULT_GATES
     measure: MeasureFn = prometheus_measure
     slack: SlackSender | None = None
+    verifier: Verifier | None = None
     manifests: ManifestResolver = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,13 +69,16 @@ class Reconciler:
             return IDLE_RECHECK_SECONDS
         observed = observe(self.kube, self.manifests, rollout, now, self.measure)
         decision = decide(rollout, observed, now, self.gates)
-        apply.apply_scales(self.kube, rollout, observed, decision)
+        pods = self.kube.pods(namespace, name)
+        apply.apply_scales(self.kube, rollout, observed, decision, pods)
         apply.apply_traffic(self.kube, rollout, decision)
         apply.label_staged_nodes(self.kube, observed)
-        apply.open_trivial_gates(self.kube, rollout, self.kube.pods(namespace, name))
+        apply.open_trivial_gates(self.kube, rollout, pods)
+        verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
         metrics.record_rollout(namespace, name, decision.status)
-        return decision.requeue_after or IDLE_RECHECK_SECONDS
+        delay = decision.requeue_after or IDLE_RECHECK_SECONDS
+        return min(delay, VERIFY_RECHECK_SECONDS) if verifying else delay
 
     def _write(
         self,

@@ -21,19 +21,24 @@ from weightship.api.models import ModelRollout
 from weightship.api.spec import CanaryStep, Metric, NotificationEvent, PauseStep
 from weightship.api.status import (
     MAX_HISTORY,
+    MAX_POD_LOADS,
     MAX_PREFETCH_NODES,
+    MAX_VERIFICATION_FAILURES,
     AbortStatus,
     ConditionStatus,
     ConditionType,
     HistoryEntry,
     HistoryOutcome,
     ModelRolloutStatus,
+    PodLoad,
+    PodVerificationFailure,
     PrefetchNodeStatus,
     PrefetchStatus,
     PromoteMode,
     ReplicaStatus,
     RetiringRevision,
     RevisionStatus,
+    VerificationStatus,
 )
 from weightship.core.analysis import (
     apply_measurements,
@@ -52,7 +57,7 @@ from weightship.core.decision import (
 )
 from weightship.core.durations import parse_duration
 from weightship.core.gates import DEFAULT_GATES, GateInput, GateResult, GateSet
-from weightship.core.observed import Observed
+from weightship.core.observed import Observed, ReplicaSetObservation
 from weightship.core.replicas import canary_replicas, weight_at_step
 from weightship.core.revision import revision_hash
 
@@ -708,6 +713,16 @@ class _Reconcile:
             "step": f"{status.current_step_index or 0}/{len(self.steps)}",
             "weight": f"{status.canary_weight}%",
         }
+        canary_rs = self.observed.replica_set(
+            status.canary_revision.pod_template_hash if status.canary_revision else None
+        )
+        failed = next((f for f in canary_rs.failed if f.prompt), None) if canary_rs else None
+        if failed is not None:
+            details |= {
+                "golden prompt": failed.prompt or "",
+                "expected": failed.expected or "",
+                "got": failed.got or "",
+            }
         self.notifications.append(Notification(event, reason, message, tuple(details.items())))
 
     # --- derived outputs --------------------------------------------------------------------------
@@ -769,6 +784,43 @@ class _Reconcile:
         digests = [r.manifest_digest for r in revisions if r is not None and r.manifest_digest]
         return tuple(dict.fromkeys(digests))
 
+    def _observe_verification(self, replica_set: ReplicaSetObservation | None) -> None:
+        """Failures and loads of the canary's pods. Pods come and go (an abort deletes
+        them), so records of the same revision are kept until a new canary starts."""
+        status = self.status
+        canary = status.canary_revision
+        if canary is None:
+            status.verification = None
+            return
+        old = status.verification
+        if old is None or old.pod_template_hash != canary.pod_template_hash:
+            old = VerificationStatus(pod_template_hash=canary.pod_template_hash)
+        failures = {f.pod: f for f in old.failures}
+        loads = {load.pod: load for load in old.loads}
+        if replica_set is not None:
+            for f in replica_set.failed:
+                failures[f.pod] = PodVerificationFailure(
+                    pod=f.pod,
+                    reason=f.reason,
+                    message=f.message[:1024],
+                    prompt=f.prompt,
+                    expected=f.expected and f.expected[:1024],
+                    got=f.got and f.got[:1024],
+                )
+            for load in replica_set.loads:
+                loads[load.pod] = PodLoad(
+                    pod=load.pod,
+                    source=load.source,
+                    seeded_from=load.seeded_from,
+                    seconds=load.seconds,
+                )
+        status.verification = VerificationStatus(
+            pod_template_hash=canary.pod_template_hash,
+            verified=replica_set.verified if replica_set is not None else 0,
+            failures=[failures[k] for k in sorted(failures)][:MAX_VERIFICATION_FAILURES],
+            loads=[loads[k] for k in sorted(loads)][-MAX_POD_LOADS:],
+        )
+
     def _observe_replicas(self) -> None:
         status = self.status
         stable = self.observed.replica_set(
@@ -784,6 +836,7 @@ class _Reconcile:
             ready=sum(rs.ready for rs in present),
             verified=sum(rs.verified for rs in present),
         )
+        self._observe_verification(canary)
         seen = self.observed.prefetch
         prefetch = status.prefetch
         if seen is not None and prefetch is not None and seen.digest == prefetch.manifest_digest:

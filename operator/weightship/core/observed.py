@@ -15,6 +15,19 @@ class PodFailure:
     pod: str
     reason: str
     message: str = ""
+    prompt: str | None = None
+    expected: str | None = None
+    got: str | None = None
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """How a pod got its weights, as its verifier recorded it."""
+
+    pod: str
+    source: Literal["cache", "origin", "broadcast"] | None = None
+    seeded_from: str | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,7 @@ class ReplicaSetObservation:
     verified: int = 0
     """Pods whose readiness gate weightship.io/weights-verified is True."""
     failed: tuple[PodFailure, ...] = ()
+    loads: tuple[PodLoad, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,182 @@
+"""What the readiness-gate verifier concludes about one pod (pure; no HTTP, no kube).
+
+The verifier (weightship.controller.verifier) asks the inference server what it loaded and
+sends the golden prompts; the functions here turn those answers into the value of the pod
+condition ``weightship.io/weights-verified``: True only when the loaded digest is the
+manifest's and every golden prompt passed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from weightship.api.spec import GoldenPrompt, GoldenPromptExpectation
+
+LoadState = Literal["Loading", "Loaded", "Failed"]
+LoadSource = Literal["cache", "origin", "broadcast"]
+
+# Reasons of a gate still being worked on (the rollout waits); every other False reason is
+# a verdict that counts against spec.validation.failureThreshold.
+PENDING = "Pending"
+LOADING = "Loading"
+VERIFYING = "Verifying"
+IN_PROGRESS_REASONS = frozenset({PENDING, LOADING, VERIFYING})
+
+MAX_SHOWN = 200  # characters of a completion shown in a diff
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The inference server's answer on GET /weightship/v1/loaded."""
+
+    state: LoadState
+    manifest_digest: str | None = None
+    verified: bool = False
+    reason: str | None = None
+    message: str | None = None
+    source: LoadSource | None = None
+    seeded_from: str | None = None
+    load_seconds: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> LoadReport:
+        state = doc.get("state")
+        if state not in ("Loading", "Loaded", "Failed"):
+            raise ValueError(f"state must be Loading, Loaded or Failed, got {state!r}")
+        source = doc.get("source")
+        seconds = doc.get("loadSeconds")
+        return cls(
+            state=state,
+            manifest_digest=_opt_str(doc.get("manifestDigest")),
+            verified=doc.get("verified") is True,
+            reason=_opt_str(doc.get("reason")),
+            message=_opt_str(doc.get("message")),
+            source=source if source in ("cache", "origin", "broadcast") else None,
+            seeded_from=_opt_str(doc.get("seededFrom")),
+            load_seconds=float(seconds) if isinstance(seconds, int | float) else None,
+        )
+
+
+def _opt_str(value: object) -> str | None:
+    return str(value) if value not in (None, "") else None
+
+
+@dataclass(frozen=True)
+class PromptOutcome:
+    """One golden prompt's result: what was expected and what the replica answered."""
+
+    name: str
+    passed: bool
+    expected: str
+    got: str
+
+    def diff(self) -> str:
+        got = self.got if len(self.got) <= MAX_SHOWN else self.got[:MAX_SHOWN] + "…"
+        return f"golden prompt {self.name!r}: expected {self.expected}, got {json.dumps(got)}"
+
+
+def describe_expectation(expect: GoldenPromptExpectation) -> str:
+    for kind in ("equals", "prefix", "contains", "regex"):
+        value = getattr(expect, kind)
+        if value is not None:
+            return f"{kind} {json.dumps(value)}"
+    raise AssertionError("the API guarantees exactly one expectation")
+
+
+def matches(expect: GoldenPromptExpectation, text: str) -> bool:
+    if expect.equals is not None:
+        return text == expect.equals
+    if expect.prefix is not None:
+        return text.startswith(expect.prefix)
+    if expect.contains is not None:
+        return expect.contains in text
+    assert expect.regex is not None
+    return re.search(expect.regex, text) is not None
+
+
+def judge_prompt(prompt: GoldenPrompt, completion: str) -> PromptOutcome:
+    return PromptOutcome(
+        name=prompt.name,
+        passed=matches(prompt.expect, completion),
+        expected=describe_expectation(prompt.expect),
+        got=completion,
+    )
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    """The value of the pod's weights-verified condition."""
+
+    status: Literal["True", "False"]
+    reason: str
+    message: str
+    failed_prompt: PromptOutcome | None = None
+
+    @property
+    def final(self) -> bool:
+        """A verdict is final (never re-checked) unless it is still in progress."""
+        return self.status == "True" or self.reason not in IN_PROGRESS_REASONS
+
+
+def load_verdict(report: LoadReport, want_digest: str, checksum: bool) -> GateVerdict | None:
+    """The verdict from the load report alone; None when the golden prompts decide."""
+    if report.state == "Loading":
+        return GateVerdict("False", LOADING, report.message or "the server is loading weights")
+    if report.state == "Failed":
+        reason = report.reason or "LoadFailed"
+        return GateVerdict("False", reason, report.message or "the server failed to load weights")
+    if checksum and report.manifest_digest != want_digest:
+        return GateVerdict(
+            "False",
+            "DigestMismatch",
+            f"loaded weights are {report.manifest_digest or 'unknown'}, the revision's "
+            f"manifest is {want_digest}",
+        )
+    if checksum and not report.verified:
+        return GateVerdict(
+            "False", "NotVerified", "the server loaded the weights without verifying them"
+        )
+    return None
+
+
+def prompts_verdict(
+    report: LoadReport, outcomes: Sequence[PromptOutcome], checksum: bool
+) -> GateVerdict:
+    """Every prompt was answered: fail on the first wrong answer, else verified."""
+    failed = next((o for o in outcomes if not o.passed), None)
+    if failed is not None:
+        return GateVerdict("False", "GoldenPromptFailed", failed.diff(), failed_prompt=failed)
+    parts = []
+    if checksum:
+        parts.append(f"digest {report.manifest_digest} verified")
+    parts.append(describe_load(report))
+    if outcomes:
+        parts.append(f"{len(outcomes)}/{len(outcomes)} golden prompts passed")
+    return GateVerdict("True", "Verified", "; ".join(p for p in parts if p))
+
+
+def describe_load(report: LoadReport) -> str:
+    if report.source is None:
+        return ""
+    how = {"cache": "the node cache", "origin": "S3", "broadcast": "broadcast"}[report.source]
+    text = f"loaded from {how}"
+    if report.seeded_from:
+        text += f" (seeded by {report.seeded_from})"
+    if report.load_seconds is not None:
+        text += f" in {report.load_seconds:.2f} s"
+    return text
+
+
+def gate_changed(current: Mapping[str, Any] | None, verdict: GateVerdict) -> bool:
+    """Patch the pod only when the condition would change (no write per poll)."""
+    if current is None:
+        return True
+    return (current.get("status"), current.get("reason"), current.get("message")) != (
+        verdict.status,
+        verdict.reason,
+        verdict.message,
+    )

@@ -1,0 +1,371 @@
+"""The readiness-gate verifier: pure verdicts, the seeding plan, and one real HTTP round.
+
+The Verifier test runs a real HTTP server on loopback (what an inference server answers)
+and records the pod writes it makes: the Kubernetes side is covered by the e2e tests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from weightship.api.models import ModelRollout
+from weightship.api.samples import VALID_MANIFEST
+from weightship.api.spec import GoldenPrompt
+from weightship.controller.builders import DIGEST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
+from weightship.controller.observe import replica_set_observations
+from weightship.controller.seeding import scale_up_env, seed_root
+from weightship.controller.verifier import (
+    FAILED_PROMPT_ANNOTATION,
+    LOADED_ANNOTATION,
+    Verifier,
+    needs_check,
+)
+from weightship.core.verification import (
+    GateVerdict,
+    LoadReport,
+    gate_changed,
+    judge_prompt,
+    load_verdict,
+    prompts_verdict,
+)
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def prompt(name: str = "capital", **expect: str) -> GoldenPrompt:
+    return GoldenPrompt.model_validate(
+        {
+            "name": name,
+            "prompt": "The capital of France is",
+            "expect": expect or {"prefix": " Paris"},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("expect", "text", "passed"),
+    [
+        ({"equals": " Paris."}, " Paris.", True),
+        ({"equals": " Paris."}, " Paris. ", False),
+        ({"prefix": " Paris"}, " Paris is big", True),
+        ({"prefix": " Paris"}, " Lyon", False),
+        ({"contains": "Paris"}, "it is Paris", True),
+        ({"contains": "Paris"}, "it is Lyon", False),
+        ({"regex": r"^ P\w+\.$"}, " Paris.", True),
+        ({"regex": r"^ P\w+\.$"}, " Lyon.", False),
+    ],
+)
+def test_golden_prompt_expectations(expect: dict[str, str], text: str, passed: bool) -> None:
+    assert judge_prompt(prompt(**expect), text).passed is passed
+
+
+def test_a_failed_prompt_reads_as_expected_against_got() -> None:
+    outcome = judge_prompt(prompt(prefix=" Paris"), " Lyon.")
+    assert outcome.diff() == 'golden prompt \'capital\': expected prefix " Paris", got " Lyon."'
+
+
+def report(**kw: Any) -> LoadReport:
+    doc = {"state": "Loaded", "manifestDigest": DIGEST, "verified": True, "source": "cache"}
+    return LoadReport.from_json(doc | kw)
+
+
+def test_load_report_decides_before_prompts() -> None:
+    assert load_verdict(report(state="Loading"), DIGEST, True) == GateVerdict(
+        "False", "Loading", "the server is loading weights"
+    )
+    failed = load_verdict(
+        report(state="Failed", reason="ChecksumMismatch", message="chunk 3"), DIGEST, True
+    )
+    assert failed is not None and (failed.reason, failed.final) == ("ChecksumMismatch", True)
+    wrong = load_verdict(report(manifestDigest="sha256:" + "cd" * 32), DIGEST, True)
+    assert wrong is not None and wrong.reason == "DigestMismatch" and DIGEST in wrong.message
+    unverified = load_verdict(report(verified=False), DIGEST, True)
+    assert unverified is not None and unverified.reason == "NotVerified"
+    # With checksum off, the digest is not compared: golden prompts decide.
+    assert load_verdict(report(manifestDigest="sha256:" + "cd" * 32), DIGEST, False) is None
+    assert load_verdict(report(), DIGEST, True) is None
+
+
+def test_prompts_verdict_names_the_first_failure_and_describes_the_load() -> None:
+    good = judge_prompt(prompt("a"), " Paris.")
+    bad = judge_prompt(prompt("b"), " Lyon.")
+    verdict = prompts_verdict(report(), [good, bad], True)
+    assert (verdict.status, verdict.reason, verdict.failed_prompt) == (
+        "False",
+        "GoldenPromptFailed",
+        bad,
+    )
+    seeded = report(source="broadcast", seededFrom="llm-abc-1", loadSeconds=1.5)
+    ok = prompts_verdict(seeded, [good], True)
+    assert ok.status == "True" and ok.final
+    assert "broadcast (seeded by llm-abc-1) in 1.50 s" in ok.message
+    assert "1/1 golden prompts" in ok.message
+
+
+def test_gate_changed_only_when_the_condition_would() -> None:
+    verdict = GateVerdict("False", "Loading", "loading")
+    assert gate_changed(None, verdict)
+    assert not gate_changed({"status": "False", "reason": "Loading", "message": "loading"}, verdict)
+    assert gate_changed({"status": "False", "reason": "Pending", "message": "x"}, verdict)
+
+
+def pod(
+    name: str,
+    *,
+    gate: tuple[str, str] | None = None,
+    ready: bool = False,
+    ip: str | None = "127.0.0.1",
+    revision: str = "abc",
+    annotations: dict[str, str] | None = None,
+    created: str = "2026-11-30T00:00:00Z",
+) -> dict[str, Any]:
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if gate:
+        conditions.append({"type": VERIFIED_GATE, "status": gate[0], "reason": gate[1]})
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": f"uid-{name}",
+            "creationTimestamp": created,
+            "labels": {REVISION_LABEL: revision},
+            "annotations": {DIGEST_ANNOTATION: DIGEST, **(annotations or {})},
+        },
+        "spec": {"containers": [{"name": "server"}]},
+        "status": {"phase": "Running", "podIP": ip, "conditions": conditions},
+    }
+
+
+def test_needs_check_only_for_running_pods_without_a_verdict() -> None:
+    assert needs_check(pod("new"))
+    assert needs_check(pod("loading", gate=("False", "Loading")))
+    assert not needs_check(pod("done", gate=("True", "Verified")))
+    assert not needs_check(pod("failed", gate=("False", "GoldenPromptFailed")))
+    assert not needs_check(pod("no-ip", ip=None))
+
+
+def test_observation_carries_failing_prompt_and_who_seeded_whom() -> None:
+    rs = [{"metadata": {"name": "llm-abc", "labels": {REVISION_LABEL: "abc"}}, "spec": {}}]
+    failing = {"name": "capital", "expected": 'prefix " Paris"', "got": " Lyon."}
+    loaded = {"source": "broadcast", "seededFrom": "llm-abc-1", "seconds": 2.5}
+    pods = [
+        pod(
+            "p2",
+            gate=("False", "GoldenPromptFailed"),
+            annotations={FAILED_PROMPT_ANNOTATION: json.dumps(failing)},
+        ),
+        pod(
+            "p1",
+            gate=("True", "Verified"),
+            annotations={LOADED_ANNOTATION: json.dumps(loaded)},
+        ),
+    ]
+    (obs,) = replica_set_observations(rs, pods)
+    (failure,) = obs.failed
+    assert (failure.prompt, failure.expected, failure.got) == (
+        "capital",
+        'prefix " Paris"',
+        " Lyon.",
+    )
+    (load,) = obs.loads
+    assert (load.pod, load.source, load.seeded_from, load.seconds) == (
+        "p1",
+        "broadcast",
+        "llm-abc-1",
+        2.5,
+    )
+    assert obs.seeded == 1
+
+
+def rollout(**validation: Any) -> ModelRollout:
+    spec = {**VALID_MANIFEST["spec"], "validation": validation}
+    body = {**VALID_MANIFEST, "spec": spec, "metadata": {"name": "llm", "namespace": "ns"}}
+    return ModelRollout.from_body(body)
+
+
+def test_scale_up_seeds_from_the_oldest_verified_ready_pod() -> None:
+    pods = [
+        pod(
+            "young",
+            gate=("True", "Verified"),
+            ready=True,
+            ip="10.0.0.2",
+            created="2026-11-30T01:00:00Z",
+        ),
+        pod("old", gate=("True", "Verified"), ready=True, ip="10.0.0.1"),
+        pod("unverified", ready=True, ip="10.0.0.3", created="2026-11-29T00:00:00Z"),
+        pod(
+            "other-rev",
+            gate=("True", "Verified"),
+            ready=True,
+            revision="zzz",
+            created="2026-11-01T00:00:00Z",
+        ),
+    ]
+    root = seed_root(pods, "abc")
+    assert root is not None and root["metadata"]["name"] == "old"
+    planned = scale_up_env(rollout(), pods, "llm-abc", "abc", 1, 3)
+    assert planned is not None
+    env, containers = planned
+    values = {e["name"]: e["value"] for e in env}
+    assert containers == ["server"]
+    assert values["WEIGHTSHIP_SEED_ROOT"] == "http://10.0.0.1:8000"
+    assert values["WEIGHTSHIP_SEED_WORLD_SIZE"] == "3"
+    assert values["WEIGHTSHIP_SEED_GROUP"].startswith("llm-abc-1to3-")
+    assert scale_up_env(rollout(), pods, "llm-abc", "abc", 3, 1) is None
+
+
+def test_scale_up_without_a_verified_root_switches_broadcast_off() -> None:
+    planned = scale_up_env(
+        rollout(), [pod("loading", gate=("False", "Loading"))], "llm-abc", "abc", 1, 3
+    )
+    assert planned is not None
+    values = {e["name"]: e["value"] for e in planned[0]}
+    assert values["WEIGHTSHIP_SEED_ROOT"] == "" and values["WEIGHTSHIP_SEED_GROUP"] == ""
+
+
+# --- the Verifier against a real HTTP server -------------------------------------------------
+
+
+class FakeServerState:
+    def __init__(self) -> None:
+        self.loaded: dict[str, Any] = {}
+        self.completion = " Paris."
+        self.errors_left = 0
+
+
+class Handler(BaseHTTPRequestHandler):
+    state = FakeServerState()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _json(self, code: int, doc: dict[str, Any]) -> None:
+        data = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._json(200, self.state.loaded)
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["temperature"] == 0 and body["max_tokens"] == 16
+        if self.state.errors_left > 0:
+            self.state.errors_left -= 1
+            self._json(500, {"error": "injected"})
+            return
+        self._json(200, {"choices": [{"text": self.state.completion}]})
+
+
+class RecordingKube:
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, dict[str, Any], dict[str, str | None] | None]] = []
+        self.done = threading.Event()
+
+    def patch_pod_condition(
+        self,
+        namespace: str,
+        name: str,
+        condition: dict[str, Any],
+        annotations: dict[str, str | None] | None = None,
+    ) -> None:
+        self.writes.append((name, condition, annotations))
+        self.done.set()
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[int, FakeServerState]]:
+    state = FakeServerState()
+    state.loaded = {
+        "state": "Loaded",
+        "manifestDigest": DIGEST,
+        "verified": True,
+        "source": "cache",
+        "loadSeconds": 0.5,
+    }
+    handler = type("H", (Handler,), {"state": state})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1], state
+    httpd.shutdown()
+
+
+def verify_once(
+    port: int, golden: str = " Paris"
+) -> tuple[str, dict[str, Any], dict[str, str | None] | None]:
+    kube = RecordingKube()
+    verifier = Verifier(kube, workers=2)  # type: ignore[arg-type]
+    r = rollout(
+        goldenPrompts=[
+            {"name": "capital", "prompt": "The capital of France is", "expect": {"prefix": golden}}
+        ],
+        endpoint={"port": port},
+        timeoutSeconds=5,
+    )
+    assert verifier.submit(r, [pod("p1")]) is True
+    assert kube.done.wait(30)
+    verifier.pool.shutdown(wait=True)
+    (write,) = kube.writes
+    return write
+
+
+def test_verifier_opens_the_gate_after_digest_and_prompts(
+    server: tuple[int, FakeServerState],
+) -> None:
+    port, state = server
+    state.errors_left = 2  # transient 500s are retried, not a verdict
+    name, condition, annotations = verify_once(port)
+    assert (name, condition["type"], condition["status"], condition["reason"]) == (
+        "p1",
+        VERIFIED_GATE,
+        "True",
+        "Verified",
+    )
+    assert (
+        annotations is not None
+        and json.loads(annotations[LOADED_ANNOTATION] or "")["source"] == "cache"
+    )
+
+
+def test_verifier_fails_the_gate_with_the_prompt_diff(server: tuple[int, FakeServerState]) -> None:
+    port, state = server
+    state.completion = " Lyon."
+    _, condition, annotations = verify_once(port)
+    assert (condition["status"], condition["reason"]) == ("False", "GoldenPromptFailed")
+    assert 'expected prefix " Paris", got " Lyon."' in condition["message"]
+    assert annotations is not None
+    assert json.loads(annotations[FAILED_PROMPT_ANNOTATION] or "")["got"] == " Lyon."
+
+
+def test_verifier_reports_a_checksum_failure_from_the_server(
+    server: tuple[int, FakeServerState],
+) -> None:
+    port, state = server
+    state.loaded = {
+        "state": "Failed",
+        "reason": "ChecksumMismatch",
+        "message": "model.safetensors chunk 2",
+    }
+    _, condition, _ = verify_once(port)
+    assert (condition["status"], condition["reason"]) == ("False", "ChecksumMismatch")
+
+
+def test_verifier_waits_while_the_server_is_unreachable() -> None:
+    kube = RecordingKube()
+    verifier = Verifier(kube, workers=1)  # type: ignore[arg-type]
+    r = rollout(goldenPrompts=[], endpoint={"port": 9}, timeoutSeconds=1)
+    verifier.submit(r, [pod("p1")])
+    assert kube.done.wait(30)
+    ((_, condition, _),) = kube.writes
+    assert (condition["status"], condition["reason"]) == ("False", "Pending")
