@@ -7,6 +7,7 @@ here and stopped when the run ends. Each test gets its own namespace and S3 buck
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,10 @@ import pytest
 from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
+from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present
 from e2e.operator_fixtures import OperatorProcess, operator_process
+from weightship.controller.builders import GROUP
+from weightship.controller.kube import VERSION
 from weightship.dev import cluster as local_cluster
 from weightship.dev import nodes, testkit
 from weightship.dev.install import apply_crds
@@ -110,6 +114,56 @@ def operator(
     yield from operator_process(
         cluster.paths.root, cluster.paths.admin_kubeconfig, namespaces=(f"{prefix}*",)
     )
+
+
+@pytest.fixture
+def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
+    objs = agent_objects(namespace)
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    for node in cluster.process_nodes:  # every test measures from an empty cache
+        shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
+    cluster.core.create_namespaced_service_account(namespace, objs["service_account"])
+    rbac.create_cluster_role(objs["cluster_role"])
+    rbac.create_cluster_role_binding(objs["cluster_role_binding"])
+    cluster.apps.create_namespaced_daemon_set(namespace, objs["daemon_set"])
+    handle = Agents(cluster, namespace)
+    try:
+
+        def ready() -> bool:
+            pods = handle.pods()
+            up = {
+                p.spec.node_name
+                for p in pods
+                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            }
+            peers = {
+                n
+                for n in cluster.process_nodes
+                if (handle.cache(n).get("status") or {}).get("peerEndpoint")
+            }
+            return up == peers == set(cluster.process_nodes)
+
+        testkit.wait_until(
+            ready,
+            timeout=60,
+            what="an agent Ready with a WeightCache on every process node",
+            detail=lambda: handle.logs(cluster.process_nodes[0]),
+        )
+        yield handle
+    finally:
+        delete_if_present(cluster.apps.delete_namespaced_daemon_set, "agent", namespace)
+        testkit.wait_until(lambda: not handle.pods(), timeout=60, what="agent pods gone")
+        for node in cluster.process_nodes:
+            delete_if_present(
+                handle.custom.delete_cluster_custom_object, GROUP, VERSION, "weightcaches", node
+            )
+            labels = cluster.core.read_node(node).metadata.labels or {}
+            staged = {k: None for k in labels if k.startswith(f"staged.{GROUP}/")}
+            if staged:
+                cluster.core.patch_node(node, {"metadata": {"labels": staged}})
+            shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
+        delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
+        delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
 
 
 @pytest.fixture(scope="session")

@@ -4,17 +4,14 @@ weights peer to peer, the operator waits for them, and an interrupted stage resu
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
-from kubernetes.client.rest import ApiException
 
+from e2e.agent_fixtures import PROCESS, Agents, cache_root
 from e2e.operator_fixtures import (
     OperatorProcess,
     Rollouts,
@@ -29,9 +26,6 @@ from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import testkit
 
 NAMESPACE_PREFIX = "ag-"
-CACHE_DIR = "/var/cache/weightship"
-IMAGE = "ghcr.io/weightship/weightship:test"
-PROCESS = {"weightship.io/node-kind": "process"}
 MiB = 1 << 20
 
 
@@ -51,224 +45,6 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
 def read_manifest(endpoint: str, uri: str) -> Manifest:
     s3 = testkit.local_s3(endpoint)
     return S3Origin(s3, S3Location.parse(uri)).read_manifest()
-
-
-def cache_root(cluster: Any, node: str) -> Path:
-    return Path(cluster.paths.root) / "nodes" / node / "root" / CACHE_DIR.lstrip("/")
-
-
-def agent_objects(namespace: str) -> dict[str, Any]:
-    def field(path: str) -> dict[str, Any]:
-        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-    labels = {"app": "weightship-agent"}
-    return {
-        "service_account": {"metadata": {"name": "agent"}},
-        "cluster_role": {
-            "metadata": {"name": f"{namespace}-agent"},
-            "rules": [
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["weightcaches"],
-                    "verbs": ["get", "list", "watch", "create", "patch", "update"],
-                },
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["weightcaches/status"],
-                    "verbs": ["patch", "update"],
-                },
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["modelrollouts"],
-                    "verbs": ["get", "list", "watch"],
-                },
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
-                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
-            ],
-        },
-        "cluster_role_binding": {
-            "metadata": {"name": f"{namespace}-agent"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": f"{namespace}-agent",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}],
-        },
-        "daemon_set": {
-            "metadata": {"name": "agent", "labels": labels},
-            "spec": {
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {
-                        "labels": labels,
-                        "annotations": {
-                            "prometheus.io/scrape": "true",
-                            "prometheus.io/port": "9101",
-                        },
-                    },
-                    "spec": {
-                        "serviceAccountName": "agent",
-                        "nodeSelector": PROCESS,
-                        "terminationGracePeriodSeconds": 5,
-                        "containers": [
-                            {
-                                "name": "agent",
-                                "image": IMAGE,
-                                "args": ["agent"],
-                                "env": [
-                                    {"name": "NODE_NAME", **field("spec.nodeName")},
-                                    {"name": "POD_IP", **field("status.podIP")},
-                                    {"name": "POD_NAMESPACE", **field("metadata.namespace")},
-                                    {"name": "WEIGHTSHIP_CACHE_DIR", "value": CACHE_DIR},
-                                    {"name": "WEIGHTSHIP_PEER_PORT", "value": "8479"},
-                                    # Only this test's rollouts: other modules share the cluster.
-                                    {"name": "WEIGHTSHIP_WATCH_NAMESPACES", "value": namespace},
-                                ],
-                                "ports": [
-                                    {"name": "peer", "containerPort": 8479},
-                                    {"name": "metrics", "containerPort": 9101},
-                                ],
-                                "readinessProbe": {
-                                    "httpGet": {"path": "/healthz", "port": "peer"},
-                                    "periodSeconds": 1,
-                                },
-                                # hostPath is root-owned on process nodes; / stays read-only.
-                                "securityContext": {
-                                    "runAsUser": 0,
-                                    "readOnlyRootFilesystem": True,
-                                    "allowPrivilegeEscalation": False,
-                                },
-                                "volumeMounts": [
-                                    {"name": "cache", "mountPath": CACHE_DIR},
-                                    {"name": "tmp", "mountPath": "/tmp"},
-                                ],
-                            }
-                        ],
-                        "volumes": [
-                            {
-                                "name": "cache",
-                                "hostPath": {"path": CACHE_DIR, "type": "DirectoryOrCreate"},
-                            },
-                            {"name": "tmp", "emptyDir": {}},
-                        ],
-                    },
-                },
-            },
-        },
-    }
-
-
-class Agents:
-    """The agent DaemonSet of one test, and reads of the WeightCaches it writes."""
-
-    def __init__(self, cluster: Any, namespace: str) -> None:
-        self.cluster = cluster
-        self.namespace = namespace
-        self.custom = client.CustomObjectsApi(cluster.api)
-
-    def pods(self) -> list[Any]:
-        return list(
-            self.cluster.core.list_namespaced_pod(
-                self.namespace, label_selector="app=weightship-agent"
-            ).items
-        )
-
-    def pod_on(self, node: str) -> Any:
-        return next(p for p in self.pods() if p.spec.node_name == node)
-
-    def cache(self, node: str) -> dict[str, Any]:
-        try:
-            return dict(self.custom.get_cluster_custom_object(GROUP, VERSION, "weightcaches", node))
-        except ApiException as e:
-            if e.status == 404:
-                return {}
-            raise
-
-    def entry(self, node: str, digest: str) -> dict[str, Any]:
-        manifests = (self.cache(node).get("status") or {}).get("manifests") or []
-        return next((m for m in manifests if m["digest"] == digest), {})
-
-    def wait_staged(self, digest: str, timeout: float = 90) -> dict[str, dict[str, Any]]:
-        nodes = self.cluster.process_nodes
-
-        def all_staged() -> dict[str, dict[str, Any]] | None:
-            entries = {n: self.entry(n, digest) for n in nodes}
-            failed = {
-                n: e.get("lastError") for n, e in entries.items() if e.get("state") == "Failed"
-            }
-            assert not failed, f"staging failed: {failed}"
-            return entries if all(e.get("state") == "Staged" for e in entries.values()) else None
-
-        return testkit.wait_until(
-            all_staged,
-            timeout=timeout,
-            what=f"{digest} Staged on {nodes}",
-            detail=lambda: str({n: self.entry(n, digest) for n in nodes}),
-        )
-
-    def logs(self, node: str) -> str:
-        folder = Path(self.cluster.paths.root) / "nodes" / node / "logs"
-        texts = [p.read_text(errors="replace") for p in folder.glob(f"{self.namespace}*agent*")]
-        return "\n".join(texts)[-3000:]
-
-
-def _delete(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except ApiException as e:
-        if e.status != 404:
-            raise
-
-
-@pytest.fixture
-def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
-    objs = agent_objects(namespace)
-    rbac = client.RbacAuthorizationV1Api(cluster.api)
-    for node in cluster.process_nodes:  # every test measures from an empty cache
-        shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
-    cluster.core.create_namespaced_service_account(namespace, objs["service_account"])
-    rbac.create_cluster_role(objs["cluster_role"])
-    rbac.create_cluster_role_binding(objs["cluster_role_binding"])
-    cluster.apps.create_namespaced_daemon_set(namespace, objs["daemon_set"])
-    handle = Agents(cluster, namespace)
-    try:
-
-        def ready() -> bool:
-            pods = handle.pods()
-            up = {
-                p.spec.node_name
-                for p in pods
-                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-            }
-            peers = {
-                n
-                for n in cluster.process_nodes
-                if (handle.cache(n).get("status") or {}).get("peerEndpoint")
-            }
-            return up == peers == set(cluster.process_nodes)
-
-        testkit.wait_until(
-            ready,
-            timeout=60,
-            what="an agent Ready with a WeightCache on every process node",
-            detail=lambda: handle.logs(cluster.process_nodes[0]),
-        )
-        yield handle
-    finally:
-        _delete(cluster.apps.delete_namespaced_daemon_set, "agent", namespace)
-        testkit.wait_until(lambda: not handle.pods(), timeout=60, what="agent pods gone")
-        for node in cluster.process_nodes:
-            _delete(
-                handle.custom.delete_cluster_custom_object, GROUP, VERSION, "weightcaches", node
-            )
-            labels = cluster.core.read_node(node).metadata.labels or {}
-            staged = {k: None for k in labels if k.startswith(f"staged.{GROUP}/")}
-            if staged:
-                cluster.core.patch_node(node, {"metadata": {"labels": staged}})
-            shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
-        _delete(rbac.delete_cluster_role_binding, f"{namespace}-agent")
-        _delete(rbac.delete_cluster_role, f"{namespace}-agent")
 
 
 @pytest.fixture

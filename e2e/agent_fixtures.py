@@ -1,0 +1,186 @@
+"""The node agent DaemonSet of one e2e test (its own namespace and RBAC), and reads of
+the WeightCaches it writes. The `agents` fixture is in conftest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from weightship.controller.builders import GROUP
+from weightship.controller.kube import VERSION
+from weightship.dev import testkit
+
+CACHE_DIR = "/var/cache/weightship"
+IMAGE = "ghcr.io/weightship/weightship:test"
+PROCESS = {"weightship.io/node-kind": "process"}
+
+
+def cache_root(cluster: Any, node: str) -> Path:
+    return Path(cluster.paths.root) / "nodes" / node / "root" / CACHE_DIR.lstrip("/")
+
+
+def agent_objects(namespace: str) -> dict[str, Any]:
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    labels = {"app": "weightship-agent"}
+    return {
+        "service_account": {"metadata": {"name": "agent"}},
+        "cluster_role": {
+            "metadata": {"name": f"{namespace}-agent"},
+            "rules": [
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["weightcaches"],
+                    "verbs": ["get", "list", "watch", "create", "patch", "update"],
+                },
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["weightcaches/status"],
+                    "verbs": ["patch", "update"],
+                },
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["modelrollouts"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+            ],
+        },
+        "cluster_role_binding": {
+            "metadata": {"name": f"{namespace}-agent"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": f"{namespace}-agent",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}],
+        },
+        "daemon_set": {
+            "metadata": {"name": "agent", "labels": labels},
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": {
+                            "prometheus.io/scrape": "true",
+                            "prometheus.io/port": "9101",
+                        },
+                    },
+                    "spec": {
+                        "serviceAccountName": "agent",
+                        "nodeSelector": PROCESS,
+                        "terminationGracePeriodSeconds": 5,
+                        "containers": [
+                            {
+                                "name": "agent",
+                                "image": IMAGE,
+                                "args": ["agent"],
+                                "env": [
+                                    {"name": "NODE_NAME", **field("spec.nodeName")},
+                                    {"name": "POD_IP", **field("status.podIP")},
+                                    {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+                                    {"name": "WEIGHTSHIP_CACHE_DIR", "value": CACHE_DIR},
+                                    {"name": "WEIGHTSHIP_PEER_PORT", "value": "8479"},
+                                    # Only this test's rollouts: other modules share the cluster.
+                                    {"name": "WEIGHTSHIP_WATCH_NAMESPACES", "value": namespace},
+                                ],
+                                "ports": [
+                                    {"name": "peer", "containerPort": 8479},
+                                    {"name": "metrics", "containerPort": 9101},
+                                ],
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/healthz", "port": "peer"},
+                                    "periodSeconds": 1,
+                                },
+                                # hostPath is root-owned on process nodes; / stays read-only.
+                                "securityContext": {
+                                    "runAsUser": 0,
+                                    "readOnlyRootFilesystem": True,
+                                    "allowPrivilegeEscalation": False,
+                                },
+                                "volumeMounts": [
+                                    {"name": "cache", "mountPath": CACHE_DIR},
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                ],
+                            }
+                        ],
+                        "volumes": [
+                            {
+                                "name": "cache",
+                                "hostPath": {"path": CACHE_DIR, "type": "DirectoryOrCreate"},
+                            },
+                            {"name": "tmp", "emptyDir": {}},
+                        ],
+                    },
+                },
+            },
+        },
+    }
+
+
+class Agents:
+    """The agent DaemonSet of one test, and reads of the WeightCaches it writes."""
+
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.custom = client.CustomObjectsApi(cluster.api)
+
+    def pods(self) -> list[Any]:
+        return list(
+            self.cluster.core.list_namespaced_pod(
+                self.namespace, label_selector="app=weightship-agent"
+            ).items
+        )
+
+    def pod_on(self, node: str) -> Any:
+        return next(p for p in self.pods() if p.spec.node_name == node)
+
+    def cache(self, node: str) -> dict[str, Any]:
+        try:
+            return dict(self.custom.get_cluster_custom_object(GROUP, VERSION, "weightcaches", node))
+        except ApiException as e:
+            if e.status == 404:
+                return {}
+            raise
+
+    def entry(self, node: str, digest: str) -> dict[str, Any]:
+        manifests = (self.cache(node).get("status") or {}).get("manifests") or []
+        return next((m for m in manifests if m["digest"] == digest), {})
+
+    def wait_staged(self, digest: str, timeout: float = 90) -> dict[str, dict[str, Any]]:
+        nodes = self.cluster.process_nodes
+
+        def all_staged() -> dict[str, dict[str, Any]] | None:
+            entries = {n: self.entry(n, digest) for n in nodes}
+            failed = {
+                n: e.get("lastError") for n, e in entries.items() if e.get("state") == "Failed"
+            }
+            assert not failed, f"staging failed: {failed}"
+            return entries if all(e.get("state") == "Staged" for e in entries.values()) else None
+
+        return testkit.wait_until(
+            all_staged,
+            timeout=timeout,
+            what=f"{digest} Staged on {nodes}",
+            detail=lambda: str({n: self.entry(n, digest) for n in nodes}),
+        )
+
+    def logs(self, node: str) -> str:
+        folder = Path(self.cluster.paths.root) / "nodes" / node / "logs"
+        texts = [p.read_text(errors="replace") for p in folder.glob(f"{self.namespace}*agent*")]
+        return "\n".join(texts)[-3000:]
+
+
+def delete_if_present(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except ApiException as e:
+        if e.status != 404:
+            raise
