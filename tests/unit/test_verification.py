@@ -23,6 +23,7 @@ from weightship.controller.seeding import scale_up_env, seed_root
 from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
+    RESTARTS_ANNOTATION,
     Verifier,
     needs_check,
 )
@@ -148,6 +149,13 @@ def test_needs_check_only_for_running_pods_without_a_verdict() -> None:
     assert not needs_check(pod("done", gate=("True", "Verified")))
     assert not needs_check(pod("failed", gate=("False", "GoldenPromptFailed")))
     assert not needs_check(pod("no-ip", ip=None))
+
+
+def test_a_restarted_container_is_verified_again() -> None:
+    verified = pod("p", gate=("True", "Verified"), annotations={RESTARTS_ANNOTATION: "0"})
+    assert not needs_check(verified)
+    verified["status"]["containerStatuses"] = [{"name": "server", "restartCount": 1}]
+    assert needs_check(verified)
 
 
 def test_observation_carries_failing_prompt_and_who_seeded_whom() -> None:

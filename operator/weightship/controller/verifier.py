@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 LOADED_PATH = "/weightship/v1/loaded"
 LOADED_ANNOTATION = f"{GROUP}/loaded"
 FAILED_PROMPT_ANNOTATION = f"{GROUP}/failed-prompt"
+# Container restarts when the verdict was written: a restarted server loads again, so its
+# old verdict no longer says anything about what it serves.
+RESTARTS_ANNOTATION = f"{GROUP}/verified-restarts"
 DEFAULT_WORKERS = 8
 PROMPT_ATTEMPTS = 4
 
@@ -57,16 +60,25 @@ def gate_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def restarts(pod: dict[str, Any]) -> str:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return str(sum(int(c.get("restartCount") or 0) for c in statuses))
+
+
 def needs_check(pod: dict[str, Any]) -> bool:
-    """Pure: a running pod with an IP whose gate has no final verdict yet."""
+    """Pure: a running pod with an IP whose gate has no final verdict for its containers
+    as they run now (a container restarted since the verdict loads its weights again)."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
         return False
     gate = gate_condition(pod)
-    return gate is None or (
-        gate.get("status") != "True" and gate.get("reason") in IN_PROGRESS_REASONS
-    )
+    if gate is None:
+        return True
+    if gate.get("status") != "True" and gate.get("reason") in IN_PROGRESS_REASONS:
+        return True
+    verified_at = (meta.get("annotations") or {}).get(RESTARTS_ANNOTATION)
+    return verified_at is not None and verified_at != restarts(pod)
 
 
 def verdict_annotations(report: LoadReport | None, verdict: GateVerdict) -> dict[str, str | None]:
@@ -102,6 +114,8 @@ class _Check:
     path: str
     timeout_s: float
     current: dict[str, Any] | None
+    restarts: str
+    restarted: bool
 
 
 class Verifier:
@@ -144,13 +158,18 @@ class Verifier:
             path=validation.endpoint.path,
             timeout_s=float(validation.timeout_seconds),
             current=gate_condition(pod),
+            restarts=restarts(pod),
+            restarted=(meta.get("annotations") or {}).get(RESTARTS_ANNOTATION, restarts(pod))
+            != restarts(pod),
         )
 
     def _run(self, check: _Check) -> None:
         try:
             report, verdict = self._verify(check)
-            if gate_changed(check.current, verdict):
-                self._write(check, verdict, verdict_annotations(report, verdict))
+            if check.restarted or gate_changed(check.current, verdict):
+                annotations = verdict_annotations(report, verdict)
+                annotations[RESTARTS_ANNOTATION] = check.restarts
+                self._write(check, verdict, annotations)
                 log.info(
                     "pod %s/%s: %s %s: %s",
                     check.namespace,
