@@ -1,0 +1,39 @@
+"""HTTP glue for the inference server: two handlers, no HTTP framework assumed.
+
+if path == JOIN_PATH:   status, doc = handle_join(root, body)
+if path == STATUS_PATH: status, doc = handle_status(root)
+respond(status, json.dumps(doc))
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from weightship.seeding.root import SeedRoot, refusal
+
+
+def handle_join(root: SeedRoot | None, body: bytes) -> tuple[int, dict[str, Any]]:
+    """POST JOIN_PATH. 200 with the group's coordinates; 409 means "load from your node
+    cache" (this server is no root, or the root refused); 400 for a malformed body."""
+    if root is None:
+        return 409, refusal("NotARoot", "this replica does not seed")
+    try:
+        doc = json.loads(body)
+        group, world_size, member = doc["group"], int(doc["worldSize"]), str(doc["member"])
+        digest, backend = doc.get("digest"), str(doc.get("backend", "auto"))
+    except (ValueError, KeyError, TypeError) as exc:
+        return 400, refusal("BadRequest", f"join body: {exc}")
+    if not isinstance(group, str) or (digest is not None and not isinstance(digest, str)):
+        return 400, refusal("BadRequest", "group and digest must be strings")
+    answer = root.join(group, world_size, member, digest=digest, backend=backend)
+    if answer["accepted"]:
+        return 200, answer
+    return (400 if answer["reason"] == "BadRequest" else 409), answer
+
+
+def handle_status(root: SeedRoot | None) -> tuple[int, dict[str, Any]]:
+    """GET STATUS_PATH: the broadcasts this replica ran as a root, and those running."""
+    if root is None:
+        return 200, {"root": None, "active": [], "history": []}
+    return 200, root.status_json()

@@ -1,0 +1,236 @@
+"""The receiver side: a new replica takes its weights from a root's broadcast.
+
+Every step is bounded by what is left of ``timeout_s``: the HTTP join, the store
+connection, the wait for the group to start, the group rendezvous and each bucket's wait.
+A dead root closes its sockets, which fails the wait at once (``RootDied``); a hung one
+runs into the deadline (``Timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from weightship.data.manifest import Manifest
+from weightship.loader.checksum import checksum_tensor
+from weightship.seeding import transport
+from weightship.seeding.buckets import BucketPlan, bucket_view, new_arena, plan_buckets, unpack
+from weightship.seeding.errors import SeedingError
+from weightship.seeding.faults import Faults
+from weightship.seeding.protocol import JOIN_PATH, START_KEY, result_key
+from weightship.seeding.specs import specs_of, tensor_entries
+
+# An HTTP join is answered at once; a root that takes longer is not worth waiting for.
+JOIN_HTTP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Received:
+    """Verified tensors (views of one arena on ``device``) and where they came from."""
+
+    tensors: dict[str, torch.Tensor]
+    seeded_from: str
+    seconds: float  # join to verified
+    bytes: int
+    group: str = ""
+    generation: int = 0
+    transfer_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float) -> None:
+        self.end = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        """Seconds left; ``Timeout`` once none are."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise SeedingError("Timeout", "the seeding deadline passed")
+        return left
+
+    @property
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+def receive(
+    root_url: str,
+    group_id: str,
+    world_size: int,
+    manifest: Manifest,
+    *,
+    member: str,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 300,
+    backend: str = "auto",
+    faults: Faults | None = None,
+) -> Received:
+    """Join ``group_id`` at the root behind ``root_url``, receive every bucket, verify every
+    tensor against the manifest's checksum, and return the tensors on ``device``.
+
+    Raises ``SeedingError``. On ``ChecksumMismatch`` the replica must refuse to serve (the
+    bytes it got are not the manifest's, so it must never turn Ready on them); on every
+    other reason it loads from its node cache instead (``SeedingError.fall_back``).
+    """
+    t0 = time.monotonic()
+    deadline = _Deadline(timeout_s)
+    entries = tensor_entries(manifest)  # before joining: without checksums, don't take a rank
+    device = torch.device(device)
+    faults = faults if faults is not None else Faults.from_env()
+    if backend == "auto" and device.type != "cuda":
+        backend = "gloo"
+    answer = _join(
+        root_url,
+        {
+            "group": group_id,
+            "worldSize": world_size,
+            "member": member,
+            "digest": manifest.digest,
+            "backend": backend,
+        },
+        min(JOIN_HTTP_TIMEOUT_S, deadline.left()),
+    )
+    if answer.get("digest") != manifest.digest:
+        raise SeedingError("RootUnavailable", f"root holds {answer.get('digest')}")
+    plan = plan_buckets(specs_of(entries), int(answer["bucketBytes"]))
+    rank = int(answer["rank"])
+    store, ctl = _connect(answer, deadline)
+    size = _wait_start(ctl, deadline)
+    t_transfer = time.monotonic()
+    pg = None
+    try:
+        with _classified(deadline):
+            pg = transport.new_group(
+                answer["backend"],
+                transport.prefixed(answer["storePrefix"] + "pg/", store),
+                rank,
+                size,
+                bind_address=transport.local_address_towards(answer["storeHost"]),
+                timeout_s=deadline.left(),
+                device=device,
+            )
+        arena = _receive_buckets(pg, plan, device, deadline)
+        transfer_seconds = time.monotonic() - t_transfer
+        if faults.tamper:
+            _flip_first_tensor_byte(plan, arena)
+        t_verify = time.monotonic()
+        tensors = unpack(plan, arena)
+        bad = [e.name for e in entries if checksum_tensor(tensors[e.name]) != e.checksum]
+        verify_seconds = time.monotonic() - t_verify
+        if bad:
+            _report(ctl, rank, member, "ChecksumMismatch", time.monotonic() - t0)
+            raise SeedingError(
+                "ChecksumMismatch",
+                f"{len(bad)} of {len(entries)} tensors differ from the manifest, "
+                f"first {bad[0]!r}; refusing to serve them",
+            )
+        seconds = time.monotonic() - t0
+        _report(ctl, rank, member, None, seconds)
+    finally:
+        transport.close_group(pg)
+    return Received(
+        tensors=tensors,
+        seeded_from=str(answer["root"]),
+        seconds=seconds,
+        bytes=plan.payload_bytes,
+        group=group_id,
+        generation=int(answer["generation"]),
+        transfer_seconds=transfer_seconds,
+        verify_seconds=verify_seconds,
+    )
+
+
+def _join(root_url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    if not root_url.startswith(("http://", "https://")):
+        raise SeedingError("RootUnavailable", f"root URL {root_url!r} is not http(s)")
+    request = urllib.request.Request(  # noqa: S310 (scheme checked above)
+        root_url.rstrip("/") + JOIN_PATH,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310
+            answer: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise SeedingError("RootUnavailable", f"join refused ({exc.code}): {detail}") from exc
+    except (OSError, ValueError) as exc:  # URLError, timeouts and bad JSON are OSError/ValueError
+        raise SeedingError("RootUnavailable", f"cannot join at {root_url}: {exc}") from exc
+    if not answer.get("accepted"):
+        raise SeedingError("RootUnavailable", f"join refused: {answer}")
+    return answer
+
+
+def _connect(
+    answer: dict[str, Any], deadline: _Deadline
+) -> tuple[transport.TCPStore, transport.Store]:
+    try:
+        store = transport.client_store(
+            str(answer["storeHost"]), int(answer["storePort"]), deadline.left()
+        )
+    except (RuntimeError, OSError) as exc:  # the store refused or never answered
+        raise SeedingError("RootUnavailable", f"cannot reach the root's store: {exc}") from exc
+    return store, transport.prefixed(str(answer["storePrefix"]) + "ctl/", store)
+
+
+def _wait_start(ctl: transport.Store, deadline: _Deadline) -> int:
+    """The group's final world size, once the root starts it."""
+    with _classified(deadline):
+        ctl.wait([START_KEY], timedelta(seconds=deadline.left()))
+        start: dict[str, Any] = json.loads(ctl.get(START_KEY))
+    if "abandon" in start:
+        raise SeedingError("RootUnavailable", f"the root abandoned the group: {start['abandon']}")
+    return int(start["worldSize"])
+
+
+def _receive_buckets(
+    pg: transport.Group, plan: BucketPlan, device: torch.device, deadline: _Deadline
+) -> torch.Tensor:
+    """All buckets, straight into their slices of one arena; every broadcast is queued at
+    once so the backend can overlap them."""
+    arena = new_arena(plan, device)
+    works = [
+        transport.start_broadcast(pg, bucket_view(plan, arena, i)) for i in range(len(plan.buckets))
+    ]
+    for work in works:
+        with _classified(deadline):
+            transport.wait(work, deadline.left())
+    return arena
+
+
+@contextmanager
+def _classified(deadline: _Deadline) -> Iterator[None]:
+    """Turn a transport failure into Timeout or RootDied."""
+    try:
+        yield
+    except SeedingError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        timed_out = deadline.passed or transport.looks_like_timeout(exc)
+        raise SeedingError("Timeout" if timed_out else "RootDied", str(exc)[:500]) from exc
+
+
+def _flip_first_tensor_byte(plan: BucketPlan, arena: torch.Tensor) -> None:
+    """Fault injection (tamper): corrupt a byte that a tensor owns, as bad wire would."""
+    first = next(p for p in plan.placements if p.spec.nbytes)
+    arena[first.offset : first.offset + 1].bitwise_xor_(0xFF)
+
+
+def _report(
+    ctl: transport.Store, rank: int, member: str, reason: str | None, seconds: float
+) -> None:
+    """Tell the root how verification went; best effort, the root only records it."""
+    report = {"member": member, "ok": reason is None, "reason": reason, "seconds": seconds}
+    with suppress(RuntimeError):
+        ctl.set(result_key(rank), json.dumps(report))

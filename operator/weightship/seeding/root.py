@@ -1,0 +1,342 @@
+"""The root side: a loaded, verified replica that broadcasts its weights to new replicas.
+
+Joins arrive over the root's HTTP server (see ``endpoints.handle_join``). Receivers of one
+group id are gathered into a *generation*: it starts when as many receivers as the group
+still expects have joined, or when ``join_window_s`` has passed since its first join, with
+whoever is there. A join that finds the group's generation already broadcasting opens the
+next one. So a replica set scaled 1 -> 3 and later 3 -> 5 may keep one group id (an env
+var in the pod template cannot change per scale-up without a new template).
+
+Each generation gets its own process group (built over a PrefixStore of the root's one
+TCPStore) and its own thread, and is torn down when its broadcast ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from weightship.data.manifest import Manifest
+from weightship.seeding import transport
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+from weightship.seeding.faults import Faults
+from weightship.seeding.protocol import GROUP_ID, START_KEY, result_key, store_prefix
+from weightship.seeding.specs import check_tensors, specs_of, tensor_entries
+
+log = logging.getLogger(__name__)
+
+# How long the root waits, after its last bucket, for receivers to report verification.
+RESULT_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SeedRecord:
+    """One finished broadcast, for status: who seeded whom, how much, how long."""
+
+    group: str
+    generation: int
+    root: str
+    backend: str
+    receivers: tuple[str, ...]
+    bytes: int  # tensor bytes each receiver got
+    seconds: float  # from the group's start to the last bucket sent
+    started_at: float  # epoch seconds
+    ok: bool
+    error: str | None = None
+    # member -> "Verified", a SeedingError reason, or "Unknown" (no report in time)
+    results: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "generation": self.generation,
+            "root": self.root,
+            "backend": self.backend,
+            "receivers": list(self.receivers),
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "startedAt": self.started_at,
+            "ok": self.ok,
+            "error": self.error,
+            "results": dict(self.results),
+        }
+
+
+@dataclass
+class _Generation:
+    group: str
+    number: int
+    expected: int  # receivers that start it without waiting for the window
+    members: list[str] = field(default_factory=list)
+    state: Literal["open", "running", "done"] = "open"
+    timer: threading.Timer | None = None
+
+
+def refusal(reason: str, message: str) -> dict[str, Any]:
+    """A join answer that tells the receiver to fall back to its node cache now."""
+    return {"accepted": False, "reason": reason, "message": message}
+
+
+class SeedRoot:
+    """Broadcasts ``tensors`` (loaded and verified against ``manifest``) to joining replicas.
+
+    ``host`` is the address receivers reach this process at (its pod IP); ``name`` names it
+    in status. ``backend`` "auto" is NCCL for CUDA tensors, gloo otherwise. ``timeout_s``
+    bounds the group rendezvous and each bucket's broadcast.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        host: str,
+        name: str,
+        backend: str = "auto",
+        timeout_s: float = 300,
+        join_window_s: float = 10,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        max_concurrent: int = 2,
+        faults: Faults | None = None,
+    ) -> None:
+        specs = specs_of(tensor_entries(manifest))
+        check_tensors(specs, tensors)
+        devices = {t.device for t in tensors.values()}
+        if len(devices) != 1:
+            raise ValueError(f"tensors must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.tensors = dict(tensors)
+        self.digest = manifest.digest
+        self.plan = plan_buckets(specs, bucket_bytes)
+        self.backend = transport.resolve_backend(backend, self.device)
+        self.host, self.name = host, name
+        self.timeout_s, self.join_window_s = timeout_s, join_window_s
+        self.max_concurrent = max_concurrent
+        self.faults = faults if faults is not None else Faults.from_env()
+        self._lock = threading.Lock()
+        self._store: transport.TCPStore | None = None
+        self._current: dict[str, _Generation] = {}
+        self._seeded: dict[str, int] = {}  # group -> receivers seeded, for later generations
+        self._history: list[SeedRecord] = []
+        self._closed = False
+
+    # -- joining ---------------------------------------------------------------------
+
+    def join(
+        self,
+        group_id: str,
+        world_size: int,
+        member: str,
+        *,
+        digest: str | None = None,
+        backend: str = "auto",
+    ) -> dict[str, Any]:
+        """Admit ``member`` to ``group_id``; a JSON-able answer for the HTTP handler.
+
+        ``world_size`` counts the root: 3 means the root and two receivers. An answer with
+        ``accepted`` false means "load from your node cache".
+        """
+        if not GROUP_ID.match(group_id):
+            return refusal("BadRequest", f"invalid group id {group_id!r}")
+        if world_size < 2 or not member:
+            return refusal("BadRequest", "worldSize must be at least 2 and member non-empty")
+        if digest is not None and digest != self.digest:
+            return refusal("DigestMismatch", f"root holds {self.digest}, not {digest}")
+        if backend not in ("auto", self.backend):
+            return refusal("BackendMismatch", f"root broadcasts with {self.backend}")
+        with self._lock:
+            if self._closed:
+                return refusal("RootClosed", "this root no longer seeds")
+            gen = self._current.get(group_id)
+            if gen is None or gen.state != "open":
+                if self._running() >= self.max_concurrent:
+                    return refusal("Busy", f"{self.max_concurrent} broadcasts already running")
+                gen = self._open(group_id, world_size, gen)
+            if member not in gen.members:  # a retried join keeps its rank
+                gen.members.append(member)
+            rank = gen.members.index(member) + 1
+            if len(gen.members) >= gen.expected:
+                self._start(gen)
+            port = self._ensure_store().port
+        return {
+            "accepted": True,
+            "group": group_id,
+            "generation": gen.number,
+            "storeHost": self.host,
+            "storePort": port,
+            "storePrefix": store_prefix(group_id, gen.number),
+            "rank": rank,
+            "worldSize": gen.expected + 1,  # planned; ctl/start has the final size
+            "backend": self.backend,
+            "root": self.name,
+            "digest": self.digest,
+            "bucketBytes": self.plan.bucket_bytes,
+        }
+
+    def _running(self) -> int:
+        return sum(g.state == "running" for g in self._current.values())
+
+    def _open(self, group: str, world_size: int, previous: _Generation | None) -> _Generation:
+        expected = max(1, world_size - 1 - self._seeded.get(group, 0))
+        gen = _Generation(group, previous.number + 1 if previous else 1, expected)
+        gen.timer = threading.Timer(self.join_window_s, self._window_closed, (gen,))
+        gen.timer.daemon = True
+        gen.timer.start()
+        self._current[group] = gen
+        return gen
+
+    def _window_closed(self, gen: _Generation) -> None:
+        with self._lock:
+            if gen.state == "open":
+                self._start(gen)
+
+    def _start(self, gen: _Generation) -> None:
+        gen.state = "running"
+        if gen.timer is not None:
+            gen.timer.cancel()
+        threading.Thread(
+            target=self._run, args=(gen,), name=f"seed-{gen.group}-{gen.number}", daemon=True
+        ).start()
+
+    def _ensure_store(self) -> transport.TCPStore:
+        if self._store is None:
+            self._store = transport.master_store(self.host, self.timeout_s)
+        return self._store
+
+    # -- broadcasting ----------------------------------------------------------------
+
+    def _run(self, gen: _Generation) -> None:
+        started, t0 = time.time(), time.monotonic()
+        members = tuple(gen.members)
+        size = len(members) + 1
+        with self._lock:
+            store = self._ensure_store()
+        prefix = store_prefix(gen.group, gen.number)
+        ctl = transport.prefixed(prefix + "ctl/", store)
+        pg = None
+        error: str | None = None
+        results: dict[str, str] = {}
+        seconds = 0.0
+        try:
+            ctl.set(START_KEY, json.dumps({"worldSize": size}))
+            pg = transport.new_group(
+                self.backend,
+                transport.prefixed(prefix + "pg/", store),
+                0,
+                size,
+                bind_address=self.host,
+                timeout_s=self.timeout_s,
+                device=self.device,
+            )
+            self._send_buckets(pg)
+            seconds = time.monotonic() - t0
+            results = _collect_results(ctl, members, RESULT_WAIT_S)
+        except Exception as exc:  # any failure ends this broadcast, never the server
+            error = f"{type(exc).__name__}: {exc}"
+            seconds = time.monotonic() - t0
+            log.warning("seeding %s/%d failed: %s", gen.group, gen.number, error)
+        finally:
+            transport.close_group(pg)
+        record = SeedRecord(
+            group=gen.group,
+            generation=gen.number,
+            root=self.name,
+            backend=self.backend,
+            receivers=members,
+            bytes=self.plan.payload_bytes,
+            seconds=seconds,
+            started_at=started,
+            ok=error is None,
+            error=error,
+            results=results,
+        )
+        log.info("seeded %s/%d: %s", gen.group, gen.number, record.to_json())
+        with self._lock:
+            gen.state = "done"
+            if record.ok:
+                self._seeded[gen.group] = self._seeded.get(gen.group, 0) + len(members)
+            self._history.append(record)
+
+    def _send_buckets(self, pg: transport.Group) -> None:
+        """One broadcast per bucket, packing the next bucket while the last one is sent."""
+        plan, exit_after = self.plan, self.faults.root_exit_after_buckets
+        buffers = [
+            torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(min(2, len(plan.buckets)))
+        ]
+        in_flight: list[transport.Work] = []
+        sent = 0
+        for index in range(len(plan.buckets)):
+            if len(in_flight) == len(buffers):  # the oldest buffer must be free to reuse
+                transport.wait(in_flight.pop(0), self.timeout_s)
+                sent += 1
+                _maybe_exit(sent, exit_after)
+            bucket = pack_bucket(plan, index, self.tensors, buffers[index % len(buffers)])
+            in_flight.append(transport.start_broadcast(pg, bucket))
+        for work in in_flight:
+            transport.wait(work, self.timeout_s)
+            sent += 1
+            _maybe_exit(sent, exit_after)
+
+    # -- status ----------------------------------------------------------------------
+
+    def history(self) -> list[SeedRecord]:
+        """Finished broadcasts, oldest first."""
+        with self._lock:
+            return list(self._history)
+
+    def status_json(self) -> dict[str, Any]:
+        with self._lock:
+            active = [
+                {"group": g.group, "generation": g.number, "state": g.state, "members": g.members}
+                for g in self._current.values()
+                if g.state != "done"
+            ]
+            history = [r.to_json() for r in self._history]
+        return {"root": self.name, "digest": self.digest, "active": active, "history": history}
+
+    def close(self) -> None:
+        """Refuse further joins; running broadcasts finish on their own threads."""
+        with self._lock:
+            self._closed = True
+            for gen in self._current.values():
+                if gen.state == "open":
+                    gen.state = "done"
+                    if gen.timer is not None:
+                        gen.timer.cancel()
+                    self._abandon(gen, "the root closed")
+
+    def _abandon(self, gen: _Generation, why: str) -> None:
+        if self._store is not None:
+            ctl = transport.prefixed(store_prefix(gen.group, gen.number) + "ctl/", self._store)
+            ctl.set(START_KEY, json.dumps({"abandon": why}))
+
+
+def _maybe_exit(sent: int, exit_after: int | None) -> None:
+    if exit_after is not None and sent >= exit_after:
+        log.warning("fault injection: root exits after %d buckets", sent)
+        os._exit(1)
+
+
+def _collect_results(
+    ctl: transport.Store, members: tuple[str, ...], wait_s: float
+) -> dict[str, str]:
+    """Each receiver's verification outcome, as far as they report within ``wait_s``."""
+    results = dict.fromkeys(members, "Unknown")
+    pending = {result_key(rank): member for rank, member in enumerate(members, 1)}
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        for key in [k for k in pending if ctl.check([k])]:
+            report = json.loads(ctl.get(key))
+            results[pending.pop(key)] = "Verified" if report.get("ok") else str(report["reason"])
+        if pending:
+            time.sleep(0.05)
+    return results
