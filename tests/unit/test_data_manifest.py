@@ -5,6 +5,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from weightship.data.manifest import (
     MANIFEST_NAME,
@@ -14,6 +16,8 @@ from weightship.data.manifest import (
     build_manifest,
     validate_relative_path,
 )
+from weightship.loader.checksum import checksum_tensor
+from weightship.loader.layout import read_layout
 
 CHUNK = 64 * 1024
 
@@ -149,3 +153,133 @@ def test_unknown_fields_rejected() -> None:
     doc["extra"] = 1
     with pytest.raises(ManifestError, match="extra"):
         Manifest.parse(json.dumps(doc))
+
+
+# Computed by the manifest code before tensors were listed: a manifest without tensors
+# must keep this identity (and its canonical document) forever.
+PINNED_DOC = {
+    "version": 1,
+    "chunkSize": 4,
+    "createdAt": "2026-01-02T03:04:05Z",
+    "files": [
+        {"path": "w.bin", "size": 6, "sha256": "b" * 64},
+        {"path": "model.safetensors", "size": 4, "sha256": "c" * 64},
+    ],
+    "chunks": [
+        {"file": "w.bin", "index": 0, "offset": 0, "size": 4, "sha256": "a" * 64},
+        {"file": "w.bin", "index": 1, "offset": 4, "size": 2, "sha256": "d" * 64},
+        {"file": "model.safetensors", "index": 0, "offset": 0, "size": 4, "sha256": "e" * 64},
+    ],
+}
+PINNED_DIGEST_HEX = "b5f93c7fcddcb69ae843fe9cb97bcde5e65ba57f3e67e9564b1cd3f5ec4c9721"
+
+
+def test_digest_of_a_manifest_without_tensors_is_pinned() -> None:
+    m = Manifest.parse(json.dumps(PINNED_DOC))
+    assert m.tensors == ()
+    assert m.digest_hex == PINNED_DIGEST_HEX
+    assert b'"tensors"' not in m.canonical_bytes()
+    assert "tensors" not in m.model_dump(by_alias=True)
+
+
+def save_shard(path: Path, seed: int, count: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"layers.{i}.weight": torch.randn(37, 19 + i, generator=g).to(torch.bfloat16)
+        for i in range(count)
+    }
+    tensors["scale"] = torch.tensor([seed], dtype=torch.int8)  # 1 byte: not word-sized
+    tensors["empty"] = torch.empty(0, 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return tensors
+
+
+@pytest.mark.parametrize("chunk_size", [64 * 1024, 1000, 96])  # header alone spans chunks at 96
+def test_build_lists_every_tensor_of_safetensors_files(tmp_path: Path, chunk_size: int) -> None:
+    save_shard(tmp_path / "model-1.safetensors", 1)
+    save_shard(tmp_path / "sub/model-2.safetensors", 2, count=3)
+    (tmp_path / "config.json").write_text("{}")
+
+    m = build_manifest(LocalFolder(tmp_path), chunk_size=chunk_size, workers=2)
+
+    assert {t.file for t in m.tensors} == {"model-1.safetensors", "sub/model-2.safetensors"}
+    for path in ("model-1.safetensors", "sub/model-2.safetensors"):
+        layout = read_layout(tmp_path / path).by_name()
+        loaded = load_file(str(tmp_path / path))
+        entries = m.tensors_of(path)
+        assert sorted(e.name for e in entries) == sorted(loaded)
+        for e in entries:
+            info = layout[e.name]
+            assert (e.dtype, e.shape, e.offset, e.size) == (
+                info.dtype,
+                info.shape,
+                info.start,
+                info.size,
+            )
+            assert e.checksum == checksum_tensor(loaded[e.name])
+    assert m.tensors_of("config.json") == []
+
+    again = Manifest.parse(m.canonical_bytes())
+    assert again == m and again.digest == m.digest
+    doc = json.loads(m.canonical_bytes())
+    biggest = max(doc["tensors"], key=lambda t: t["size"])
+    biggest["checksum"] = "0" * 32
+    assert Manifest.parse(json.dumps(doc)).digest != m.digest
+
+
+def test_file_named_safetensors_that_is_not_one_gets_no_tensors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "model.safetensors").write_bytes(random.Random(0).randbytes(3000))
+    m = build_manifest(LocalFolder(tmp_path), chunk_size=1024)
+    assert m.tensors == () and len(m.chunks) == 3
+    assert "model.safetensors: not a valid safetensors file" in caplog.text
+
+
+def _tensor(file: str = "w.safetensors", **over: object) -> dict[str, object]:
+    entry: dict[str, object] = {
+        "file": file,
+        "name": "a",
+        "dtype": "F32",
+        "shape": [2],
+        "offset": 8,
+        "size": 8,
+        "checksum": "f" * 32,
+    }
+    return {**entry, **over}
+
+
+def _doc_with(*tensors: dict[str, object]) -> dict[str, object]:
+    doc = _doc(
+        [{"path": "w.safetensors", "size": 16, "sha256": "b" * 64}],
+        [_chunk("w.safetensors", i, 4 * i, 4) for i in range(4)],
+    )
+    doc["tensors"] = list(tensors)
+    return doc
+
+
+def test_valid_tensors_parse_in_canonical_order() -> None:
+    doc = _doc_with(_tensor(name="b", offset=12, shape=[1], size=4), _tensor(shape=[1], size=4))
+    m = Manifest.parse(json.dumps(doc))
+    assert [t.name for t in m.tensors] == ["a", "b"]
+    doc["tensors"].reverse()  # type: ignore[attr-defined]
+    assert Manifest.parse(json.dumps(doc)).digest == m.digest
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ([_tensor(file="other.safetensors")], "unknown file 'other.safetensors'"),
+        ([_tensor(offset=12)], r"lies outside 'w.safetensors' \(16 bytes\)"),
+        ([_tensor(), _tensor(name="b", offset=12, shape=[1], size=4)], "overlaps"),
+        ([_tensor(shape=[1], size=4), _tensor(offset=12, shape=[1], size=4)], "listed twice"),
+        ([_tensor(size=4)], "takes 8 bytes, size says 4"),
+        ([_tensor(dtype="Q7")], "unknown dtype"),
+        ([_tensor(checksum="F" * 32)], "checksum"),
+        ([_tensor(shape=[-1])], "shape"),
+    ],
+)
+def test_inconsistent_tensors_rejected(tensors: list[dict[str, object]], message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        Manifest.parse(json.dumps(_doc_with(*tensors)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,12 +17,35 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
+from weightship.loader.checksum import CHECKSUM_HEX_LEN, FileChecksums
+from weightship.loader.layout import (
+    LENGTH_PREFIX,
+    FileLayout,
+    LayoutError,
+    header_length,
+    parse_header,
+    tensor_nbytes,
+)
 
 MANIFEST_NAME = "weightship-manifest.json"
 DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+CHECKSUM_HEX = re.compile(rf"^[0-9a-f]{{{CHECKSUM_HEX_LEN}}}$")
+SAFETENSORS_SUFFIX = ".safetensors"
 _READ_BLOCK = 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class ManifestError(ValueError):
@@ -57,8 +81,17 @@ def _check_sha256(value: str) -> str:
     return value
 
 
+def _check_checksum(value: str) -> str:
+    if not CHECKSUM_HEX.match(value):
+        raise ValueError(
+            f"checksum must be {CHECKSUM_HEX_LEN} lowercase hex characters, got {value!r}"
+        )
+    return value
+
+
 RelativePath = Annotated[str, AfterValidator(validate_relative_path)]
 Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
+ChecksumHex = Annotated[str, AfterValidator(_check_checksum)]
 
 
 class _Strict(BaseModel):
@@ -79,22 +112,58 @@ class ChunkEntry(_Strict):
     sha256: Sha256Hex
 
 
+class TensorEntry(_Strict):
+    """One tensor of a safetensors file: its bytes are [offset, offset + size) of the file
+    (header included), and ``checksum`` is their wsum64 (weightship.loader.checksum)."""
+
+    file: RelativePath
+    name: str = Field(min_length=1)
+    dtype: str
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    offset: int = Field(ge=0)
+    size: int = Field(ge=0)
+    checksum: ChecksumHex
+
+    @model_validator(mode="after")
+    def _size_matches_type(self) -> TensorEntry:
+        want = tensor_nbytes(self.dtype, self.shape)  # LayoutError is a ValueError
+        if want != self.size:
+            raise ValueError(
+                f"tensor {self.name!r} in {self.file!r}: {self.dtype} {list(self.shape)} "
+                f"takes {want} bytes, size says {self.size}"
+            )
+        return self
+
+
 class Manifest(_Strict):
     version: Literal[1] = 1
     chunk_size: int = Field(alias="chunkSize", gt=0)
     files: tuple[FileEntry, ...]
     chunks: tuple[ChunkEntry, ...]
+    # Optional, and left out of the document (so out of the digest) when empty: every
+    # manifest written before tensors were listed keeps its identity.
+    tensors: tuple[TensorEntry, ...] = ()
     created_at: datetime | None = Field(default=None, alias="createdAt")
 
     @model_validator(mode="after")
     def _normalize_and_check(self) -> Manifest:
         files = tuple(sorted(self.files, key=lambda f: f.path))
         chunks = tuple(sorted(self.chunks, key=lambda c: (c.file, c.index)))
+        tensors = tuple(sorted(self.tensors, key=lambda t: (t.file, t.offset, t.size, t.name)))
         _check_tiling(files, chunks, self.chunk_size)
+        _check_tensors(files, tensors)
         # Canonical order makes the digest independent of how the lists were written.
         object.__setattr__(self, "files", files)
         object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "tensors", tensors)
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_tensors(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        doc: dict[str, Any] = handler(self)
+        if not self.tensors:
+            doc.pop("tensors", None)
+        return doc
 
     @property
     def total_size(self) -> int:
@@ -116,6 +185,9 @@ class Manifest(_Strict):
 
     def chunks_of(self, path: str) -> list[ChunkEntry]:
         return [c for c in self.chunks if c.file == path]
+
+    def tensors_of(self, path: str) -> list[TensorEntry]:
+        return [t for t in self.tensors if t.file == path]
 
     @classmethod
     def parse(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
@@ -146,6 +218,28 @@ def _check_tiling(
                 f"chunks of {f.path!r} do not tile its {f.size} bytes at chunk size "
                 f"{chunk_size}: expected (index, offset, size) {want[:3]}..., got {got[:3]}..."
             )
+
+
+def _check_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...]) -> None:
+    """Each tensor lies inside a listed file, and tensors of a file neither overlap nor
+    repeat a name. ``tensors`` is sorted by (file, offset)."""
+    sizes = {f.path: f.size for f in files}
+    names: set[tuple[str, str]] = set()
+    end_of_previous: dict[str, int] = {}
+    for t in tensors:
+        if t.file not in sizes:
+            raise ValueError(f"tensor {t.name!r} names unknown file {t.file!r}")
+        if t.offset + t.size > sizes[t.file]:
+            raise ValueError(
+                f"tensor {t.name!r} at [{t.offset}, {t.offset + t.size}) lies outside "
+                f"{t.file!r} ({sizes[t.file]} bytes)"
+            )
+        if (t.file, t.name) in names:
+            raise ValueError(f"tensor {t.name!r} listed twice for {t.file!r}")
+        names.add((t.file, t.name))
+        if t.offset < end_of_previous.get(t.file, 0):
+            raise ValueError(f"tensor {t.name!r} in {t.file!r} overlaps the one before")
+        end_of_previous[t.file] = t.offset + t.size
 
 
 def _chunk_spans(size: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -196,8 +290,11 @@ def build_manifest(
 ) -> Manifest:
     """Hash every file of ``source``: files in parallel, each streamed once in chunk order.
 
-    One pass per file feeds both the file hash and the chunk hashes, so the data is read
-    and hashed once. hashlib releases the GIL, so threads hash on several cores.
+    One pass per file feeds the file hash, the chunk hashes and, for ``*.safetensors``
+    files, each tensor's wsum64, so the data is read once. hashlib releases the GIL, so
+    threads hash on several cores. A ``.safetensors`` file whose header does not parse
+    is listed with its chunks but no tensors (with a warning): the bytes are still
+    verified, and the loader rejects the file when it is loaded.
     """
     listing = source.list_files()
     for path, _ in listing:
@@ -206,10 +303,12 @@ def build_manifest(
         except ValueError as exc:
             raise ManifestError(str(exc)) from exc
 
-    def hash_file(entry: tuple[str, int]) -> tuple[FileEntry, list[ChunkEntry]]:
+    def hash_file(entry: tuple[str, int]) -> tuple[FileEntry, list[ChunkEntry], list[TensorEntry]]:
         path, size = entry
         file_hash = hashlib.sha256()
         chunks = []
+        layout: FileLayout | None = None
+        sums: FileChecksums | None = None
         for index, (offset, length) in enumerate(_chunk_spans(size, chunk_size)):
             data = source.read_range(path, offset, length)
             file_hash.update(data)
@@ -217,17 +316,56 @@ def build_manifest(
             chunks.append(
                 ChunkEntry(file=path, index=index, offset=offset, size=length, sha256=digest)
             )
+            if index == 0 and path.endswith(SAFETENSORS_SUFFIX):
+                layout = _safetensors_layout(source, path, size, data)
+                sums = FileChecksums(layout) if layout else None
+            if sums:
+                sums.feed(offset, data)
             if on_bytes:
                 on_bytes(length)
-        return FileEntry(path=path, size=size, sha256=file_hash.hexdigest()), chunks
+        tensors = _tensor_entries(path, layout, sums.result()) if layout and sums else []
+        return FileEntry(path=path, size=size, sha256=file_hash.hexdigest()), chunks, tensors
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = list(pool.map(hash_file, listing))
-    files = [f for f, _ in results]
-    chunks = [c for _, cs in results for c in cs]
     return Manifest(
-        chunk_size=chunk_size, files=tuple(files), chunks=tuple(chunks), created_at=created_at
+        chunk_size=chunk_size,
+        files=tuple(f for f, _, _ in results),
+        chunks=tuple(c for _, cs, _ in results for c in cs),
+        tensors=tuple(t for _, _, ts in results for t in ts),
+        created_at=created_at,
     )
+
+
+def _safetensors_layout(
+    source: ByteSource, path: str, size: int, first_chunk: bytes | bytearray
+) -> FileLayout | None:
+    """The file's tensor layout, from its first chunk when the header fits in it (it
+    nearly always does: headers are kilobytes, chunks megabytes)."""
+    try:
+        prefix = first_chunk
+        end = LENGTH_PREFIX + header_length(prefix)
+        if end > len(prefix) and end <= size:
+            prefix = source.read_range(path, 0, end)
+        return parse_header(prefix, size)
+    except LayoutError as exc:
+        log.warning("%s: not a valid safetensors file, no tensors listed: %s", path, exc)
+        return None
+
+
+def _tensor_entries(path: str, layout: FileLayout, checksums: dict[str, str]) -> list[TensorEntry]:
+    return [
+        TensorEntry(
+            file=path,
+            name=t.name,
+            dtype=t.dtype,
+            shape=t.shape,
+            offset=t.start,
+            size=t.size,
+            checksum=checksums[t.name],
+        )
+        for t in layout.tensors
+    ]
 
 
 def unique_chunks(chunks: Iterable[ChunkEntry]) -> dict[str, ChunkEntry]:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from weightship.loader.layout import FileLayout
+
 if TYPE_CHECKING:
     import torch
 
@@ -136,3 +138,44 @@ def _as_int32(u8: torch.Tensor) -> torch.Tensor:
     if u8.data_ptr() % 4 or u8.storage_offset() % 4:
         u8 = u8.clone()
     return u8.view(torch.int32)
+
+
+class FileChecksums:
+    """wsum64 of every tensor of one safetensors file, fed the file's bytes in order.
+
+    Pieces arrive as (file offset, bytes), in order and without gaps, in whatever sizes
+    the reader uses (a manifest builder's chunks); a tensor may span pieces. Only the
+    tensor being read holds an accumulator, so memory stays flat however many tensors.
+    """
+
+    def __init__(self, layout: FileLayout) -> None:
+        self._pending = [t for t in layout.tensors if t.size]
+        self._next = 0
+        self._current: Wsum64 | None = None
+        self._at = 0
+        empty = checksum_bytes(b"")
+        self._done = {t.name: empty for t in layout.tensors if not t.size}
+
+    def feed(self, offset: int, data: Buffer) -> None:
+        if offset != self._at:
+            raise ValueError(f"expected bytes from offset {self._at}, got {offset}")
+        view = np.frombuffer(data, dtype=np.uint8)
+        end = offset + len(view)
+        self._at = end
+        while self._next < len(self._pending) and self._pending[self._next].start < end:
+            t = self._pending[self._next]
+            if self._current is None:
+                self._current = Wsum64()
+            lo, hi = max(t.start, offset), min(t.end, end)
+            self._current.update(view[lo - offset : hi - offset])
+            if t.end > end:
+                return
+            self._done[t.name] = self._current.hexdigest()
+            self._current = None
+            self._next += 1
+
+    def result(self) -> dict[str, str]:
+        """Tensor name -> checksum; every tensor must have been fed in full."""
+        if self._next < len(self._pending):
+            raise ValueError(f"tensor {self._pending[self._next].name!r} was not read in full")
+        return dict(self._done)
