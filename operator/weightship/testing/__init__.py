@@ -1,0 +1,1 @@
+"""Test fixtures that are real programs: the tiny reference inference server and its models."""
