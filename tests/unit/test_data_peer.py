@@ -197,7 +197,7 @@ def test_client_reuses_one_connection_per_peer(server: PeerServer) -> None:
     assert client.fetch(server.address, DIGEST) == DATA
     assert len(accepted) == 1
     # The server closed the idle connection: the client reconnects without an error.
-    conns = client._local.conns
+    conns = client._http.conns
     next(iter(conns.values())).sock.shutdown(socket.SHUT_RDWR)
     assert client.fetch(server.address, DIGEST) == DATA
     assert len(accepted) == 2

@@ -1,13 +1,15 @@
 import hashlib
+import http.client
 import itertools
 import json
 import random
+import threading
+import traceback
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
-from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from click.testing import CliRunner
 from moto.server import ThreadedMotoServer
@@ -66,27 +68,107 @@ def weights(tmp_path: Path) -> Path:
     return folder
 
 
-class _Body:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+class FaultyFront:
+    """A real HTTP server in front of moto that forwards every request, except that the
+    next chunk GETs (ranged) can be answered with an S3 error or cut off mid-body."""
 
-    def stream(self, **_: Any) -> Iterator[bytes]:
-        yield self.data
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.removeprefix("http://")
+        self.faults: list[tuple[int, str] | str] = []  # (status, code) or "cut"
+        self.ranged_gets = 0
+        self.connections = 0
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                front.connections += 1
+
+            def do_GET(self) -> None:
+                if "Range" in self.headers:
+                    front.ranged_gets += 1
+                    fault = front.faults.pop(0) if front.faults else None
+                    if isinstance(fault, tuple):
+                        status, code = fault
+                        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>"
+                        self._answer(status, {"Content-Type": "application/xml"}, body.encode())
+                        return
+                    if fault == "cut":
+                        self.send_response(206)
+                        self.send_header("Content-Length", "4")
+                        self.end_headers()
+                        self.wfile.write(b"xy")
+                        self.close_connection = True
+                        return
+                self._forward()
+
+            def do_PUT(self) -> None:
+                self._forward()
+
+            do_POST = do_HEAD = do_DELETE = do_PUT
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(front.upstream, timeout=10)
+                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                hop_by_hop = ("transfer-encoding", "connection", "keep-alive")
+                headers = {k: v for k, v in resp.getheaders() if k.lower() not in hop_by_hop}
+                headers["Content-Length"] = str(len(data))
+                self._answer(resp.status, headers, data)
+
+            def _answer(self, status: int, headers: dict[str, str], body: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() not in ("server", "date"):
+                        self.send_header(k, v)
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
-def inject(origin: S3Origin, operation: str, status: int, code: str, times: int) -> list[int]:
-    """Answer the first ``times`` calls of ``operation`` with an S3 error; count all calls."""
-    calls: list[int] = []
+@pytest.fixture
+def front(endpoint: str) -> Iterator[FaultyFront]:
+    f = FaultyFront(endpoint)
+    yield f
+    f.stop()
 
-    def before_send(request: Any, **_: Any) -> AWSResponse | None:
-        calls.append(len(calls))
-        if len(calls) > times:
-            return None
-        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-        return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Body(body))
 
-    origin.client.meta.events.register(f"before-send.s3.{operation}", before_send)
-    return calls
+@pytest.fixture
+def faulty(front: FaultyFront) -> S3Origin:
+    """An origin whose every request goes through ``front``."""
+    settings = S3Settings(
+        endpoint_url=front.endpoint, region="us-east-1", access_key_id="k", secret_access_key="s"
+    )
+    client = make_client(settings)
+    bucket = f"weights-{next(_buckets)}"
+    client.create_bucket(Bucket=bucket)
+    origin = S3Origin(client, S3Location(bucket, "models/llama/"), retry=QUICK_RETRY)
+    origin.put_bytes("w.bin", b"0123456789")
+    return origin
 
 
 def test_location_parsing() -> None:
@@ -114,26 +196,54 @@ def test_publish_then_build_from_s3_matches_local(origin: S3Origin, weights: Pat
     assert digest == hashlib.sha256(piece).hexdigest()
 
 
-def test_slowdown_is_retried(origin: S3Origin) -> None:
-    origin.put_bytes("w.bin", b"0123456789")
-    calls = inject(origin, "GetObject", 503, "SlowDown", times=3)
-    assert origin.read_range("w.bin", 2, 4) == b"2345"
-    assert len(calls) == 4
+def test_slowdown_is_retried(faulty: S3Origin, front: FaultyFront) -> None:
+    front.faults = [(503, "SlowDown")] * 3
+    assert faulty.read_range("w.bin", 2, 4) == b"2345"
+    assert front.ranged_gets == 4
 
 
 @pytest.mark.parametrize(("status", "code"), [(403, "AccessDenied"), (404, "NoSuchKey")])
-def test_client_errors_are_not_retried(origin: S3Origin, status: int, code: str) -> None:
-    calls = inject(origin, "GetObject", status, code, times=100)
-    with pytest.raises(ClientError, match=code):
-        origin.read_range("w.bin", 0, 4)
-    assert len(calls) == 1
+def test_client_errors_are_not_retried(
+    faulty: S3Origin, front: FaultyFront, status: int, code: str
+) -> None:
+    front.faults = [(status, code)] * 100
+    with pytest.raises(ClientError, match=code) as raised:
+        faulty.read_range("w.bin", 0, 4)
+    assert raised.value.response["ResponseMetadata"]["HTTPStatusCode"] == status
+    assert front.ranged_gets == 1
 
 
-def test_retries_give_up_after_the_policy(origin: S3Origin) -> None:
-    calls = inject(origin, "GetObject", 500, "InternalError", times=100)
+def test_retries_give_up_after_the_policy(faulty: S3Origin, front: FaultyFront) -> None:
+    front.faults = [(500, "InternalError")] * 100
     with pytest.raises(ClientError, match="InternalError"):
-        origin.read_range("w.bin", 0, 4)
-    assert len(calls) == QUICK_RETRY.attempts
+        faulty.read_range("w.bin", 0, 4)
+    assert front.ranged_gets == QUICK_RETRY.attempts
+
+
+def test_a_body_cut_short_is_retried_on_a_fresh_connection(
+    faulty: S3Origin, front: FaultyFront
+) -> None:
+    front.faults = ["cut", "cut"]
+    data, digest = faulty.read_range_hashed("w.bin", 3, 4)
+    assert data == b"3456" and digest == hashlib.sha256(b"3456").hexdigest()
+    assert front.ranged_gets == 3
+
+
+def test_chunk_gets_reuse_one_connection_per_thread(faulty: S3Origin, front: FaultyFront) -> None:
+    before = front.connections
+    for i in range(10):
+        assert faulty.read_range("w.bin", i, 1) == str(i).encode()
+    assert front.connections - before == 1
+    with pytest.raises(ClientError, match="InvalidRange"):  # past the end: 416, not retried
+        faulty.read_range("w.bin", 20, 4)
+
+
+def test_presigned_urls_are_never_in_error_messages(faulty: S3Origin, front: FaultyFront) -> None:
+    front.faults = ["cut"] * 100
+    with pytest.raises(Exception) as raised:
+        faulty.read_range("w.bin", 0, 4)
+    text = "".join(traceback.format_exception(raised.value))
+    assert "X-Amz-Signature" not in text and "X-Amz-Credential" not in text
 
 
 def test_stage_from_s3(origin: S3Origin, weights: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import BinaryIO
 
 from weightship.data.chunkstore import ChunkStore
+from weightship.data.httpconn import ThreadConnections
 
 WAIT_HEADER = "X-Weightship-Wait"
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
@@ -219,7 +220,7 @@ class PeerClient:
 
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
-        self._local = threading.local()
+        self._http = ThreadConnections(timeout_s)
 
     def fetch(
         self,
@@ -251,54 +252,22 @@ class PeerClient:
 
     def close(self) -> None:
         """Close this thread's connections."""
-        conns: dict[str, http.client.HTTPConnection] = getattr(self._local, "conns", {})
-        for conn in conns.values():
-            conn.close()
-        conns.clear()
-
-    def _connection(self, address: str) -> tuple[http.client.HTTPConnection, bool]:
-        """This thread's connection to ``address``, and whether it was used before."""
-        conns: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(address)
-        if conn is not None:
-            return conn, True
-        conn = conns[address] = http.client.HTTPConnection(address, timeout=self.timeout_s)
-        return conn, False
-
-    def _drop(self, address: str) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(address, None)
-        if conn is not None:
-            conn.close()
+        self._http.close()
 
     def _request(
         self, method: str, address: str, sha256: str, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
-        for attempt in range(2):
-            conn, reused = self._connection(address)
-            conn.timeout = timeout_s
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout_s)
-            try:
-                conn.request(method, f"/chunks/sha256/{sha256}", headers=headers)
-                resp = conn.getresponse()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                self._drop(address)
-                if reused and attempt == 0:
-                    continue  # the server closed an idle keep-alive connection: retry fresh
-                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop(address)
-                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-            try:
-                body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop(address)
-                raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-            if resp.will_close:
-                self._drop(address)
-            if resp.status == 404:
-                raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
-            if resp.status == 503:
-                raise PeerBusyError(f"{address} is busy")
-            return resp.status, body
-        raise AssertionError("unreachable")
+        try:
+            resp = self._http.request(
+                method, address, f"/chunks/sha256/{sha256}", headers, timeout_s=timeout_s
+            )
+            body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
+        except (OSError, http.client.HTTPException) as exc:
+            self._http.drop("http", address)
+            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        self._http.done("http", address, resp)
+        if resp.status == 404:
+            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
+        if resp.status == 503:
+            raise PeerBusyError(f"{address} is busy")
+        return resp.status, body

@@ -3,17 +3,28 @@
 This is the only place that retries S3 calls. botocore's own retries are switched off
 so attempts are counted and backed off in one place: jittered exponential backoff on
 throttling, 5xx and connection errors; never on 4xx such as 403 or 404.
+
+Chunk GETs, the hot path, skip botocore's response machinery: boto3 signs a presigned
+URL (SigV4, cached per object for a few minutes), and a plain keep-alive ``http.client``
+connection per thread reads the ranged body with ``readinto`` straight into the chunk's
+buffer, hashing each piece as it lands. Everything else goes through the boto3 client.
+Presigned URLs carry a signature: they are never logged or put in an error message.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import math
+import re
+import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
 
 import boto3
 from botocore.config import Config
@@ -27,6 +38,7 @@ from botocore.exceptions import (
 )
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from weightship.data.httpconn import ThreadConnections, read_into
 from weightship.data.manifest import (
     DEFAULT_CHUNK_SIZE,
     MANIFEST_NAME,
@@ -45,7 +57,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-STREAM_PIECE = 4 * 1024 * 1024  # bytes read (and hashed) at a time from a GET body
+STREAM_PIECE = 1024 * 1024  # bytes read (and hashed) at a time from a GET body
+PRESIGN_EXPIRES_S = 900
+PRESIGN_REUSE_S = 300  # signing costs ~0.5 ms: one URL per object serves many chunks
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PARTS = 10_000
 _RETRYABLE_CODES = frozenset(
@@ -127,6 +141,7 @@ def make_client(settings: S3Settings) -> S3Client:
         region_name=settings.region,
     )
     config = Config(
+        signature_version="s3v4",  # presigned chunk GETs too (some servers refuse SigV2)
         retries={"total_max_attempts": 1, "mode": "standard"},
         max_pool_connections=settings.max_connections,
         connect_timeout=settings.connect_timeout_s,
@@ -136,12 +151,44 @@ def make_client(settings: S3Settings) -> S3Client:
     return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
 
 
+class OriginConnectionError(ConnectionError):
+    """A chunk GET failed on the wire: refused, reset, timed out, or cut short."""
+
+
 def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = exc.response.get("Error", {}).get("Code", "")
         return code in _RETRYABLE_CODES or status == 429 or status >= 500
-    return isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError)
+    retryable = (HTTPClientError, BotoConnectionError, IncompleteReadError, OriginConnectionError)
+    return isinstance(exc, retryable)
+
+
+_ERROR_FIELD = re.compile(rb"<(Code|Message)>([^<]{0,512})</\1>")
+
+
+def error_from_response(resp: http.client.HTTPResponse, operation: str) -> ClientError:
+    """The ClientError botocore would raise for an S3 error answer (its XML Code and
+    Message), so that retries and callers treat both GET paths alike."""
+    fields = {
+        k.decode(): v.decode("utf-8", "replace") for k, v in _ERROR_FIELD.findall(resp.read(65536))
+    }
+    return ClientError(
+        {
+            "Error": {
+                "Code": fields.get("Code", str(resp.status)),
+                "Message": fields.get("Message", ""),
+            },
+            "ResponseMetadata": {
+                "HTTPStatusCode": resp.status,
+                "RequestId": resp.getheader("x-amz-request-id", ""),
+                "HostId": resp.getheader("x-amz-id-2", ""),
+                "HTTPHeaders": {k.lower(): v for k, v in resp.getheaders()},
+                "RetryAttempts": 0,
+            },
+        },
+        operation,
+    )
 
 
 class S3Origin:
@@ -153,6 +200,10 @@ class S3Origin:
         self.client = client
         self.location = location
         self.retry = retry or RetryPolicy()
+        # botocore's Config has read_timeout at runtime; its stub does not declare it.
+        self._http = ThreadConnections(float(getattr(client.meta.config, "read_timeout", 60)))
+        self._urls: dict[str, tuple[float, str]] = {}  # key -> (signed at, presigned URL)
+        self._urls_lock = threading.Lock()
 
     def _call(self, fn: Callable[[], T]) -> T:
         retrying = Retrying(
@@ -197,32 +248,52 @@ class S3Origin:
         key = self.location.key(path)
 
         def get() -> tuple[bytearray, str | None]:
-            resp = self.client.get_object(
-                Bucket=self.location.bucket, Key=key, Range=f"bytes={offset}-{offset + size - 1}"
-            )
-            body = resp["Body"]
-            buf = bytearray(size)  # one preallocated buffer, filled in place
-            view = memoryview(buf)
+            url = urlsplit(self._presigned(key))
+            scheme, host = url.scheme, url.netloc
+            headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
+            buf = bytearray(size)  # the chunk's one buffer, filled in place
             h = new_hash() if new_hash else None
-            got = 0
             try:
-                while got < size:
-                    piece = view[got : min(size, got + STREAM_PIECE)]
-                    n = body.readinto(piece)  # type: ignore[arg-type]  # stub is wrong
-                    if not n:
-                        break
-                    if h is not None:
-                        h.update(view[got : got + n])
-                    got += n
-                extra = body.read(1) if got == size else b""  # EOF: the connection is reused
-            except BaseException:
-                body.close()  # a half-read connection must not go back to the pool
-                raise
-            if got != size or extra:
-                raise IncompleteReadError(actual_bytes=got + len(extra), expected_bytes=size)
+                resp = self._http.request(
+                    "GET", host, f"{url.path}?{url.query}", headers, scheme=scheme
+                )
+                if resp.status not in (200, 206):
+                    error = error_from_response(resp, "GetObject")
+                    self._http.drop(scheme, host)
+                    raise error
+                if resp.length != size:
+                    self._http.drop(scheme, host)  # never read a body we did not ask for
+                    raise OriginConnectionError(
+                        f"{self.location}{path}: asked for {size} bytes at {offset}, "
+                        f"the answer has {resp.length}"
+                    )
+                got = read_into(resp, memoryview(buf), STREAM_PIECE, h.update if h else None)
+            except (OSError, http.client.HTTPException) as exc:
+                self._http.drop(scheme, host)
+                raise OriginConnectionError(f"{self.location}{path}: {exc!r}") from exc
+            if got != size:
+                self._http.drop(scheme, host)
+                raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
+            self._http.done(scheme, host, resp)
             return buf, h.hexdigest() if h is not None else None
 
         return self._call(get)
+
+    def _presigned(self, key: str) -> str:
+        """A presigned GET URL for ``key``, reused for PRESIGN_REUSE_S."""
+        now = time.monotonic()
+        with self._urls_lock:
+            cached = self._urls.get(key)
+            if cached and now - cached[0] < PRESIGN_REUSE_S:
+                return cached[1]
+        url = self.client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.location.bucket, "Key": key},
+            ExpiresIn=PRESIGN_EXPIRES_S,
+        )
+        with self._urls_lock:
+            self._urls[key] = (now, url)
+        return url
 
     def read_bytes(self, path: str) -> bytes:
         key = self.location.key(path)

@@ -1,0 +1,116 @@
+"""Keep-alive HTTP/1.1 connections, one per host per thread, for the data plane's GETs.
+
+Shared by the peer client and the S3 ranged reader. Both read chunk bodies with
+``readinto`` straight into the chunk's final buffer: plain ``http.client`` reads from the
+socket into the caller's memory, with no intermediate bytes object per read.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+import threading
+from collections.abc import Callable
+
+# A reused connection the server closed meanwhile (idle timeout) fails with one of these
+# on the first request; it is retried once on a fresh connection.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
+class ThreadConnections:
+    """One keep-alive connection per (scheme, host:port) per thread."""
+
+    def __init__(self, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._ssl = ssl_context
+        self._local = threading.local()
+
+    @property
+    def conns(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
+        """This thread's connections."""
+        found: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__.setdefault(
+            "conns", {}
+        )
+        return found
+
+    def request(
+        self,
+        method: str,
+        host: str,
+        target: str,
+        headers: dict[str, str],
+        *,
+        scheme: str = "http",
+        timeout_s: float | None = None,
+    ) -> http.client.HTTPResponse:
+        """Send a request on this thread's connection to ``host`` and return the response
+        (headers read, body not). Raises OSError or http.client.HTTPException, after
+        dropping the connection, when the request cannot be sent or answered."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        for attempt in range(2):
+            conn, reused = self._connection(scheme, host)
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            try:
+                conn.request(method, target, headers=headers)
+                return conn.getresponse()
+            except _STALE:
+                self.drop(scheme, host)
+                if not (reused and attempt == 0):
+                    raise
+            except (OSError, http.client.HTTPException):
+                self.drop(scheme, host)
+                raise
+        raise AssertionError("unreachable")
+
+    def done(self, scheme: str, host: str, resp: http.client.HTTPResponse) -> None:
+        """The body of ``resp`` was read to its end: keep the connection unless the server
+        said it closes it."""
+        if resp.will_close:
+            self.drop(scheme, host)
+
+    def drop(self, scheme: str, host: str) -> None:
+        """Close this thread's connection to ``host`` (a half-read body must never be
+        followed by another request on it)."""
+        conn = self.conns.pop((scheme, host), None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Close this thread's connections."""
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+    def _connection(self, scheme: str, host: str) -> tuple[http.client.HTTPConnection, bool]:
+        conn = self.conns.get((scheme, host))
+        if conn is not None:
+            return conn, True
+        if scheme == "https":
+            context = self._ssl or ssl.create_default_context()
+            conn = http.client.HTTPSConnection(host, timeout=self.timeout_s, context=context)
+        else:
+            conn = http.client.HTTPConnection(host, timeout=self.timeout_s)
+        self.conns[(scheme, host)] = conn
+        return conn, False
+
+
+def read_into(
+    resp: http.client.HTTPResponse,
+    view: memoryview,
+    piece: int,
+    on_piece: Callable[[memoryview], object] | None = None,
+) -> int:
+    """Read the body into ``view`` in ``piece``-byte reads, handing each piece to
+    ``on_piece`` as it lands (a hash update: the bytes are still in the CPU's cache).
+    Returns the bytes read: fewer than ``len(view)`` when the body ended early."""
+    got = 0
+    while got < len(view):
+        n = resp.readinto(view[got : got + piece])
+        if not n:
+            break
+        if on_piece is not None:
+            on_piece(view[got : got + n])
+        got += n
+    return got
