@@ -23,7 +23,7 @@ See docs/seeding.md for the protocol, failure handling and the tensor-parallel p
 
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, TensorSpec, plan_buckets
 from weightship.seeding.config import SeedConfig
-from weightship.seeding.endpoints import handle_join, handle_status
+from weightship.seeding.endpoints import handle_join, handle_status, serve
 from weightship.seeding.errors import SeedingError
 from weightship.seeding.faults import FAULT_ENV, Faults
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
@@ -47,4 +47,5 @@ __all__ = [
     "handle_status",
     "plan_buckets",
     "receive",
+    "serve",
 ]

@@ -1,0 +1,142 @@
+"""The bucket plan and packing: pure, on CPU tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightship.data.manifest import LocalFolder, build_manifest
+from weightship.seeding.buckets import (
+    ALIGN,
+    TensorSpec,
+    new_arena,
+    pack_all,
+    pack_bucket,
+    plan_buckets,
+    unpack,
+)
+from weightship.seeding.errors import SeedingError
+from weightship.seeding.specs import check_tensors, specs_of, tensor_entries
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "embed": torch.randn(300, 17, generator=g).to(torch.bfloat16),  # 10200 B: spans buckets
+        "norm": torch.randn(17, generator=g),
+        "flag": torch.tensor([True, False, True]),
+        "scale": torch.tensor(0.25, dtype=torch.float64),  # 0-dim
+        "empty": torch.empty(0, 4),
+        "ids": torch.arange(-5, 6, dtype=torch.int64),
+        "half": torch.randn(3, 5, generator=g).half(),
+    }
+
+
+def specs(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec.of(name, t) for name, t in tensors.items()]
+
+
+def test_plan_keeps_order_aligns_offsets_and_cuts_fixed_buckets() -> None:
+    tensors = sample_tensors()
+    plan = plan_buckets(specs(tensors), bucket_bytes=4096)
+    assert [p.spec.name for p in plan.placements] == list(tensors)
+    assert all(p.offset % ALIGN == 0 for p in plan.placements)
+    ends = [p.end for p in plan.placements]
+    assert all(nxt.offset >= end for nxt, end in zip(plan.placements[1:], ends, strict=False))
+    assert plan.payload_bytes == sum(t.nbytes for t in tensors.values())
+    assert plan.buckets[0][0] == 0 and plan.buckets[-1][1] == plan.total_bytes
+    assert all(e - s == 4096 for s, e in plan.buckets[:-1])
+    assert plan == plan_buckets(specs(tensors), bucket_bytes=4096)  # deterministic
+
+
+def test_pieces_cover_every_tensor_byte_exactly_once() -> None:
+    tensors = sample_tensors()
+    plan = plan_buckets(specs(tensors), bucket_bytes=1024)
+    covered: dict[str, list[tuple[int, int]]] = {name: [] for name in tensors}
+    for i in range(len(plan.buckets)):
+        for piece in plan.pieces(i):
+            covered[piece.name].append((piece.tensor_start, piece.length))
+    for name, t in tensors.items():
+        spans = sorted(covered[name])
+        pos = 0
+        for start, length in spans:
+            assert start == pos
+            pos += length
+        assert pos == t.nbytes, name
+    assert len(covered["embed"]) > 1  # 10200 bytes split over 1 KiB buckets
+    assert plan.last_bucket_of("embed") == (plan.placements[0].end - 1) // 1024
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1024, 4096, 1 << 20])
+def test_pack_then_unpack_gives_back_every_tensor(bucket_bytes: int) -> None:
+    tensors = sample_tensors()
+    plan = plan_buckets(specs(tensors), bucket_bytes)
+    out = unpack(plan, pack_all(plan, tensors))
+    assert list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+        assert torch.equal(out[name], t), name
+
+
+def test_buckets_packed_one_at_a_time_into_a_reused_buffer_fill_the_arena() -> None:
+    """What the root does (one staging buffer) lands as what a receiver gets (one arena)."""
+    tensors = sample_tensors()
+    plan = plan_buckets(specs(tensors), 512)
+    staging = torch.full((512,), 0xAB, dtype=torch.uint8)
+    arena = new_arena(plan)
+    for i, (start, end) in enumerate(plan.buckets):
+        arena[start:end] = pack_bucket(plan, i, tensors, staging)
+    got = unpack(plan, arena)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+def test_unpacked_tensors_are_views_of_the_arena() -> None:
+    tensors = sample_tensors()
+    plan = plan_buckets(specs(tensors), 4096)
+    arena = pack_all(plan, tensors)
+    got = unpack(plan, arena)
+    arena[plan.placements[0].offset : plan.placements[0].end].zero_()
+    assert not got["embed"].any()
+
+
+def test_non_contiguous_source_is_packed_by_value() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {"t": base.t()}  # a transposed view
+    plan = plan_buckets(specs(tensors), 64)
+    assert torch.equal(unpack(plan, pack_all(plan, tensors))["t"], base.t())
+
+
+def test_plan_rejects_bad_bucket_sizes_and_repeated_names() -> None:
+    spec = TensorSpec("a", torch.float32, (2,))
+    with pytest.raises(ValueError, match="multiple of"):
+        plan_buckets([spec], 100)
+    with pytest.raises(ValueError, match="twice"):
+        plan_buckets([spec, spec], 1024)
+
+
+def test_empty_plan_has_no_buckets() -> None:
+    assert plan_buckets([], 1024).buckets == ()
+
+
+def test_specs_from_a_real_manifest_match_the_saved_tensors(tmp_path: Path) -> None:
+    tensors = {k: v for k, v in sample_tensors().items() if k != "empty"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    manifest = build_manifest(LocalFolder(tmp_path), chunk_size=4096)
+    found = specs_of(tensor_entries(manifest))
+    assert {s.name: s for s in found} == {s.name: s for s in specs(tensors)}
+    check_tensors(found, tensors)
+    with pytest.raises(ValueError, match="manifest says"):
+        check_tensors(found, {**tensors, "norm": tensors["norm"].double()})
+    with pytest.raises(ValueError, match="not loaded"):
+        check_tensors(found, {k: v for k, v in tensors.items() if k != "ids"})
+
+
+def test_a_manifest_without_tensors_cannot_seed(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"x" * 100)
+    manifest = build_manifest(LocalFolder(tmp_path), chunk_size=64)
+    with pytest.raises(SeedingError) as caught:
+        tensor_entries(manifest)
+    assert caught.value.reason == "NoTensorChecksums" and caught.value.fall_back
