@@ -1,0 +1,195 @@
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightship.data.chunkstore import ChunkStore
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.loader.load import (
+    LoaderError,
+    WeightsVerificationError,
+    load_model,
+    load_staged,
+    locate_staged,
+)
+
+CHUNK = 64 * 1024
+
+
+def write_model(root: Path) -> dict[str, torch.Tensor]:
+    """Two shards with tensors of several dtypes, some spanning chunks, and a config."""
+    g = torch.Generator().manual_seed(0)
+    shards = [
+        {
+            "embed.weight": torch.randn(300, 128, generator=g).to(torch.bfloat16),  # 75 KiB
+            "layers.0.weight": torch.randn(64, 64, generator=g),
+            "layers.0.codes": torch.randint(-128, 127, (1001,), generator=g, dtype=torch.int8),
+        },
+        {
+            "layers.1.weight": torch.randn(200, 100, generator=g).to(torch.float16),
+            "layers.1.mask": torch.rand(17, generator=g) > 0.5,
+            "step": torch.tensor(12345, dtype=torch.int64),
+            "empty": torch.empty(0, 8),
+        },
+    ]
+    for i, tensors in enumerate(shards, 1):
+        save_file(tensors, str(root / f"model-{i}-of-2.safetensors"))
+    (root / "config.json").write_text('{"layers": 2}')
+    return {k: v for shard in shards for k, v in shard.items()}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> tuple[Path, Manifest, dict[str, torch.Tensor]]:
+    root = tmp_path / "model"
+    root.mkdir()
+    tensors = write_model(root)
+    return root, build_manifest(LocalFolder(root), chunk_size=CHUNK, workers=2), tensors
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_loads_verified_tensors_as_views_into_one_buffer_per_file(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]], workers: int
+) -> None:
+    root, manifest, want = model
+    loaded = load_model(root, manifest, workers=workers)
+
+    assert_same_tensors(loaded.tensors, want)
+    assert loaded.verified and loaded.digest == manifest.digest
+    assert loaded.bytes == manifest.total_size and loaded.seconds > 0
+    assert loaded.files == {"config.json": b'{"layers": 2}'}
+    # Views, not copies: the tensors of a shard share that shard's buffer.
+    shard1 = {"embed.weight", "layers.0.weight", "layers.0.codes"}
+    storages = {loaded.tensors[n].untyped_storage().data_ptr() for n in shard1}
+    assert len(storages) == 1
+    size = (root / "model-1-of-2.safetensors").stat().st_size
+    assert loaded.tensors["embed.weight"].untyped_storage().nbytes() == size
+
+
+def test_a_flipped_bit_is_named_and_nothing_is_returned(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+) -> None:
+    root, manifest, want = model
+    path = root / "model-1-of-2.safetensors"
+    data = bytearray(path.read_bytes())
+    at = CHUNK + 100  # inside embed.weight, in chunk 1
+    data[at] ^= 0x01
+    path.write_bytes(data)
+
+    with pytest.raises(WeightsVerificationError) as caught:
+        load_model(root, manifest, workers=2)
+    err = caught.value
+    chunk = manifest.chunks_of("model-1-of-2.safetensors")[1]
+    assert (err.path, err.chunk_index, err.expected) == (path.name, 1, chunk.sha256)
+    assert err.got == hashlib.sha256(data[CHUNK : 2 * CHUNK]).hexdigest()
+    assert "chunk 1" in str(err) and chunk.sha256 in str(err) and err.got in str(err)
+
+    # Without verification (the caller's explicit choice) the corrupt bytes come through.
+    unverified = load_model(root, manifest, verify=False)
+    assert not unverified.verified
+    assert not torch.equal(unverified.tensors["embed.weight"], want["embed.weight"])
+    assert torch.equal(unverified.tensors["layers.1.weight"], want["layers.1.weight"])
+
+
+def test_a_file_of_the_wrong_size_is_rejected(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+) -> None:
+    root, manifest, _ = model
+    path = root / "model-2-of-2.safetensors"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(WeightsVerificationError, match=r"model-2-of-2\.safetensors: size"):
+        load_model(root, manifest)
+    path.unlink()
+    with pytest.raises(LoaderError, match=r"cannot open model-2-of-2\.safetensors"):
+        load_model(root, manifest)
+
+
+def test_expected_digest_and_selected_paths(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+) -> None:
+    root, manifest, _ = model
+    with pytest.raises(LoaderError, match="not the expected sha256:0000"):
+        load_model(root, manifest, expected_digest="sha256:" + "0" * 64)
+    part = load_model(
+        root, manifest, expected_digest=manifest.digest, paths=["model-2-of-2.safetensors"]
+    )
+    assert set(part.tensors) == {"layers.1.weight", "layers.1.mask", "step", "empty"}
+    assert part.files == {}
+    with pytest.raises(LoaderError, match="not in the manifest"):
+        load_model(root, manifest, paths=["nope.safetensors"])
+
+
+def test_manifest_without_tensor_list_loads_by_header(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+) -> None:
+    root, manifest, want = model
+    doc = json.loads(manifest.canonical_bytes())
+    del doc["tensors"]
+    old_style = Manifest.parse(json.dumps(doc))
+    assert old_style.tensors == ()
+    assert_same_tensors(load_model(root, old_style).tensors, want)
+
+
+def test_manifest_tensor_list_must_agree_with_the_header(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+) -> None:
+    root, manifest, _ = model
+    doc = json.loads(manifest.canonical_bytes())
+    entry = next(t for t in doc["tensors"] if t["name"] == "layers.0.weight")
+    entry["name"] = "layers.0.renamed"
+    with pytest.raises(LoaderError, match="disagree on tensors"):
+        load_model(root, Manifest.parse(json.dumps(doc)))
+
+
+def test_unaligned_tensors_still_load(tmp_path: Path) -> None:
+    # A hand-written file whose F32 data starts at an odd offset (the format allows it).
+    values = torch.arange(5, dtype=torch.float32)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [5], "data_offsets": [0, 20]}}).encode()
+    header += b" " * (1 - len(header) % 2)  # odd length -> data starts at an odd offset
+    assert (8 + len(header)) % 4
+    (tmp_path / "odd.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + values.numpy().tobytes()
+    )
+    manifest = build_manifest(LocalFolder(tmp_path), chunk_size=16)
+    assert torch.equal(load_model(tmp_path, manifest).tensors["x"], values)
+
+
+def test_no_cuda_no_gpu_load(model: tuple[Path, Manifest, dict[str, torch.Tensor]]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bench/gpu_check_loader.py covers it")
+    root, manifest, _ = model
+    with pytest.raises(LoaderError, match="CUDA is not available"):
+        load_model(root, manifest, device="cuda:0")
+
+
+def test_load_staged_from_the_node_cache(
+    tmp_path: Path, model: tuple[Path, Manifest, dict[str, torch.Tensor]]
+) -> None:
+    root, manifest, want = model
+    cache = tmp_path / "cache"
+    store = ChunkStore(cache)
+    assert locate_staged(cache, manifest.digest) is None
+    with store.begin(manifest) as staging:
+        staging.prepare()
+        for c in manifest.chunks:
+            staging.put(c.sha256, LocalFolder(root).read_range(c.file, c.offset, c.size))
+        assert locate_staged(cache, manifest.digest) is None  # not before STAGED
+        staging.mark_staged()
+
+    assert locate_staged(cache, manifest.digest) == store.files_dir(manifest.digest)
+    loaded = load_staged(cache, manifest.digest)
+    assert_same_tensors(loaded.tensors, want)
+    assert loaded.digest == manifest.digest
+
+    with pytest.raises(LoaderError, match="is not staged"):
+        load_staged(cache, "sha256:" + "1" * 64)
