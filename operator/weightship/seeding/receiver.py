@@ -23,11 +23,12 @@ import torch
 from weightship.data.manifest import Manifest
 from weightship.loader.checksum import checksum_tensor
 from weightship.seeding import transport
-from weightship.seeding.buckets import BucketPlan, bucket_view, new_arena, plan_buckets, unpack
+from weightship.seeding.buckets import BucketPlan, new_arena, plan_buckets, unpack
 from weightship.seeding.errors import SeedingError
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import JOIN_PATH, START_KEY, result_key
 from weightship.seeding.specs import specs_of, tensor_entries
+from weightship.seeding.stream import receive_buckets
 
 # An HTTP join is answered at once; a root that takes longer is not worth waiting for.
 JOIN_HTTP_TIMEOUT_S = 10.0
@@ -119,7 +120,9 @@ def receive(
                 timeout_s=deadline.left(),
                 device=device,
             )
-        arena = _receive_buckets(pg, plan, device, deadline)
+        arena = new_arena(plan, device)
+        with _classified(deadline):
+            receive_buckets(pg, plan, arena, deadline.left)
         transfer_seconds = time.monotonic() - t_transfer
         if faults.tamper:
             _flip_first_tensor_byte(plan, arena)
@@ -192,21 +195,6 @@ def _wait_start(ctl: transport.Store, deadline: _Deadline) -> int:
     if "abandon" in start:
         raise SeedingError("RootUnavailable", f"the root abandoned the group: {start['abandon']}")
     return int(start["worldSize"])
-
-
-def _receive_buckets(
-    pg: transport.Group, plan: BucketPlan, device: torch.device, deadline: _Deadline
-) -> torch.Tensor:
-    """All buckets, straight into their slices of one arena; every broadcast is queued at
-    once so the backend can overlap them."""
-    arena = new_arena(plan, device)
-    works = [
-        transport.start_broadcast(pg, bucket_view(plan, arena, i)) for i in range(len(plan.buckets))
-    ]
-    for work in works:
-        with _classified(deadline):
-            transport.wait(work, deadline.left())
-    return arena
 
 
 @contextmanager

@@ -26,10 +26,11 @@ import torch
 
 from weightship.data.manifest import Manifest
 from weightship.seeding import transport
-from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, pack_bucket, plan_buckets
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import GROUP_ID, START_KEY, result_key, store_prefix
 from weightship.seeding.specs import check_tensors, specs_of, tensor_entries
+from weightship.seeding.stream import send_buckets
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,14 @@ class SeedRoot:
                 timeout_s=self.timeout_s,
                 device=self.device,
             )
-            self._send_buckets(pg)
+            send_buckets(
+                pg,
+                self.plan,
+                self.tensors,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                on_sent=self._after_bucket,
+            )
             seconds = time.monotonic() - t0
             results = _collect_results(ctl, members, RESULT_WAIT_S)
         except Exception as exc:  # any failure ends this broadcast, never the server
@@ -265,26 +273,11 @@ class SeedRoot:
                 self._seeded[gen.group] = self._seeded.get(gen.group, 0) + len(members)
             self._history.append(record)
 
-    def _send_buckets(self, pg: transport.Group) -> None:
-        """One broadcast per bucket, packing the next bucket while the last one is sent."""
-        plan, exit_after = self.plan, self.faults.root_exit_after_buckets
-        buffers = [
-            torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(min(2, len(plan.buckets)))
-        ]
-        in_flight: list[transport.Work] = []
-        sent = 0
-        for index in range(len(plan.buckets)):
-            if len(in_flight) == len(buffers):  # the oldest buffer must be free to reuse
-                transport.wait(in_flight.pop(0), self.timeout_s)
-                sent += 1
-                _maybe_exit(sent, exit_after)
-            bucket = pack_bucket(plan, index, self.tensors, buffers[index % len(buffers)])
-            in_flight.append(transport.start_broadcast(pg, bucket))
-        for work in in_flight:
-            transport.wait(work, self.timeout_s)
-            sent += 1
-            _maybe_exit(sent, exit_after)
+    def _after_bucket(self, sent: int) -> None:
+        exit_after = self.faults.root_exit_after_buckets
+        if exit_after is not None and sent >= exit_after:
+            log.warning("fault injection: root exits after %d buckets", sent)
+            os._exit(1)
 
     # -- status ----------------------------------------------------------------------
 
@@ -318,12 +311,6 @@ class SeedRoot:
         if self._store is not None:
             ctl = transport.prefixed(store_prefix(gen.group, gen.number) + "ctl/", self._store)
             ctl.set(START_KEY, json.dumps({"abandon": why}))
-
-
-def _maybe_exit(sent: int, exit_after: int | None) -> None:
-    if exit_after is not None and sent >= exit_after:
-        log.warning("fault injection: root exits after %d buckets", sent)
-        os._exit(1)
 
 
 def _collect_results(

@@ -8,29 +8,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from weightship.data.manifest import Manifest, TensorEntry
+from weightship.loader.load import TORCH_DTYPES
 from weightship.seeding.buckets import TensorSpec
 from weightship.seeding.errors import SeedingError
-
-# safetensors dtype names (as the manifest records them) that torch can hold.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-}
 
 
 def tensor_entries(manifest: Manifest) -> Sequence[TensorEntry]:
