@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from benchlib import (
     ACCESS_KEY,
     REGION,
     SECRET_KEY,
+    SERVER_PIDS,
     WORK,
     MiB,
     gbps,
@@ -40,6 +43,7 @@ from benchlib import (
     make_model,
     manifest_for,
     model_location,
+    process_cpu_seconds,
     table,
     verify_files,
 )
@@ -70,8 +74,32 @@ def fresh_out() -> Path:
     return OUT
 
 
-def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[float, float]:
-    """Seconds to download every file, and seconds for a sha256 pass over them after."""
+@dataclass(frozen=True)
+class Run:
+    """One timed run: wall seconds and the CPU seconds it cost on this machine."""
+
+    seconds: float
+    client_cpu: float  # the downloader: this process (threads included) or its children
+    server_cpu: float  # versitygw
+
+    @property
+    def cpu(self) -> float:
+        return self.client_cpu + self.server_cpu
+
+
+def measured(fn: Callable[[], object], server_pid: int) -> Run:
+    def client() -> float:
+        ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return sum(r.ru_utime + r.ru_stime for r in ru)
+
+    client0, server0, started = client(), process_cpu_seconds(server_pid), time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - started
+    return Run(seconds, client() - client0, process_cpu_seconds(server_pid) - server0)
+
+
+def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[Run, Run]:
+    """The download, and the sha256 pass over what it wrote (checked against the manifest)."""
     out = fresh_out()
     env = {
         **os.environ,
@@ -81,25 +109,37 @@ def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[float, fl
     }
     src = f"{model_location(model)}*"
     cmd = [str(s5cmd_path()), "--endpoint-url", endpoint, "cp", "--exclude", "*.json", src]
-    started = time.perf_counter()
-    subprocess.run([*cmd, f"{out}/"], env=env, check=True, capture_output=True, timeout=600)
-    download = time.perf_counter() - started
-    started = time.perf_counter()
-    bad = verify_files(out, manifest)
-    hashing = time.perf_counter() - started
+    server = SERVER_PIDS[endpoint]
+    download = measured(
+        lambda: subprocess.run(
+            [*cmd, f"{out}/"], env=env, check=True, capture_output=True, timeout=600
+        ),
+        server,
+    )
+    bad: list[str] = []
+    hashing = measured(lambda: bad.extend(verify_files(out, manifest)), server)
     assert not bad, f"s5cmd wrote files that do not match the manifest: {bad}"
     return download, hashing
 
 
-def run_ours(origin: S3Origin, manifest: Manifest, workers: int) -> float:
+def run_ours(origin: S3Origin, manifest: Manifest, workers: int) -> Run:
     store = ChunkStore(fresh_out())
     metrics = DataPlaneMetrics.create(CollectorRegistry())
-    started = time.perf_counter()
-    result = stage(manifest, store, origin, [], node="bench", metrics=metrics, workers=workers)
-    seconds = time.perf_counter() - started
-    assert result.digest == manifest.digest and store.is_staged(manifest.digest)
-    assert result.from_origin == manifest.total_size, result
-    return seconds
+    results = []
+
+    def staging() -> None:
+        results.append(
+            stage(manifest, store, origin, [], node="bench", metrics=metrics, workers=workers)
+        )
+
+    run = measured(staging, SERVER_PIDS[origin_endpoint(origin)])
+    assert results[0].digest == manifest.digest and store.is_staged(manifest.digest)
+    assert results[0].from_origin == manifest.total_size, results[0]
+    return run
+
+
+def origin_endpoint(origin: S3Origin) -> str:
+    return str(origin.client.meta.endpoint_url)
 
 
 class Timers:
@@ -145,7 +185,7 @@ def profile_ours(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str
         patched(ModelStaging, "put", t.wrap("put total", real_put)),
         patched(os, "fsync", t.wrap("fsync (file)", os.fsync)),
     ):
-        wall = run_ours(origin, manifest, workers)
+        wall = run_ours(origin, manifest, workers).seconds
     s = t.seconds
     s["pwrite + journal"] = s["put total"] - s["fsync (file)"]
     s["wall"] = wall
@@ -171,7 +211,7 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
 
     blob = os.urandom(manifest.chunk_size)
     with patched(os, "fsync", lambda fd: None):
-        no_fsync = run_ours(origin, manifest, workers)
+        no_fsync = run_ours(origin, manifest, workers).seconds
     return {
         "S3 GET only (bytes dropped)": timed(get, chunks),
         "S3 GET + sha256 streamed, in memory": timed(get_hashed, chunks),
@@ -184,14 +224,14 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mib", type=int, default=512)
-    p.add_argument("--workers", default="2,4,8", help="comma-separated stage() worker counts")
+    p.add_argument("--workers", default="2,3,4", help="comma-separated stage() worker counts")
     p.add_argument("--chunk-mib", default="4,16", help="comma-separated chunk sizes")
     p.add_argument("--repeats", type=int, default=2, help="runs per config; the best counts")
-    p.add_argument("--quick", action="store_true", help="128 MiB, 4 workers, 16 MiB, 1 repeat")
+    p.add_argument("--quick", action="store_true", help="128 MiB, 3 workers, 16 MiB, 1 repeat")
     p.add_argument("--no-profile", action="store_true", help="skip the breakdown runs")
     args = p.parse_args(argv)
     if args.quick:
-        args.size_mib, args.workers, args.chunk_mib, args.repeats = 128, "4", "16", 1
+        args.size_mib, args.workers, args.chunk_mib, args.repeats = 128, "3", "16", 1
     size = args.size_mib * MiB
     workers = [int(w) for w in args.workers.split(",")]
     chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]
@@ -202,16 +242,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = make_model(size)
     manifests = {c: manifest_for(model, c) for c in chunks}
     result: dict[str, Any] = {"size_bytes": size, "s5cmd_version": version}
+    result["loadavg_before"] = os.getloadavg()
     try:
         with local_origin(model) as (endpoint, client):
             origin = S3Origin(client, model_location(model))
             runs = [run_s5cmd(endpoint, model, manifests[chunks[0]]) for _ in range(args.repeats)]
-            s5_dl, s5_hash = min(runs)
+            s5_dl, s5_hash = min(runs, key=lambda r: r[0].seconds)
             ours: list[dict[str, Any]] = []
             for c in chunks:
                 for w in workers:
-                    secs = min(run_ours(origin, manifests[c], w) for _ in range(args.repeats))
-                    ours.append({"chunk_mib": c // MiB, "workers": w, "seconds": secs})
+                    mine = [run_ours(origin, manifests[c], w) for _ in range(args.repeats)]
+                    fastest = min(mine, key=lambda r: r.seconds)
+                    ours.append({"chunk_mib": c // MiB, "workers": w, **asdict(fastest)})
             best = min(ours, key=lambda r: r["seconds"])
             if not args.no_profile:
                 m = manifests[best["chunk_mib"] * MiB]
@@ -219,10 +261,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["ceilings"] = ceilings(origin, m, best["workers"])
     finally:
         shutil.rmtree(OUT, ignore_errors=True)
+    result["loadavg_after"] = os.getloadavg()
 
-    result.update(s5cmd=s5_dl, s5cmd_sha256=s5_hash, ours=ours, best=best)
-    result["ratio"] = s5_dl / best["seconds"]  # ours/s5cmd in throughput
-    result["ratio_verified"] = (s5_dl + s5_hash) / best["seconds"]
+    result.update(s5cmd=s5_dl.seconds, s5cmd_sha256=s5_hash.seconds, ours=ours, best=best)
+    result.update(s5cmd_run=asdict(s5_dl), s5cmd_sha256_run=asdict(s5_hash))
+    result["ratio"] = s5_dl.seconds / best["seconds"]  # ours/s5cmd in throughput
+    result["ratio_verified"] = (s5_dl.seconds + s5_hash.seconds) / best["seconds"]
     (WORK / "single-results.json").write_text(json.dumps(result, indent=1))
     report(result)
     return result
@@ -230,24 +274,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     size = r["size_bytes"]
+    gib = size / 2**30
 
-    def row(name: str, secs: float) -> list[str]:
-        return [name, f"{secs:.2f}", f"{gbps(size, secs):.3f}"]
+    def row(name: str, run: dict[str, float]) -> list[str]:
+        cpu = run["client_cpu"] + run["server_cpu"]
+        return [
+            name,
+            f"{run['seconds']:.2f}",
+            f"{gbps(size, run['seconds']):.3f}",
+            f"{run['client_cpu']:.2f}",
+            f"{run['server_cpu']:.2f}",
+            f"{cpu / gib:.2f}",
+        ]
 
+    dl, sha = r["s5cmd_run"], r["s5cmd_sha256_run"]
+    both = {k: dl[k] + sha[k] for k in dl}
     rows = [
-        row(f"s5cmd {r['s5cmd_version']} (download only)", r["s5cmd"]),
-        row("s5cmd + sha256 pass (2 threads)", r["s5cmd"] + r["s5cmd_sha256"]),
+        row(f"s5cmd {r['s5cmd_version']} (download only)", dl),
+        row("s5cmd + sha256 pass (2 threads)", both),
     ]
     for o in r["ours"]:
-        name = f"stage() {o['workers']} workers, {o['chunk_mib']} MiB chunks"
-        rows.append(row(name, o["seconds"]))
-    print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback\n")
-    print(table(["path", "seconds", "GB/s"], rows))
+        rows.append(row(f"stage() {o['workers']} workers, {o['chunk_mib']} MiB chunks", o))
+    before, after = r["loadavg_before"][0], r["loadavg_after"][0]
+    print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback")
+    print(f"(load average {before:.2f} before, {after:.2f} after)\n")
+    header = ["path", "seconds", "GB/s", "client CPU s", "server CPU s", "core-s / GiB"]
+    print(table(header, rows))
     b = r["best"]
     print(
         f"\nbest ours ({b['workers']} workers, {b['chunk_mib']} MiB): "
         f"ours/s5cmd = {r['ratio']:.2f}x, verified vs verified = {r['ratio_verified']:.2f}x "
         "(target >= 1.0x)"
+    )
+    cores = os.cpu_count() or 1
+    ours_cpu = b["client_cpu"] + b["server_cpu"]
+    s5_cpu = dl["client_cpu"] + dl["server_cpu"]
+    print(
+        f"CPU floor on {cores} cores (all CPU of the run / cores): ours {ours_cpu / cores:.2f} s, "
+        f"s5cmd download {s5_cpu / cores:.2f} s"
     )
     if "profile" in r:
         prof, wall = r["profile"], r["profile"]["wall"]
@@ -256,7 +320,7 @@ def report(r: dict[str, Any]) -> None:
         rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
         print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
         print()
-        ceilings = [row(k, v) for k, v in r["ceilings"].items()]
+        ceilings = [[k, f"{v:.2f}", f"{gbps(size, v):.3f}"] for k, v in r["ceilings"].items()]
         print(table(["ceiling (same chunks)", "seconds", "GB/s"], ceilings))
 
 

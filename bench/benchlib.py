@@ -34,6 +34,7 @@ VERSITYGW = Path(os.environ.get("WSBENCH_VERSITYGW", "~/.cache/weightship/bin/ve
 ACCESS_KEY, SECRET_KEY, REGION = "wsbench", "wsbench-secret-key", "us-east-1"
 BUCKET = "wsbench"
 PUBLISH_CHUNK = 16 * MiB
+SERVER_PIDS: dict[str, int] = {}  # endpoint URL -> pid of the versitygw serving it
 
 
 def versitygw_path() -> Path:
@@ -105,10 +106,13 @@ def versitygw(host: str, port: int, *, netns: str | None = None) -> Iterator[str
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    endpoint = f"http://{host}:{port}"
+    SERVER_PIDS[endpoint] = proc.pid  # `ip netns exec` execs: the pid is versitygw's
     try:
         wait_tcp(host, port, netns=netns)
-        yield f"http://{host}:{port}"
+        yield endpoint
     finally:
+        SERVER_PIDS.pop(endpoint, None)
         proc.terminate()
         try:
             proc.wait(timeout=10)
@@ -172,6 +176,12 @@ def verify_files(folder: Path, manifest: Manifest, threads: int = 2) -> list[str
     with ThreadPoolExecutor(threads) as pool:
         found = pool.map(lambda f: bad(f.path, f.sha256), manifest.files)
         return [p for p in found if p]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def gbps(nbytes: float, seconds: float) -> float:

@@ -28,6 +28,7 @@ from weightship.data.chunkstore import (
     partial_path,
     sha256_hex,
     size_or_none,
+    start_writeback,
     verify_chunk,
 )
 from weightship.data.manifest import Manifest, validate_relative_path
@@ -134,7 +135,9 @@ class ModelStaging:
             for i in todo:
                 if len(data) != chunks[i].size:
                     raise ChunkVerificationError(f"chunk {sha256} has the wrong size")
-                _pwrite_all(self._open_partial(chunks[i].file), data, chunks[i].offset)
+                fd = self._open_partial(chunks[i].file)
+                _pwrite_all(fd, data, chunks[i].offset)
+                start_writeback(fd, chunks[i].offset, chunks[i].size)
         except BaseException:
             with self._mutex:
                 self._claimed.difference_update(todo)
