@@ -1,0 +1,261 @@
+"""The reference inference server (`python -m weightship.testing.tinyllm serve`).
+
+It listens at once (the pod gets its IP and port) and obtains its weights in a background
+thread. Weights that fail verification are never served: the server keeps running, says
+why on /weightship/v1/loaded and answers completions with 503.
+
+GET  /healthz               200 once the process is up
+GET  /readyz                200 only when the weights are loaded and verified
+GET  /weightship/v1/loaded  what was loaded (read by the operator's readiness-gate verifier)
+GET  /metrics               Prometheus: completions by code, latency, load seconds
+POST /v1/completions        OpenAI-style, greedy whatever the temperature
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Literal
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from weightship.dev.echoserver import ErrorInjector, Server
+from weightship.testing.tinyllm.model import TinyLLM
+from weightship.testing.tinyllm.settings import Settings
+from weightship.testing.tinyllm.weights import LoadFailure, Obtained, obtain_weights
+
+log = logging.getLogger("tinyllm")
+
+LOADED_PATH = "/weightship/v1/loaded"
+COMPLETIONS_PATH = "/v1/completions"
+MODEL_NAME = "tinyllm"
+MAX_TOKENS_LIMIT = 4096  # as spec.validation.goldenPrompts[].maxTokens
+State = Literal["Loading", "Loaded", "Failed"]
+
+
+@dataclass
+class Status:
+    state: State = "Loading"
+    digest: str | None = None
+    verified: bool = False
+    reason: str | None = None
+    message: str | None = None
+    source: str | None = None
+    seeded_from: str | None = None
+    load_seconds: float | None = None
+
+
+class Metrics:
+    def __init__(self, revision: str) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "http_requests",
+            "Completions answered, by status code",
+            ["code", "revision"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "http_request_duration_seconds",
+            "Time to answer a completion",
+            ["revision"],
+            registry=self.registry,
+        )
+        self.load_seconds = Gauge(
+            "tinyllm_load_seconds",
+            "Seconds it took to obtain and verify the weights",
+            ["revision"],
+            registry=self.registry,
+        )
+        self.revision = revision
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class App:
+    """The server's state: settings, what is loaded, metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.status = Status(digest=settings.manifest_digest)
+        self.model: TinyLLM | None = None
+        self.metrics = Metrics(settings.revision)
+        self.errors = ErrorInjector(settings.error_rate)
+        self.lock = threading.Lock()
+
+    def load(self, obtain: Callable[[Settings], Obtained] = obtain_weights) -> None:
+        try:
+            got = obtain(self.settings)
+            model = TinyLLM(got.tensors, got.config, device=self.settings.device)
+        except LoadFailure as exc:
+            self._failed(exc.reason, exc.message, exc.digest)
+            return
+        except Exception as exc:
+            self._failed("LoadError", f"{type(exc).__name__}: {exc}", None)
+            return
+        self.metrics.load_seconds.labels(self.settings.revision).set(got.seconds)
+        with self.lock:
+            self.model = model
+            self.status = Status(
+                state="Loaded",
+                digest=got.manifest.digest,
+                verified=got.verified,
+                source=got.source,
+                seeded_from=got.seeded_from,
+                load_seconds=got.seconds,
+                message=f"{got.manifest.total_size} bytes from {got.source}",
+            )
+        log.info("loaded %s from %s in %.2f s", got.manifest.digest, got.source, got.seconds)
+
+    def _failed(self, reason: str, message: str, digest: str | None) -> None:
+        log.error("refusing to serve: %s: %s", reason, message)
+        with self.lock:
+            self.status = Status(
+                state="Failed", digest=digest or self.status.digest, reason=reason, message=message
+            )
+
+    def loaded_report(self) -> dict[str, Any]:
+        s = self.status
+        return {
+            "manifestDigest": s.digest,
+            "verified": s.verified,
+            "state": s.state,
+            "reason": s.reason,
+            "message": s.message,
+            "source": s.source,
+            "seededFrom": s.seeded_from,
+            "loadSeconds": s.load_seconds,
+            "revision": self.settings.revision,
+        }
+
+    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        model, status = self.model, self.status
+        if model is None or status.state != "Loaded":
+            detail = status.message or "weights are loading"
+            return 503, _error(f"not serving: {status.state}: {detail}", "unavailable")
+        prompt, max_tokens = _parse_completion(body)
+        if self.errors.next_fails():
+            return 500, _error("injected failure (TINYLLM_ERROR_RATE)", "server_error")
+        done = model.complete(prompt, max_tokens)
+        return 200, {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL_NAME,
+            "choices": [
+                {
+                    "text": done.text,
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": done.finish_reason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+            },
+        }
+
+
+def _error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind}}
+
+
+def _parse_completion(body: dict[str, Any]) -> tuple[str, int]:
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest("prompt must be a string")
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or not 0 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise BadRequest(f"max_tokens must be an integer from 0 to {MAX_TOKENS_LIMIT}")
+    return prompt, max_tokens
+
+
+def make_handler(app: App) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive for the verifier and load generators
+
+        def log_message(self, format: str, *args: object) -> None:
+            return
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, code: int, doc: dict[str, Any]) -> None:
+            self._send(code, json.dumps(doc).encode())
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._send(200, b"ok\n", "text/plain")
+            elif path == "/readyz":
+                ready = app.status.state == "Loaded" and app.status.verified
+                self._send(200 if ready else 503, f"{app.status.state}\n".encode(), "text/plain")
+            elif path == LOADED_PATH:
+                self._json(200, app.loaded_report())
+            elif path == "/metrics":
+                self._send(200, generate_latest(app.metrics.registry), CONTENT_TYPE_LATEST)
+            else:
+                self._json(404, _error(f"no route {path}", "not_found"))
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            if self.path.split("?", 1)[0] != COMPLETIONS_PATH:
+                self._json(404, _error(f"no route {self.path}", "not_found"))
+                return
+            started = time.monotonic()
+            if app.settings.extra_latency_s:
+                time.sleep(app.settings.extra_latency_s)
+            try:
+                body = json.loads(raw or b"{}")
+                if not isinstance(body, dict):
+                    raise BadRequest("the body must be a JSON object")
+                code, doc = app.complete(body)
+            except (BadRequest, json.JSONDecodeError) as exc:
+                code, doc = 400, _error(str(exc), "invalid_request_error")
+            except Exception as exc:  # a bug must still be an answer, and counted
+                log.exception("completion failed")
+                code, doc = 500, _error(f"{type(exc).__name__}: {exc}", "server_error")
+            revision = app.settings.revision
+            app.metrics.requests.labels(code=str(code), revision=revision).inc()
+            app.metrics.latency.labels(revision=revision).observe(time.monotonic() - started)
+            self._json(code, doc)
+
+    return Handler
+
+
+def serve(settings: Settings) -> None:
+    """Listen, load in the background, serve until killed."""
+    app = App(settings)
+    server = Server(("0.0.0.0", settings.port), make_handler(app))  # noqa: S104 - the pod's IP
+    log.info("listening on port %d (revision %r)", server.server_port, settings.revision)
+    threading.Thread(target=app.load, name="load-weights", daemon=True).start()
+    server.serve_forever()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="tinyllm %(levelname)s %(message)s")
+    serve(Settings.from_env(os.environ))
