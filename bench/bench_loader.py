@@ -1,0 +1,246 @@
+"""Verified loading: weightship.loader.load_model against safetensors, in the same run.
+
+The model is N safetensors shards of bf16 tensors shaped like a transformer's, in the
+page cache (read once before timing). Each path is timed ``--repeats`` times; the best
+run counts (the machine is shared, and noise only ever slows a run down).
+
+- ours, verified: load_model(verify=True): chunks read in parallel into one buffer per
+  file, each chunk's sha256 checked in the same pass.
+- baseline, verified: sha256 of each file, then safetensors.torch.load_file and a clone
+  of every tensor. load_file maps the file lazily, so without the clone it touches no
+  data at all; the clone is what makes the bytes real, as a load to a device would.
+- the same baseline with the files hashed on 2 threads, a stronger baseline.
+- unverified, beside them: load_model(verify=False) and load_file + clone.
+
+    .venv/bin/python bench/bench_loader.py            # 1 GiB in 4 shards
+    .venv/bin/python bench/bench_loader.py --quick    # 128 MiB in 2 shards
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchlib import WORK, MiB, gbps, sha256_file, table, verify_files
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.loader.checksum import checksum_bytes
+from weightship.loader.load import load_model
+
+HIDDEN = 2048
+# One layer's matrices as (rows, name): attention q, k, v, o and the MLP's three.
+LAYER = [(HIDDEN, n) for n in ("q", "k", "v", "o")] + [(5504, n) for n in ("gate", "up", "down")]
+ROW_BYTES = HIDDEN * 2  # bf16
+
+
+def make_safetensors_model(total_bytes: int, shards: int) -> Path:
+    """``shards`` files of random bf16 tensors totalling about ``total_bytes``, made once."""
+    folder = WORK / f"st-model-{total_bytes}-{shards}"
+    done = WORK / f"st-model-{total_bytes}-{shards}.complete"
+    if done.exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(total_bytes)
+    layer = 0
+    for shard in range(1, shards + 1):
+        budget, tensors = total_bytes // shards, {}
+        while budget >= ROW_BYTES:
+            prefix = f"model.layers.{layer}"
+            tensors[f"{prefix}.input_norm.weight"] = _random_bf16((HIDDEN,), gen)
+            budget -= ROW_BYTES
+            for rows, name in LAYER:
+                rows = min(rows, budget // ROW_BYTES)
+                if rows:
+                    tensors[f"{prefix}.{name}.weight"] = _random_bf16((rows, HIDDEN), gen)
+                    budget -= rows * ROW_BYTES
+            layer += 1
+        save_file(tensors, str(folder / f"model-{shard:05d}-of-{shards:05d}.safetensors"))
+    done.touch()
+    return folder
+
+
+def _random_bf16(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    # Random 16-bit patterns: realistic for hashing and copying (values are irrelevant).
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen)
+    return bits.view(torch.bfloat16)
+
+
+def manifest_of(model: Path) -> Manifest:
+    cached = model.with_suffix(".manifest.json")
+    if cached.exists():
+        return Manifest.parse(cached.read_bytes())
+    manifest = build_manifest(LocalFolder(model), workers=2)
+    cached.write_bytes(manifest.canonical_bytes())
+    return manifest
+
+
+def shard_paths(model: Path, manifest: Manifest) -> list[Path]:
+    return [model / f.path for f in manifest.files]
+
+
+def warm_page_cache(paths: list[Path]) -> None:
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(64 * MiB):
+                pass
+
+
+def load_and_clone(paths: list[Path]) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in paths:
+        out.update({k: v.clone() for k, v in load_file(str(p)).items()})
+    return out
+
+
+def baseline_verified(paths: list[Path], manifest: Manifest) -> dict[str, torch.Tensor]:
+    want = {f.path: f.sha256 for f in manifest.files}
+    for p in paths:
+        if sha256_file(p) != want[p.name]:
+            raise RuntimeError(f"{p} does not match the manifest")
+    return load_and_clone(paths)
+
+
+def baseline_verified_2threads(
+    model: Path, paths: list[Path], manifest: Manifest
+) -> dict[str, torch.Tensor]:
+    if bad := verify_files(model, manifest, threads=2):
+        raise RuntimeError(f"{bad} do not match the manifest")
+    return load_and_clone(paths)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (random bf16 holds NaNs, which never compare equal)."""
+    same_type = a.dtype == b.dtype and a.shape == b.shape
+    return same_type and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
+
+
+def best_of(repeats: int, run: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of the fastest of ``repeats`` runs.
+
+    CPU seconds say what a path costs even when other work on the machine slows the
+    wall clock down; results are dropped between runs."""
+    runs = []
+    for _ in range(repeats):
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = run()
+        runs.append((time.perf_counter() - wall, time.process_time() - cpu))
+        del result
+    gc.collect()
+    return min(runs)
+
+
+def in_memory_hash_rates(path: Path) -> dict[str, float]:
+    """GB/s of sha256 and of wsum64 (numpy) on one thread over bytes already in memory."""
+    data = path.read_bytes()[: 256 * MiB]
+    start = time.perf_counter()
+    hashlib.sha256(data).hexdigest()
+    sha = gbps(len(data), time.perf_counter() - start)
+    start = time.perf_counter()
+    checksum_bytes(data)
+    return {"sha256": sha, "wsum64": gbps(len(data), time.perf_counter() - start)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="load_model threads")
+    p.add_argument("--repeats", type=int, default=3, help="runs per path; the best counts")
+    p.add_argument("--quick", action="store_true", help="128 MiB in 2 shards, 2 repeats")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mib, args.shards, args.repeats = 128, 2, 2
+
+    model = make_safetensors_model(args.size_mib * MiB, args.shards)
+    manifest = manifest_of(model)
+    paths = shard_paths(model, manifest)
+    size = manifest.total_size
+    warm_page_cache(paths)
+
+    # Correctness first: ours, verified, gives exactly safetensors' tensors.
+    ours = load_model(model, manifest, workers=args.workers)
+    reference = load_and_clone(paths)
+    same = ours.verified and ours.digest == manifest.digest and set(ours.tensors) == set(reference)
+    same = same and all(same_bytes(ours.tensors[k], v) for k, v in reference.items())
+    tensor_count = len(reference)
+    del ours, reference
+
+    measured = {
+        "ours verified": best_of(
+            args.repeats, lambda: load_model(model, manifest, workers=args.workers)
+        ),
+        "baseline verified": best_of(args.repeats, lambda: baseline_verified(paths, manifest)),
+        "baseline verified, 2 hash threads": best_of(
+            args.repeats, lambda: baseline_verified_2threads(model, paths, manifest)
+        ),
+        "ours unverified": best_of(
+            args.repeats,
+            lambda: load_model(model, manifest, verify=False, workers=args.workers),
+        ),
+        "baseline unverified": best_of(args.repeats, lambda: load_and_clone(paths)),
+    }
+    seconds = {k: wall for k, (wall, _) in measured.items()}
+    cpu_per_gb = {k: cpu / (size / 1e9) for k, (_, cpu) in measured.items()}
+    rates = {k: gbps(size, s) for k, s in seconds.items()}
+    result: dict[str, Any] = {
+        "size_bytes": size,
+        "shards": args.shards,
+        "tensors": tensor_count,
+        "workers": args.workers,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "correct": same,
+        "seconds": seconds,
+        "cpu_seconds_per_gb": cpu_per_gb,
+        "gbps": rates,
+        "ratio_verified": rates["ours verified"] / rates["baseline verified"],
+        "ratio_verified_2threads": rates["ours verified"]
+        / rates["baseline verified, 2 hash threads"],
+        "ratio_unverified": rates["ours unverified"] / rates["baseline unverified"],
+        "hash_gbps_in_memory": in_memory_hash_rates(paths[0]),
+        "loadavg": os.getloadavg(),
+    }
+
+    def row(name: str, ours: str) -> list[str]:
+        return [
+            name,
+            f"{rates[name]:.2f}",
+            f"{rates[ours] / rates[name]:.2f}x",
+            f"{cpu_per_gb[name]:.2f}",
+        ]
+
+    rows = [row(name, "ours verified") for name in list(measured)[:3]]
+    rows += [row(name, "ours unverified") for name in list(measured)[3:]]
+    print(
+        f"\n{size / MiB:.0f} MiB in {args.shards} shards, {tensor_count} bf16 tensors, page "
+        f"cache warm; load_model workers={args.workers}; best of {args.repeats}; "
+        f"{os.cpu_count()} CPUs; load average {result['loadavg'][0]:.2f}"
+    )
+    print(table(["path", "GB/s", "ours / this (GB/s)", "CPU s per GB"], rows))
+    hashes = result["hash_gbps_in_memory"]
+    print(
+        f"in memory, one thread: sha256 {hashes['sha256']:.2f} GB/s, "
+        f"wsum64 (numpy) {hashes['wsum64']:.2f} GB/s"
+    )
+    print(f"tensors identical to safetensors': {same}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
