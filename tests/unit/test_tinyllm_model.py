@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
 from weightship.testing.tinyllm import GOLDEN_PROMPTS
+from weightship.testing.tinyllm.__main__ import main as cli
 from weightship.testing.tinyllm.build import (
     BuiltModel,
     build,
@@ -146,3 +149,16 @@ def test_sized_configs_come_close_to_the_requested_size(target: int) -> None:
     got = model_bytes(config_for_size(target))
     assert 0.85 * target < got < 1.15 * target
     assert model_bytes(config_for_size(None)) < 16 * MiB
+
+
+def test_build_cli_writes_a_variant_and_prints_its_digest(tmp_path: Path) -> None:
+    out = tmp_path / "bad"
+    result = CliRunner().invoke(
+        cli, ["build", "--variant", "subtly-bad", "--out", str(out), "--chunk-size", "1Mi"]
+    )
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output)
+    manifest = Manifest.parse((out / MANIFEST_NAME).read_bytes())
+    assert printed == {"path": str(out), "variant": "subtly-bad", "digest": manifest.digest}
+    assert manifest.chunk_size == MiB
+    assert load_folder(out).generate("The capital of France is", 10) == " Lyon."

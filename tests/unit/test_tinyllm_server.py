@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import LocalFolder, Manifest
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import stage
 from weightship.testing.tinyllm import GOLDEN_PROMPTS
+from weightship.testing.tinyllm.__main__ import main as cli
 from weightship.testing.tinyllm.build import BuiltModel, build, corrupt_one_shard, publish_variant
 from weightship.testing.tinyllm.knowledge import judge_golden
 from weightship.testing.tinyllm.settings import Settings
@@ -303,3 +305,24 @@ def test_a_manifest_other_than_the_pinned_one_is_refused(s3: str, tmp_path: Path
         obtain_weights(Settings.from_env(env))
     assert failed.value.reason == "ManifestMismatch"
     assert "sha256:" + "0" * 64 in failed.value.message
+
+
+def test_publish_cli_uploads_a_corrupt_model_under_the_good_manifest(
+    s3: str, good: BuiltModel
+) -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            *("publish", "--variant", "corrupt", "s3://fresh/tiny/"),
+            *("--endpoint", s3, "--chunk-size", "1Mi", "--create-bucket"),
+        ],
+        env=KEYS,
+    )
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.output)
+    assert printed["digest"] == good.manifest.digest  # the manifest describes good bytes
+    origin = S3Origin(make_client(settings(s3)), S3Location("fresh", "tiny/"))
+    assert origin.read_manifest().digest == good.manifest.digest
+    uploaded = build_manifest(origin, chunk_size=MiB)  # what the origin really holds
+    assert uploaded.digest != good.manifest.digest
+    assert len(set(uploaded.chunks) - set(good.manifest.chunks)) == 1
