@@ -9,6 +9,7 @@ from weightship.loader.checksum import (
     MODULUS,
     Wsum64,
     checksum_bytes,
+    checksum_on_device,
     checksum_tensor,
 )
 
@@ -36,6 +37,7 @@ def test_numpy_torch_and_definition_agree(size: int) -> None:
     got = checksum_bytes(data)
     assert len(got) == CHECKSUM_HEX_LEN
     assert got == checksum_tensor(as_tensor(data))
+    assert got == checksum_on_device(as_tensor(data))  # torch's kernels, run on the CPU
     assert got == reference(data)
 
 
@@ -43,7 +45,7 @@ def test_large_values_wrap_the_same_way() -> None:
     # All-ones words are -1 and 0x7fffffff words sum past 2**63 over many weighted terms.
     for word in (b"\xff\xff\xff\xff", b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80"):
         data = word * (3 * MODULUS + 17)
-        assert checksum_bytes(data) == checksum_tensor(as_tensor(data)) == reference(data)
+        assert checksum_bytes(data) == checksum_on_device(as_tensor(data)) == reference(data)
 
 
 def test_streamed_pieces_equal_one_shot() -> None:
@@ -65,7 +67,8 @@ def test_any_dtype_is_checksummed_as_its_raw_bytes() -> None:
         torch.randn(4, 6, generator=g).t(),  # not contiguous: checksummed as its copy
     ):
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert checksum_tensor(t) == checksum_bytes(raw) == reference(raw)
+        assert checksum_tensor(t) == checksum_on_device(t) == checksum_bytes(raw)
+        assert checksum_bytes(raw) == reference(raw)
     arr = np.arange(10, dtype=np.float32)
     assert checksum_bytes(arr) == checksum_bytes(arr.tobytes())
 
@@ -73,14 +76,14 @@ def test_any_dtype_is_checksummed_as_its_raw_bytes() -> None:
 def test_view_at_an_unaligned_offset() -> None:
     data = random.Random(3).randbytes(4 * MODULUS + 11)
     packed = torch.frombuffer(bytearray(b"x" + data), dtype=torch.uint8)[1:]
-    assert checksum_tensor(packed) == checksum_bytes(data)
+    assert checksum_on_device(packed) == checksum_tensor(packed) == checksum_bytes(data)
 
 
 def test_bit_flip_swap_and_truncation_change_it() -> None:
     data = bytearray(random.Random(4).randbytes(4 * 4096))
     base = checksum_bytes(data)
     t = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
-    assert checksum_tensor(t) == base
+    assert checksum_tensor(t) == checksum_on_device(t) == base
 
     flipped = bytearray(data)
     flipped[1234] ^= 0x10
@@ -93,5 +96,5 @@ def test_bit_flip_swap_and_truncation_change_it() -> None:
     # s1 alone cannot see a swap: the position weights in s2 do.
     assert checksum_bytes(swapped)[:16] == base[:16]
 
-    assert checksum_tensor(t[:-1]) != base
+    assert checksum_tensor(t[:-1]) != base and checksum_on_device(t[:-1]) != base
     assert checksum_bytes(data[:-1]) != base
