@@ -254,6 +254,9 @@ def _read_to_device(
     """Pinned slot -> sha256 -> async copy into the device buffer, for every chunk."""
     workers = max(1, workers)
     side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    # The destination buffers were allocated on the current stream, possibly in memory
+    # that stream's earlier work still uses: copies start after it.
+    side.wait_stream(torch.cuda.current_stream(device))
     slots: queue.Queue[tuple[torch.Tensor, torch.cuda.Event]] = queue.Queue()
     for _ in range(workers * _SLOTS_PER_WORKER):
         pinned = torch.empty(chunk_size, dtype=torch.uint8, pin_memory=True)
