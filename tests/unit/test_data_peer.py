@@ -202,3 +202,42 @@ def test_client_reuses_one_connection_per_peer(server: PeerServer) -> None:
     assert client.fetch(server.address, DIGEST) == DATA
     assert len(accepted) == 2
     client.close()
+
+
+def test_an_owner_grants_a_claim_only_on_a_chunk_it_has_not_started(
+    server: PeerServer, store: ChunkStore
+) -> None:
+    client = PeerClient(timeout_s=5)
+    free, started = "1" * 64, "2" * 64
+    store.claims.start(started)
+    assert client.claim(server.address, free, "node-b") == (True, "node-b")
+    assert client.claim(server.address, free, "node-b") == (True, "node-b")  # idempotent
+    assert client.claim(server.address, free, "node-c") == (False, "node-b")  # taken
+    assert client.claim(server.address, started, "node-c") == (False, None)
+    assert client.claim(server.address, DIGEST, "node-c") == (False, None)  # it has it
+    # The owner, reaching the chunk it gave away, is told to take it from the claimant.
+    assert store.claims.start(free) == "node-b"
+    assert store.claims.start(started) is None
+    store.claims.forget([free, started])
+    assert store.claims.claimant(free) is None
+
+
+@pytest.mark.parametrize(
+    ("target", "node"),
+    [
+        ("/claims/sha256/" + "A" * 64, "node-b"),  # upper-case hex
+        ("/claims/sha256/" + "1" * 64 + "/..", "node-b"),
+        ("/chunks/sha256/" + "1" * 64, "node-b"),  # claims have their own path
+        ("/claims/sha256/" + "1" * 64, "../etc"),  # not a node name
+        ("/claims/sha256/" + "1" * 64, ""),
+    ],
+)
+def test_malformed_claims_are_refused(
+    server: PeerServer, store: ChunkStore, target: str, node: str
+) -> None:
+    host, port = server.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    conn.request("POST", target, headers={"X-Weightship-Node": node} if node else {})
+    assert conn.getresponse().status == 400
+    conn.close()
+    assert store.claims.claimant("1" * 64) is None

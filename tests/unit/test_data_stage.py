@@ -29,6 +29,7 @@ from weightship.data.stage import StageProgress, stage
 
 CHUNK = 16 * 1024
 FAST = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01)
+NO_CLAIMS = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01, steal_after_s=None)
 
 
 class CountingOrigin:
@@ -334,7 +335,7 @@ def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
 
         def run(n: str) -> None:
             results[n] = stage(
-                m, stores[n], origin, peers, node=n, metrics=dp, policy=FAST, workers=2
+                m, stores[n], origin, peers, node=n, metrics=dp, policy=NO_CLAIMS, workers=2
             )
 
         threads = [threading.Thread(target=run, args=(n,)) for n in nodes]
@@ -358,6 +359,69 @@ def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
         registry.get_sample_value("weightship_agent_chunk_bytes_total", {"source": "peer"})
         == 2 * m.total_size
     )
+
+
+class SlowOrigin(CountingOrigin):
+    """The same origin as seen from one node whose origin link is slow."""
+
+    def __init__(self, shared: CountingOrigin, delay_s: float) -> None:
+        self.shared, self.delay_s, self.own_reads = shared, delay_s, 0
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        self.own_reads += 1
+        time.sleep(self.delay_s)
+        return self.shared.read_range(path, offset, size)
+
+
+def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {f"shard-{i}.bin": random_bytes(4 * CHUNK, 20 + i) for i in range(3)})
+    origin = CountingOrigin(src)
+    nodes = ["node-a", "node-b", "node-c"]
+    owners = rendezvous.balanced_owners([c.sha256 for c in m.chunks], nodes)
+    slow_owned = sum(1 for o in owners.values() if o == "node-a")
+    slow = SlowOrigin(origin, delay_s=0.5)  # node-a's own queue takes slow_owned * 0.5 s
+    stores = {n: ChunkStore(tmp_path / n) for n in nodes}
+    registries = {n: metrics() for n in nodes}
+    policy = FetchPolicy(
+        peer_timeout_s=5, owner_wait_s=30, poll_interval_s=0.01, long_poll_s=0.2, steal_after_s=0.05
+    )
+    with ExitStack() as stack:
+        servers = {n: stack.enter_context(PeerServer(stores[n], "127.0.0.1")) for n in nodes}
+        peers = [Peer(n, servers[n].address) for n in nodes]
+        results = {}
+
+        def run(n: str) -> None:
+            results[n] = stage(
+                m,
+                stores[n],
+                slow if n == "node-a" else origin,
+                peers,
+                node=n,
+                metrics=registries[n][0],
+                policy=policy,
+                workers=2,
+            )
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert set(results) == set(nodes)
+    claimed = {
+        n: registries[n][1].get_sample_value("weightship_agent_chunks_claimed_total") or 0
+        for n in nodes
+    }
+    assert claimed["node-a"] == 0 and claimed["node-b"] + claimed["node-c"] >= 1
+    # Claimed chunks went to the origin once, from the claimant, not from the slow owner.
+    assert origin.reads == len(m.chunks) and origin.bytes == m.total_size
+    assert slow.own_reads == slow_owned - claimed["node-b"] - claimed["node-c"]
+    for n in nodes:
+        assert stores[n].is_staged(m.digest) and same_files(m, stores[n], src)
+        assert results[n].from_origin + results[n].from_peers == m.total_size
 
 
 def test_file_digests_match_the_manifest(tmp_path: Path) -> None:

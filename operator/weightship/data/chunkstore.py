@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from weightship.data.chunkindex import ChunkIndex, ChunkLocation
+from weightship.data.claims import ClaimBoard
 from weightship.data.manifest import SHA256_HEX, Manifest
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ class ChunkStore:
         for sub in ("tmp", "models"):
             (root / sub).mkdir(exist_ok=True)
         self.index = ChunkIndex()
+        self.claims = ClaimBoard()  # this node's chunks handed to peers (claims.py)
         for digest in self.models():
             self._index_finished_files(digest)
 

@@ -8,6 +8,10 @@ peers in the chunk's rendezvous ranking, falling through on timeouts, dead peers
 404s, waiting a bounded time for the owner, and going to origin last. A dead owner drops
 out of the ranking, so the next node takes over without anyone deciding it. Every byte
 is verified before it is stored.
+
+At the tail, a node whose own origin queue is done claims chunks it has waited on from
+their slow owner and fetches them from the origin itself; the owner grants only chunks
+it has not started, so each still leaves the origin once (claims.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from weightship.data import rendezvous
 from weightship.data.chunkstore import Buffer, ChunkVerificationError
+from weightship.data.claims import ClaimBoard
 from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import (
@@ -77,6 +82,9 @@ class FetchPolicy:
     dead_cooldown_s: float = 30.0
     demote_cooldown_s: float = 600.0
     origin_attempts: int = 2  # verification failures tolerated from origin
+    # Once this node's own origin queue is done, a chunk whose owner has kept it waiting
+    # this long is claimed from the owner and fetched from the origin here (None: never).
+    steal_after_s: float | None = 1.0
 
 
 class PeerHealth:
@@ -164,9 +172,11 @@ class ChunkFetcher:
         bandwidth: TokenBucket | None = None,
         health: PeerHealth | None = None,
         cancel: threading.Event | None = None,
+        claims: ClaimBoard | None = None,
     ) -> None:
         """``chunks``: the whole manifest's, in manifest order, so that every node computes
-        the same balanced owners (a chunk not among them gets its rendezvous owner)."""
+        the same balanced owners (a chunk not among them gets its rendezvous owner).
+        ``claims``: this node's board, shared with its peer server (``ChunkStore.claims``)."""
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
@@ -179,11 +189,20 @@ class ChunkFetcher:
         self.bandwidth = bandwidth
         self.cancel = cancel or threading.Event()
         self.health = health or PeerHealth()
+        self.claims = claims or ClaimBoard()
+        # Set by the stage when this node's own origin queue is done: from then on its
+        # origin slot is free for claimed chunks.
+        self.origin_idle = threading.Event()
+        self._steal_slot = threading.Semaphore(1)  # one claimed origin fetch at a time
+        self._claim_refused: set[str] = set()  # chunks not to claim again
+        self._holder_hint: dict[str, str] = {}  # chunk -> the node a claim went to
 
     def ranking(self, sha256: str) -> list[str]:
         """Every node, this one included: the chunk's owner first, then its rendezvous
-        ranking, which a dead owner's chunk falls through."""
-        return rendezvous.rank_with_owner(self.nodes, sha256, self.owners.get(sha256))
+        ranking, which a dead owner's chunk falls through. A chunk this node gave away
+        (claims) has its claimant first."""
+        owner = self.claims.claimant(sha256) or self.owners.get(sha256)
+        return rendezvous.rank_with_owner(self.nodes, sha256, owner)
 
     def owner_of(self, sha256: str) -> str:
         return self.ranking(sha256)[0]
@@ -199,19 +218,25 @@ class ChunkFetcher:
     def _fetch(self, chunk: ChunkEntry) -> Source:
         if self.sink.has(chunk.sha256):
             return "local"
-        ranking = self.ranking(chunk.sha256)
-        deadline = time.monotonic() + self.policy.owner_wait_s
+        started = time.monotonic()
+        deadline = started + self.policy.owner_wait_s
         while True:
             if self.cancel.is_set():
                 # The model is no longer wanted: stop waiting on owners at once.
                 raise FetchCancelledError(f"fetch of chunk {chunk.sha256} cancelled")
             avoided = self.health.avoided()
-            live = [n for n in ranking if n not in avoided]
+            live = [n for n in self.ranking(chunk.sha256) if n not in avoided]
             if not live or live[0] == self.node:
-                self._from_origin(chunk)
-                return "origin"
+                claimant = self.claims.start(chunk.sha256)
+                if claimant is None or claimant not in self.address or claimant in avoided:
+                    self._from_origin(chunk)
+                    return "origin"
+                continue  # granted to a peer meanwhile: the ranking now starts with it
             round_started = time.monotonic()
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
+            hint = self._holder_hint.get(chunk.sha256)
+            if hint in live and hint not in asked and hint != self.node:
+                asked.insert(1, hint)  # the node that claimed it from the owner
             # The owner (asked first) may hold the request until the chunk lands; the
             # others answer at once.
             wait = min(self.policy.long_poll_s, max(0.0, deadline - round_started))
@@ -222,8 +247,42 @@ class ChunkFetcher:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.sha256, live[0])
                 self._from_origin(chunk)
                 return "origin"
+            if self._may_claim(chunk, now - started) and self._claim(live[0], chunk):
+                return "origin"
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
+
+    def _may_claim(self, chunk: ChunkEntry, waited_s: float) -> bool:
+        after = self.policy.steal_after_s
+        return (
+            after is not None
+            and waited_s >= after
+            and self.origin_idle.is_set()
+            and chunk.sha256 not in self._claim_refused
+        )
+
+    def _claim(self, owner: str, chunk: ChunkEntry) -> bool:
+        """Ask ``owner`` for the chunk; if granted, fetch it from the origin here."""
+        if not self._steal_slot.acquire(blocking=False):
+            return False
+        try:
+            try:
+                granted, holder = self.client.claim(self.address[owner], chunk.sha256, self.node)
+            except PeerError:
+                return False  # the next round's fetch finds out whether it is dead
+            if not granted:
+                self._claim_refused.add(chunk.sha256)
+                if holder:
+                    self._holder_hint[chunk.sha256] = holder
+                return False
+            log.info(
+                "chunk %s: claimed from slow owner %s, fetching from origin", chunk.sha256, owner
+            )
+            self.metrics.chunks_claimed.inc()
+            self._from_origin(chunk)
+            return True
+        finally:
+            self._steal_slot.release()
 
     def _from_peer(self, node: str, chunk: ChunkEntry, wait_s: float = 0.0) -> bool:
         try:

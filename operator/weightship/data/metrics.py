@@ -16,6 +16,7 @@ class DataPlaneMetrics:
     chunk_seconds: Histogram
     verification_failures: Counter
     peer_demotions: Counter
+    chunks_claimed: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
@@ -43,6 +44,11 @@ class DataPlaneMetrics:
             peer_demotions=Counter(
                 "weightship_agent_peer_demotions",
                 "Times a peer was demoted for serving bad bytes.",
+                registry=registry,
+            ),
+            chunks_claimed=Counter(
+                "weightship_agent_chunks_claimed",
+                "Chunks this node fetched from the origin for a slow owner (tail stealing).",
                 registry=registry,
             ),
         )

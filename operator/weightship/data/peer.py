@@ -25,11 +25,15 @@ from weightship.data.chunkstore import ChunkStore
 from weightship.data.httpconn import ThreadConnections
 
 WAIT_HEADER = "X-Weightship-Wait"
+NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
+CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
 
 log = logging.getLogger(__name__)
 
 CHUNK_PATH = re.compile(r"/chunks/sha256/([0-9a-f]{64})")
+CLAIM_PATH = re.compile(r"/claims/sha256/([0-9a-f]{64})")
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a Kubernetes node name
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
@@ -97,6 +101,27 @@ class _ChunkHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._serve(send_body=True)
+
+    def do_POST(self) -> None:
+        """``POST /claims/sha256/<hex>``: a peer asks to fetch one of this node's chunks
+        from the origin itself (claims.py). 200 granted; 409 refused: this node has it or
+        started it, or it went to the node named in X-Weightship-Claimant."""
+        if self.headers.get("Content-Length", "0") != "0":
+            self.close_connection = True  # a body we will not read: never reuse the stream
+        m = CLAIM_PATH.fullmatch(self.path)
+        node = self.headers.get(NODE_HEADER, "")
+        if not m or not NODE_NAME.fullmatch(node):
+            self._reply(400, b"expected /claims/sha256/<64 lowercase hex> and a node name\n")
+            return
+        sha = m.group(1)
+        holder = (
+            None if self.server.store.has_chunk(sha) else self.server.store.claims.grant(sha, node)
+        )
+        headers = {CLAIMANT_HEADER: holder} if holder else None
+        if holder == node:
+            self._reply(200, b"granted\n", headers)
+        else:
+            self._reply(409, b"refused\n", headers)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("peer %s: " + format, self.client_address[0], *args)
@@ -250,6 +275,14 @@ class PeerClient:
             return False
         return status == 200
 
+    def claim(self, address: str, sha256: str, node: str) -> tuple[bool, str | None]:
+        """Ask the owner at ``address`` to let ``node`` fetch the chunk from the origin.
+        Returns (granted, the node it went to instead when one did)."""
+        status, _, holder = self._call(
+            "POST", address, f"/claims/sha256/{sha256}", {NODE_HEADER: node}, self.timeout_s
+        )
+        return status == 200, holder
+
     def close(self) -> None:
         """Close this thread's connections."""
         self._http.close()
@@ -257,17 +290,23 @@ class PeerClient:
     def _request(
         self, method: str, address: str, sha256: str, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
+        status, body, _ = self._call(
+            method, address, f"/chunks/sha256/{sha256}", headers, timeout_s
+        )
+        if status == 404:
+            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
+        if status == 503:
+            raise PeerBusyError(f"{address} is busy")
+        return status, body
+
+    def _call(
+        self, method: str, address: str, target: str, headers: dict[str, str], timeout_s: float
+    ) -> tuple[int, bytes, str | None]:
         try:
-            resp = self._http.request(
-                method, address, f"/chunks/sha256/{sha256}", headers, timeout_s=timeout_s
-            )
+            resp = self._http.request(method, address, target, headers, timeout_s=timeout_s)
             body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
         except (OSError, http.client.HTTPException) as exc:
             self._http.drop("http", address)
             raise PeerUnavailableError(f"{address}: {exc!r}") from exc
         self._http.done("http", address, resp)
-        if resp.status == 404:
-            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
-        if resp.status == 503:
-            raise PeerBusyError(f"{address} is busy")
-        return resp.status, body
+        return resp.status, body, resp.getheader(CLAIMANT_HEADER)

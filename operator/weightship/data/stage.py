@@ -10,7 +10,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +121,12 @@ def stage(
                 client=client,
                 bandwidth=bandwidth,
                 cancel=cancel,
+                claims=store.claims,
             )
-            _stage(staging, fetcher, tally, pinned, workers, fetcher.cancel)
+            try:
+                _stage(staging, fetcher, tally, pinned, workers, fetcher.cancel)
+            finally:
+                store.claims.forget(c.sha256 for c in manifest.chunks)
         else:
             tally.add("local", manifest.total_size)
         store.touch(manifest.digest)
@@ -185,13 +189,36 @@ def _stage(
     other_owners = len({fetcher.owner_of(c.sha256) for c in others})
     origin_workers = max(1, ORIGIN_LANE_WORKERS if others else workers)
     peer_workers = max(1, workers - origin_workers, min(PEER_LANE_MAX, other_owners))
+    own_left = [len(owned)]  # this node's origin queue, counted down as chunks land
+    own_lock = threading.Lock()
+    if not owned:
+        fetcher.origin_idle.set()
+    deferred: list[Future[None]] = []
+
+    def fetch_own(chunk: ChunkEntry) -> None:
+        try:
+            if fetcher.claims.claimant(chunk.sha256):
+                # A peer claimed it: it comes from that peer, on the peer lane, so this
+                # node's origin stream goes on with its next chunk.
+                deferred.append(peer_lane.submit(fetch_one, chunk))
+            else:
+                fetch_one(chunk)
+        finally:
+            with own_lock:
+                own_left[0] -= 1
+                if own_left[0] == 0:
+                    fetcher.origin_idle.set()
+
     with (
         ThreadPoolExecutor(origin_workers, thread_name_prefix="origin") as origin_lane,
         ThreadPoolExecutor(peer_workers, thread_name_prefix="peer") as peer_lane,
     ):
-        futures = [origin_lane.submit(fetch_one, c) for c in owned]
+        futures = [origin_lane.submit(fetch_own, c) for c in owned]
         futures += [peer_lane.submit(fetch_one, c) for c in others]
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if not any(f.exception() for f in finished):
+            # Every origin-lane task is done, so every deferred chunk has been submitted.
+            finished, _ = wait(deferred, return_when=FIRST_EXCEPTION)
         failed = [f for f in finished if f.exception()]
         if failed:
             cancel.set()  # queued chunks stop at once; running ones finish and are kept
