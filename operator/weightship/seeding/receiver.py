@@ -44,7 +44,7 @@ class Received:
     bytes: int
     group: str = ""
     generation: int = 0
-    transfer_seconds: float = 0.0
+    transfer_seconds: float = 0.0  # first bucket to last, the group already formed
     verify_seconds: float = 0.0
 
 
@@ -107,7 +107,6 @@ def receive(
     rank = int(answer["rank"])
     store, ctl = _connect(answer, deadline)
     size = _wait_start(ctl, deadline)
-    t_transfer = time.monotonic()
     pg = None
     try:
         with _classified(deadline):
@@ -121,6 +120,7 @@ def receive(
                 device=device,
             )
         arena = new_arena(plan, device)
+        t_transfer = time.monotonic()
         with _classified(deadline):
             receive_buckets(pg, plan, arena, deadline.left)
         transfer_seconds = time.monotonic() - t_transfer
