@@ -12,7 +12,8 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from weightship.data.manifest import Manifest
+from weightship.data.manifest import Manifest, TensorEntry
 from weightship.loader.checksum import checksum_tensor
 from weightship.seeding import transport
 from weightship.seeding.buckets import BucketPlan, new_arena, plan_buckets, unpack
@@ -120,22 +121,19 @@ def receive(
                 device=device,
             )
         arena = new_arena(plan, device)
+        tensors = unpack(plan, arena)
+        verifier = _Verifier(plan, entries, tensors, arena, tamper=faults.tamper)
         t_transfer = time.monotonic()
         with _classified(deadline):
-            receive_buckets(pg, plan, arena, deadline.left)
+            receive_buckets(pg, plan, arena, deadline.left, on_bucket=verifier.bucket_done)
+        verifier.finish()
         transfer_seconds = time.monotonic() - t_transfer
-        if faults.tamper:
-            _flip_first_tensor_byte(plan, arena)
-        t_verify = time.monotonic()
-        tensors = unpack(plan, arena)
-        bad = [e.name for e in entries if checksum_tensor(tensors[e.name]) != e.checksum]
-        verify_seconds = time.monotonic() - t_verify
-        if bad:
+        if verifier.bad:
             _report(ctl, rank, member, "ChecksumMismatch", time.monotonic() - t0)
             raise SeedingError(
                 "ChecksumMismatch",
-                f"{len(bad)} of {len(entries)} tensors differ from the manifest, "
-                f"first {bad[0]!r}; refusing to serve them",
+                f"{len(verifier.bad)} of {len(entries)} tensors differ from the manifest, "
+                f"first {verifier.bad[0]!r}; refusing to serve them",
             )
         seconds = time.monotonic() - t0
         _report(ctl, rank, member, None, seconds)
@@ -149,7 +147,7 @@ def receive(
         group=group_id,
         generation=int(answer["generation"]),
         transfer_seconds=transfer_seconds,
-        verify_seconds=verify_seconds,
+        verify_seconds=verifier.seconds,
     )
 
 
@@ -209,10 +207,45 @@ def _classified(deadline: _Deadline) -> Iterator[None]:
         raise SeedingError("Timeout" if timed_out else "RootDied", str(exc)[:500]) from exc
 
 
-def _flip_first_tensor_byte(plan: BucketPlan, arena: torch.Tensor) -> None:
-    """Fault injection (tamper): corrupt a byte that a tensor owns, as bad wire would."""
-    first = next(p for p in plan.placements if p.spec.nbytes)
-    arena[first.offset : first.offset + 1].bitwise_xor_(0xFF)
+class _Verifier:
+    """Checks each tensor against the manifest as soon as its last bucket is in, while the
+    backend keeps receiving the buckets queued after it (on a GPU the checksum kernels run
+    beside NCCL's stream)."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        entries: Sequence[TensorEntry],
+        tensors: dict[str, torch.Tensor],
+        arena: torch.Tensor,
+        *,
+        tamper: bool,
+    ) -> None:
+        self.tensors, self.arena = tensors, arena
+        self.due: dict[int, list[TensorEntry]] = defaultdict(list)
+        for entry in entries:
+            self.due[plan.last_bucket_of(entry.name)].append(entry)
+        self.bad: list[str] = []
+        self.seconds = 0.0
+        # Fault injection: corrupt a byte a tensor owns, in the bucket it arrives in.
+        first = next((p for p in plan.placements if p.spec.nbytes), None)
+        self.tamper_offset = first.offset if tamper and first else None
+        self.tamper_bucket = (self.tamper_offset or 0) // plan.bucket_bytes
+
+    def bucket_done(self, index: int) -> None:
+        if self.tamper_offset is not None and index == self.tamper_bucket:
+            self.arena[self.tamper_offset : self.tamper_offset + 1].bitwise_xor_(0xFF)
+        self._check(self.due.pop(index, []))
+
+    def finish(self) -> None:
+        """Check what no bucket completed (zero-byte tensors of an empty plan)."""
+        for index in sorted(self.due):
+            self._check(self.due.pop(index))
+
+    def _check(self, entries: list[TensorEntry]) -> None:
+        started = time.monotonic()
+        self.bad += [e.name for e in entries if checksum_tensor(self.tensors[e.name]) != e.checksum]
+        self.seconds += time.monotonic() - started
 
 
 def _report(

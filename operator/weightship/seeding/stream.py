@@ -49,12 +49,20 @@ def send_buckets(
 
 
 def receive_buckets(
-    pg: transport.Group, plan: BucketPlan, arena: torch.Tensor, seconds_left: Callable[[], float]
+    pg: transport.Group,
+    plan: BucketPlan,
+    arena: torch.Tensor,
+    seconds_left: Callable[[], float],
+    *,
+    on_bucket: Callable[[int], None] | None = None,
 ) -> None:
     """Receive every bucket straight into its slice of ``arena``. All broadcasts are queued
-    at once so the backend can overlap them; each wait is bounded by ``seconds_left()``."""
+    at once so the backend can overlap them; each wait is bounded by ``seconds_left()``.
+    ``on_bucket(i)`` runs once bucket i is in, while later ones keep arriving."""
     works = [
         transport.start_broadcast(pg, bucket_view(plan, arena, i)) for i in range(len(plan.buckets))
     ]
-    for work in works:
+    for index, work in enumerate(works):
         transport.wait(work, seconds_left())
+        if on_bucket is not None:
+            on_bucket(index)
