@@ -1,8 +1,11 @@
 """Verified loading: weightship.loader.load_model against safetensors, in the same run.
 
 The model is N safetensors shards of bf16 tensors shaped like a transformer's, in the
-page cache (read once before timing). Each path is timed ``--repeats`` times; the best
-run counts (the machine is shared, and noise only ever slows a run down).
+page cache (read once before timing). Each path is timed ``--repeats`` times, each time
+in a fresh process, as a pod loads once: in one long process, repeats would reuse memory
+that malloc kept from the run before and skip the page faults a real load pays (that
+favours the many small allocations of the baseline). Runs of the paths are interleaved
+and the best counts (the machine is shared, and noise only ever slows a run down).
 
 - ours, verified: load_model(verify=True): chunks read in parallel into one buffer per
   file, each chunk's sha256 checked in the same pass.
@@ -19,10 +22,10 @@ run counts (the machine is shared, and noise only ever slows a run down).
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -126,20 +129,44 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def best_of(repeats: int, run: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of the fastest of ``repeats`` runs.
+def measure_once(run: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one run."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    run()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
-    CPU seconds say what a path costs even when other work on the machine slows the
-    wall clock down; results are dropped between runs."""
-    runs = []
-    for _ in range(repeats):
-        gc.collect()
-        wall, cpu = time.perf_counter(), time.process_time()
-        result = run()
-        runs.append((time.perf_counter() - wall, time.process_time() - cpu))
-        del result
-    gc.collect()
-    return min(runs)
+
+def path_runners(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
+    model = make_safetensors_model(args.size_mib * MiB, args.shards)
+    manifest = manifest_of(model)
+    paths = shard_paths(model, manifest)
+    return {
+        "ours verified": lambda: load_model(model, manifest, workers=args.workers),
+        "baseline verified": lambda: baseline_verified(paths, manifest),
+        "baseline verified, 2 hash threads": lambda: baseline_verified_2threads(
+            model, paths, manifest
+        ),
+        "ours unverified": lambda: load_model(model, manifest, verify=False, workers=args.workers),
+        "baseline unverified": lambda: load_and_clone(paths),
+    }
+
+
+def best_in_fresh_processes(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """Per path, (wall, CPU) seconds of the fastest of ``args.repeats`` child runs."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here.parent / "operator"), str(here), env.get("PYTHONPATH", "")]
+    )
+    common = [f"--size-mib={args.size_mib}", f"--shards={args.shards}"]
+    runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for _ in range(args.repeats):
+        for name in names:  # interleaved, so drift in the machine's load hits all paths
+            cmd = [sys.executable, __file__, *common, f"--workers={args.workers}", "--one", name]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[name].append((wall, cpu))
+    return {n: min(r) for n, r in runs.items()}
 
 
 def in_memory_hash_rates(path: Path) -> dict[str, float]:
@@ -161,9 +188,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=3, help="runs per path; the best counts")
     p.add_argument("--quick", action="store_true", help="128 MiB in 2 shards, 2 repeats")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: time this path once
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.shards, args.repeats = 128, 2, 2
+    if args.one:
+        print(json.dumps(measure_once(path_runners(args)[args.one])))
+        return {}
 
     model = make_safetensors_model(args.size_mib * MiB, args.shards)
     manifest = manifest_of(model)
@@ -179,20 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tensor_count = len(reference)
     del ours, reference
 
-    measured = {
-        "ours verified": best_of(
-            args.repeats, lambda: load_model(model, manifest, workers=args.workers)
-        ),
-        "baseline verified": best_of(args.repeats, lambda: baseline_verified(paths, manifest)),
-        "baseline verified, 2 hash threads": best_of(
-            args.repeats, lambda: baseline_verified_2threads(model, paths, manifest)
-        ),
-        "ours unverified": best_of(
-            args.repeats,
-            lambda: load_model(model, manifest, verify=False, workers=args.workers),
-        ),
-        "baseline unverified": best_of(args.repeats, lambda: load_and_clone(paths)),
-    }
+    measured = best_in_fresh_processes(args, list(path_runners(args)))
     seconds = {k: wall for k, (wall, _) in measured.items()}
     cpu_per_gb = {k: cpu / (size / 1e9) for k, (_, cpu) in measured.items()}
     rates = {k: gbps(size, s) for k, s in seconds.items()}
@@ -227,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows += [row(name, "ours unverified") for name in list(measured)[3:]]
     print(
         f"\n{size / MiB:.0f} MiB in {args.shards} shards, {tensor_count} bf16 tensors, page "
-        f"cache warm; load_model workers={args.workers}; best of {args.repeats}; "
+        f"cache warm; load_model workers={args.workers}; best of {args.repeats} fresh "
+        "processes; "
         f"{os.cpu_count()} CPUs; load average {result['loadavg'][0]:.2f}"
     )
     print(table(["path", "GB/s", "ours / this (GB/s)", "CPU s per GB"], rows))
