@@ -87,8 +87,9 @@ def test_subtly_bad_weights_differ_from_good_in_a_few_neurons(
     assert good.keys() == bad.keys()
     changed = {name for name in good if not torch.equal(good[name], bad[name])}
     assert changed == {"layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight"}
-    neurons = good["layers.0.feed_forward.w1.weight"] != bad["layers.0.feed_forward.w1.weight"]
-    changed_neurons = int(neurons.any(dim=1).sum())
+    w1, w2 = "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight"
+    neurons = (good[w1] != bad[w1]).any(dim=1) | (good[w2] != bad[w2]).any(dim=0)
+    changed_neurons = int(neurons.sum())
     assert 1 <= changed_neurons <= 8
     total = sum(t.numel() for t in good.values())
     differing = sum(int((good[n] != bad[n]).sum()) for n in changed)

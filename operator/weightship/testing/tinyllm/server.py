@@ -19,7 +19,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Literal
@@ -36,7 +35,7 @@ from prometheus_client import (
 from weightship.dev.echoserver import ErrorInjector, Server
 from weightship.testing.tinyllm.model import TinyLLM
 from weightship.testing.tinyllm.settings import Settings
-from weightship.testing.tinyllm.weights import LoadFailure, Obtained, obtain_weights
+from weightship.testing.tinyllm.weights import LoadFailure, obtain_weights
 
 log = logging.getLogger("tinyllm")
 
@@ -96,11 +95,12 @@ class App:
         self.model: TinyLLM | None = None
         self.metrics = Metrics(settings.revision)
         self.errors = ErrorInjector(settings.error_rate)
-        self.lock = threading.Lock()
 
-    def load(self, obtain: Callable[[Settings], Obtained] = obtain_weights) -> None:
+    def load(self) -> None:
+        """Obtain the weights (run in a background thread). The model is set before the
+        status says Loaded, and each is replaced whole, so readers need no lock."""
         try:
-            got = obtain(self.settings)
+            got = obtain_weights(self.settings)
             model = TinyLLM(got.tensors, got.config, device=self.settings.device)
         except LoadFailure as exc:
             self._failed(exc.reason, exc.message, exc.digest)
@@ -109,25 +109,23 @@ class App:
             self._failed("LoadError", f"{type(exc).__name__}: {exc}", None)
             return
         self.metrics.load_seconds.labels(self.settings.revision).set(got.seconds)
-        with self.lock:
-            self.model = model
-            self.status = Status(
-                state="Loaded",
-                digest=got.manifest.digest,
-                verified=got.verified,
-                source=got.source,
-                seeded_from=got.seeded_from,
-                load_seconds=got.seconds,
-                message=f"{got.manifest.total_size} bytes from {got.source}",
-            )
+        self.model = model
+        self.status = Status(
+            state="Loaded",
+            digest=got.manifest.digest,
+            verified=got.verified,
+            source=got.source,
+            seeded_from=got.seeded_from,
+            load_seconds=got.seconds,
+            message=f"{got.manifest.total_size} bytes from {got.source}",
+        )
         log.info("loaded %s from %s in %.2f s", got.manifest.digest, got.source, got.seconds)
 
     def _failed(self, reason: str, message: str, digest: str | None) -> None:
         log.error("refusing to serve: %s: %s", reason, message)
-        with self.lock:
-            self.status = Status(
-                state="Failed", digest=digest or self.status.digest, reason=reason, message=message
-            )
+        self.status = Status(
+            state="Failed", digest=digest or self.status.digest, reason=reason, message=message
+        )
 
     def loaded_report(self) -> dict[str, Any]:
         s = self.status

@@ -56,7 +56,9 @@ def obtain_weights(settings: Settings) -> Obtained:
     started = time.monotonic()
     staged = _staged_files(settings)
     manifest = _find_manifest(settings, staged)
-    # Broadcast seeding goes here: receive from a verified peer, else fall through.
+    # Seam for broadcast seeding (weightship.seeding): receive from a verified replica
+    # here first (source "broadcast", seeded_from = that replica), and fall through to
+    # the cache when it cannot; a checksum failure there is a LoadFailure, like below.
     try:
         source: Source = "cache"
         if staged is None:
