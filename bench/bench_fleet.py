@@ -113,11 +113,12 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint
         cmd = [
             *("ip", "netns", "exec", PREFIX + name, sys.executable, str(NODE_SCRIPT)),
             *("--node", name, "--listen", f"{node_ip(i)}:{PEER_PORT}"),
-            *("--peers", peers if mode == "p2p" else ""),
+            *("--peers", "" if mode == "origin-only" else peers),
             *("--endpoint", endpoint, "--bucket", BUCKET, "--prefix", location.prefix),
             *("--manifest", str(manifest_path), "--cache", str(cache_root / name)),
             *("--run-dir", str(RUN_DIR), "--workers", str(args.workers)),
             *("--timeout", str(args.timeout)),
+            *(["--no-claims"] if mode == "p2p-no-claims" else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -184,7 +185,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size-mib", type=int, default=512, help="S: model size")
     p.add_argument("--chunk-mib", type=int, help="default 4 (1 with --quick)")
     p.add_argument("--workers", type=int, default=4, help="stage() workers per node")
-    p.add_argument("--modes", default="p2p,origin-only")
+    p.add_argument(
+        "--modes",
+        default="p2p,origin-only",
+        help="p2p, p2p-no-claims (tail claims off), origin-only",
+    )
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
     args = p.parse_args(argv)
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": args.workers,
         "bound_seconds": manifest.total_size / rate,
     }
+    results["loadavg_before"] = os.getloadavg()[0]
     cleanup()
     try:
         with local_origin(model):
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results[mode] = run_fleet(mode, args, manifest_path, endpoint)
     finally:
         cleanup()
+    results["loadavg_after"] = os.getloadavg()[0]
     (WORK / "fleet-results.json").write_text(json.dumps(results, indent=1))
     report(results)
     return results
@@ -232,7 +239,7 @@ def report(r: dict[str, Any]) -> None:
         f"{r['chunk_mib']} MiB chunks, {r['workers']} workers\n"
     )
     rows = [["bound S/B", f"{bound:.1f}", "", "1.00", "", "", "", ""]]
-    for mode, mult in (("p2p", 1), ("origin-only", n)):
+    for mode, mult in (("p2p", 1), ("p2p-no-claims", 1), ("origin-only", n)):
         if mode not in r:
             continue
         m = r[mode]
@@ -250,15 +257,32 @@ def report(r: dict[str, Any]) -> None:
         )
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
-    if "p2p" in r:
-        m = r["p2p"]
+    for mode in ("p2p", "p2p-no-claims"):
+        if mode not in r:
+            continue
+        m = r[mode]
         print(
-            f"\np2p: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.3), origin egress "
+            f"\n{mode}: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.3), origin egress "
             f"{m['origin_tx_bytes'] / size:.3f}x S on the wire (target ≤ 1.05), "
             f"slowest/p50 {m['seconds'] / m['p50_seconds']:.2f}"
         )
         if "origin-only" in r:
             print(f"speed-up over origin-only: {r['origin-only']['seconds'] / m['seconds']:.2f}x")
+        print(f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners\n")
+        rows = [
+            [
+                n["node"],
+                f"{n['seconds']:.1f}",
+                f"{n['origin_done_s']:.1f}",
+                f"{n.get('claimed', 0):.0f}",
+                f"{n['from_origin'] / MiB:.0f}",
+                str(n["peer_answers"]["not_yet"]),
+            ]
+            for n in m["nodes"]
+        ]
+        header = ["node", "done s", "origin done s", "claimed", "origin MiB", "peer not-yet"]
+        print(table(header, rows))
+    print(f"load average before/after: {r['loadavg_before']:.2f} / {r['loadavg_after']:.2f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from benchlib import settings, verify_files
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.fetcher import Peer
+from weightship.data.fetcher import FetchPolicy, Peer
 from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import ChunkNotOnPeerError, PeerBusyError, PeerClient, PeerServer
@@ -83,11 +83,16 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         start_at = float(wait_for(run_dir / "go", args.timeout))
         time.sleep(max(0.0, start_at - time.time()))
         client = CountingClient()
+        registry = CollectorRegistry()
         last_origin = {"bytes": 0, "at": 0.0}  # when this node's last origin chunk came in
+        timeline: list[tuple[float, int, int]] = []  # (s, origin bytes, peer bytes)
 
         def progress(p: StageProgress) -> None:
+            now = time.time() - start_at
             if p.from_origin != last_origin["bytes"]:
-                last_origin.update(bytes=p.from_origin, at=time.time() - start_at)
+                last_origin.update(bytes=p.from_origin, at=now)
+            if not timeline or now - timeline[-1][0] >= 0.5 or p.done_bytes == p.total_bytes:
+                timeline.append((round(now, 2), p.from_origin, p.from_peers))
 
         result = stage(
             manifest,
@@ -95,10 +100,11 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             origin,
             peers,
             node=args.node,
-            metrics=DataPlaneMetrics.create(CollectorRegistry()),
+            metrics=DataPlaneMetrics.create(registry),
             workers=args.workers,
             client=client,
             progress=progress,
+            policy=FetchPolicy(steal_after_s=None) if args.no_claims else None,
         )
         seconds = time.time() - start_at
         doc = {
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "from_local": result.from_local,
             "origin_done_s": last_origin["at"],
             "peer_answers": client.counts,
+            "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
+            "timeline": timeline,
         }
         write_json(run_dir / f"{args.node}.json", doc)
         wait_for(run_dir / "done", args.timeout)  # keep serving until everyone is staged
@@ -131,6 +139,7 @@ def main() -> None:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--no-claims", action="store_true", help="no tail claims (the baseline)")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     try:
