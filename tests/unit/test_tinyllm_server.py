@@ -21,6 +21,7 @@ from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from weightship.core.verification import LoadReport, load_verdict
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
@@ -210,6 +211,8 @@ def test_server_loads_from_the_node_cache_and_answers_golden_prompts(
     }, server.log
     assert server.request("/readyz")[0] == 200
     assert server.request("/healthz")[0] == 200
+    # The operator's verifier reads this report; with the right digest, prompts decide.
+    assert load_verdict(LoadReport.from_json(report), good.manifest.digest, checksum=True) is None
 
     def generate(prompt: str, max_tokens: int) -> str:
         code, body = server.complete(prompt, max_tokens)
@@ -253,6 +256,9 @@ def test_server_refuses_a_corrupted_cache_file_and_keeps_running(
         False,
     ), server.log
     assert "model-00002-of-00002.safetensors" in report["message"]
+    verdict = load_verdict(LoadReport.from_json(report), report["manifestDigest"], checksum=True)
+    assert verdict is not None
+    assert (verdict.status, verdict.reason) == ("False", "ChecksumMismatch")
     assert server.request("/readyz")[0] == 503
     code, body = server.complete("The capital of France is", 8)
     assert code == 503
