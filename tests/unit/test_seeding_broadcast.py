@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.loader.load import load_model
 from weightship.seeding import FAULT_ENV, SeedingError, SeedRecord, SeedRoot, receive, serve
 
 BUCKET = 8192
@@ -149,6 +150,7 @@ def test_one_root_seeds_two_receivers_with_identical_tensors(
 ) -> None:
     seed_root, url = root
     assert len(seed_root.plan.buckets) > 4
+    assert not seed_root.sources  # separate tensors: every bucket is packed
     got = run_receivers(url, "pair", 3, model, {"r1": "", "r2": ""})
     for r in got.values():
         assert r["reason"] is None and r["identical"], r
@@ -190,9 +192,11 @@ def test_a_group_that_does_not_fill_starts_with_whoever_joined(
     model: tuple[Path, Manifest],
 ) -> None:
     folder, manifest = model
+    loaded = load_model(folder, manifest).tensors  # one buffer per file: sent without packing
     seed_root = SeedRoot(
-        load_tensors(folder), manifest, host=HOST, name="r", join_window_s=1, bucket_bytes=BUCKET
+        loaded, manifest, host=HOST, name="r", join_window_s=1, bucket_bytes=BUCKET
     )
+    assert len(seed_root.sources) == len(seed_root.plan.regions) == 2
     server = serve(seed_root, HOST)
     try:
         url = f"http://{HOST}:{server.server_address[1]}"

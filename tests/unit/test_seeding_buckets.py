@@ -9,17 +9,21 @@ import torch
 from safetensors.torch import save_file
 
 from weightship.data.manifest import LocalFolder, build_manifest
+from weightship.loader.load import load_model
 from weightship.seeding.buckets import (
     ALIGN,
+    FileSpan,
     TensorSpec,
     new_arena,
     pack_all,
     pack_bucket,
     plan_buckets,
+    plan_files,
+    region_views,
     unpack,
 )
 from weightship.seeding.errors import SeedingError
-from weightship.seeding.specs import check_tensors, specs_of, tensor_entries
+from weightship.seeding.specs import check_tensors, plan_for, specs_of, tensor_entries
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -140,3 +144,48 @@ def test_a_manifest_without_tensors_cannot_seed(tmp_path: Path) -> None:
     with pytest.raises(SeedingError) as caught:
         tensor_entries(manifest)
     assert caught.value.reason == "NoTensorChecksums" and caught.value.fall_back
+
+
+def test_file_plan_keeps_file_offsets_and_never_cuts_across_files() -> None:
+    a, b = TensorSpec("a", torch.float32, (10,)), TensorSpec("b", torch.int16, (3,))
+    c = TensorSpec("c", torch.uint8, (5,))
+    plan = plan_files([FileSpan(100, ((a, 8), (b, 49))), FileSpan(30, ((c, 20),))], 64)
+    assert plan.regions == ((0, 100), (128, 158))
+    assert [(p.spec.name, p.offset) for p in plan.placements] == [("a", 8), ("b", 49), ("c", 148)]
+    assert plan.buckets == ((0, 64), (64, 100), (128, 158))
+    assert plan.last_bucket_of("b") == 0 and plan.last_bucket_of("c") == 2
+    tensors = {"a": torch.arange(10.0), "b": torch.tensor([1, -2, 3], dtype=torch.int16)}
+    tensors["c"] = torch.arange(5, dtype=torch.uint8)
+    got = unpack(plan, pack_all(plan, tensors))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    # "b" sits at an odd offset, as a file may pack it: it comes back as an aligned copy.
+    assert got["b"].data_ptr() % 2 == 0
+
+
+def test_file_plan_rejects_tensors_outside_their_file_or_overlapping() -> None:
+    a = TensorSpec("a", torch.float32, (10,))
+    with pytest.raises(ValueError, match="outside"):
+        plan_files([FileSpan(20, ((a, 0),))], 64)
+    with pytest.raises(ValueError, match="overlap"):
+        plan_files([FileSpan(100, ((a, 0), (TensorSpec("b", torch.uint8, (4,)), 36)))], 64)
+
+
+def test_a_loader_s_buffers_are_sent_as_they_are(tmp_path: Path) -> None:
+    """A root that loaded with weightship.loader holds each file contiguously: its buckets
+    are views of that memory, byte for byte the file; separate tensors need packing."""
+    tensors = {k: v for k, v in sample_tensors().items() if k != "empty"}
+    save_file(dict(list(tensors.items())[:3]), str(tmp_path / "a.safetensors"))
+    save_file(dict(list(tensors.items())[3:]), str(tmp_path / "b.safetensors"))
+    manifest = build_manifest(LocalFolder(tmp_path), chunk_size=4096)
+    plan = plan_for(manifest, 1024)
+    loaded = load_model(tmp_path, manifest).tensors
+    views = region_views(plan, loaded)
+    assert sorted(views) == [0, 1]
+    for index, path in enumerate(["a.safetensors", "b.safetensors"]):
+        assert views[index].numpy().tobytes() == (tmp_path / path).read_bytes()
+    assert region_views(plan, {k: v.clone() for k, v in loaded.items()}) == {}
+    arena = new_arena(plan)
+    for index, (start, end) in enumerate(plan.regions):
+        arena[start:end] = views[index]
+    got = unpack(plan, arena)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())

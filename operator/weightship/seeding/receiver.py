@@ -24,11 +24,11 @@ import torch
 from weightship.data.manifest import Manifest, TensorEntry
 from weightship.loader.checksum import checksum_tensor
 from weightship.seeding import transport
-from weightship.seeding.buckets import BucketPlan, new_arena, plan_buckets, unpack
+from weightship.seeding.buckets import BucketPlan, new_arena, tensor_at
 from weightship.seeding.errors import SeedingError
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import JOIN_PATH, START_KEY, result_key
-from weightship.seeding.specs import specs_of, tensor_entries
+from weightship.seeding.specs import plan_for, tensor_entries
 from weightship.seeding.stream import receive_buckets
 
 # An HTTP join is answered at once; a root that takes longer is not worth waiting for.
@@ -104,7 +104,7 @@ def receive(
     )
     if answer.get("digest") != manifest.digest:
         raise SeedingError("RootUnavailable", f"root holds {answer.get('digest')}")
-    plan = plan_buckets(specs_of(entries), int(answer["bucketBytes"]))
+    plan = plan_for(manifest, int(answer["bucketBytes"]))
     rank = int(answer["rank"])
     store, ctl = _connect(answer, deadline)
     size = _wait_start(ctl, deadline)
@@ -121,8 +121,7 @@ def receive(
                 device=device,
             )
         arena = new_arena(plan, device)
-        tensors = unpack(plan, arena)
-        verifier = _Verifier(plan, entries, tensors, arena, tamper=faults.tamper)
+        verifier = _Verifier(plan, entries, arena, tamper=faults.tamper)
         t_transfer = time.monotonic()
         with _classified(deadline):
             receive_buckets(pg, plan, arena, deadline.left, on_bucket=verifier.bucket_done)
@@ -140,7 +139,7 @@ def receive(
     finally:
         transport.close_group(pg)
     return Received(
-        tensors=tensors,
+        tensors=verifier.tensors,
         seeded_from=str(answer["root"]),
         seconds=seconds,
         bytes=plan.payload_bytes,
@@ -216,12 +215,13 @@ class _Verifier:
         self,
         plan: BucketPlan,
         entries: Sequence[TensorEntry],
-        tensors: dict[str, torch.Tensor],
         arena: torch.Tensor,
         *,
         tamper: bool,
     ) -> None:
-        self.tensors, self.arena = tensors, arena
+        self.arena = arena
+        self.tensors: dict[str, torch.Tensor] = {}  # filled as they complete, in arrival order
+        self.placements = {p.spec.name: p for p in plan.placements}
         self.due: dict[int, list[TensorEntry]] = defaultdict(list)
         for entry in entries:
             self.due[plan.last_bucket_of(entry.name)].append(entry)
@@ -244,7 +244,10 @@ class _Verifier:
 
     def _check(self, entries: list[TensorEntry]) -> None:
         started = time.monotonic()
-        self.bad += [e.name for e in entries if checksum_tensor(self.tensors[e.name]) != e.checksum]
+        for e in entries:
+            tensor = self.tensors[e.name] = tensor_at(self.placements[e.name], self.arena)
+            if checksum_tensor(tensor) != e.checksum:
+                self.bad.append(e.name)
         self.seconds += time.monotonic() - started
 
 

@@ -26,10 +26,10 @@ import torch
 
 from weightship.data.manifest import Manifest
 from weightship.seeding import transport
-from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, region_views
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import GROUP_ID, START_KEY, result_key, store_prefix
-from weightship.seeding.specs import check_tensors, specs_of, tensor_entries
+from weightship.seeding.specs import check_tensors, plan_for
 from weightship.seeding.stream import send_buckets
 
 log = logging.getLogger(__name__)
@@ -108,15 +108,16 @@ class SeedRoot:
         max_concurrent: int = 2,
         faults: Faults | None = None,
     ) -> None:
-        specs = specs_of(tensor_entries(manifest))
-        check_tensors(specs, tensors)
+        self.plan = plan_for(manifest, bucket_bytes)
+        check_tensors([p.spec for p in self.plan.placements], tensors)
         devices = {t.device for t in tensors.values()}
         if len(devices) != 1:
             raise ValueError(f"tensors must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self.tensors = dict(tensors)
         self.digest = manifest.digest
-        self.plan = plan_buckets(specs, bucket_bytes)
+        # Regions already laid out as the files (a loader's buffers) are sent without a copy.
+        self.sources = region_views(self.plan, self.tensors)
         self.backend = transport.resolve_backend(backend, self.device)
         self.host, self.name = host, name
         self.timeout_s, self.join_window_s = timeout_s, join_window_s
@@ -243,6 +244,7 @@ class SeedRoot:
                 self.tensors,
                 device=self.device,
                 timeout_s=self.timeout_s,
+                sources=self.sources,
                 on_sent=self._after_bucket,
             )
             seconds = time.monotonic() - t0

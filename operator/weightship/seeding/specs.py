@@ -9,7 +9,7 @@ import torch
 
 from weightship.data.manifest import Manifest, TensorEntry
 from weightship.loader.load import TORCH_DTYPES
-from weightship.seeding.buckets import TensorSpec
+from weightship.seeding.buckets import BucketPlan, FileSpan, TensorSpec, plan_files
 from weightship.seeding.errors import SeedingError
 
 
@@ -33,6 +33,20 @@ def spec_of(entry: TensorEntry) -> TensorSpec:
 
 def specs_of(entries: Sequence[TensorEntry]) -> list[TensorSpec]:
     return [spec_of(e) for e in entries]
+
+
+def plan_for(manifest: Manifest, bucket_bytes: int) -> BucketPlan:
+    """The broadcast plan of a model: each file that holds tensors is one region, laid out
+    as the file (raises ``NoTensorChecksums`` when the manifest lists no tensors)."""
+    entries = tensor_entries(manifest)
+    return plan_files(
+        (
+            FileSpan(f.size, tuple((spec_of(e), e.offset) for e in manifest.tensors_of(f.path)))
+            for f in manifest.files
+            if any(e.file == f.path for e in entries)
+        ),
+        bucket_bytes,
+    )
 
 
 def check_tensors(specs: Sequence[TensorSpec], tensors: Mapping[str, torch.Tensor]) -> None:

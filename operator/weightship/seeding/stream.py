@@ -3,6 +3,7 @@ receive loop, one broadcast per bucket."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import torch
@@ -18,32 +19,50 @@ def send_buckets(
     *,
     device: torch.device,
     timeout_s: float,
+    sources: Mapping[int, torch.Tensor] | None = None,
     on_sent: Callable[[int], None] | None = None,
 ) -> None:
-    """Broadcast every bucket from rank 0, packing the next bucket while the last is sent.
+    """Broadcast every bucket from rank 0, in order.
 
-    Two staging buffers of ``plan.bucket_bytes`` on ``device`` are all the extra memory.
+    A bucket of a region in ``sources`` (region index -> its bytes, see ``region_views``)
+    is sent straight from that memory. Any other bucket is packed into one of two staging
+    buffers of ``plan.bucket_bytes`` on ``device``, while the previous one is on the wire.
     ``on_sent(n)`` runs once n buckets are out.
     """
-    buffers = [
-        torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
-        for _ in range(min(2, len(plan.buckets)))
-    ]
-    in_flight: list[transport.Work] = []
+    sources = sources or {}
+    buffers: list[torch.Tensor] = []
+    free: list[int] = []
+    in_flight: deque[tuple[transport.Work, int | None]] = deque()
     sent = 0
 
     def finish_oldest() -> None:
         nonlocal sent
-        transport.wait(in_flight.pop(0), timeout_s)
+        work, slot = in_flight.popleft()
+        transport.wait(work, timeout_s)
+        if slot is not None:
+            free.append(slot)
         sent += 1
         if on_sent is not None:
             on_sent(sent)
 
-    for index in range(len(plan.buckets)):
-        if len(in_flight) == len(buffers):  # the oldest buffer must be free to reuse
-            finish_oldest()
-        bucket = pack_bucket(plan, index, tensors, buffers[index % len(buffers)])
-        in_flight.append(transport.start_broadcast(pg, bucket))
+    for index, (start, end) in enumerate(plan.buckets):
+        region = plan.region_of(start)
+        slot = None
+        if region in sources:
+            offset = plan.regions[region][0]
+            bucket = sources[region][start - offset : end - offset]
+        else:
+            if not buffers:
+                buffers = [
+                    torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
+                    for _ in range(2)
+                ]
+                free = [0, 1]
+            while not free:  # both buffers on the wire: the oldest must finish first
+                finish_oldest()
+            slot = free.pop()
+            bucket = pack_bucket(plan, index, tensors, buffers[slot])
+        in_flight.append((transport.start_broadcast(pg, bucket), slot))
     while in_flight:
         finish_oldest()
 
