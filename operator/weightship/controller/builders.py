@@ -37,7 +37,9 @@ def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, Any
         {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
         {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
         {"name": "WEIGHTSHIP_CACHE_DIR", "value": rollout.spec.prefetch.cache_path},
+        # Who this replica is and where peers reach it, for broadcast seeding.
         {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     if model.source.endpoint:
         env.append({"name": "WEIGHTSHIP_S3_ENDPOINT", "value": model.source.endpoint})

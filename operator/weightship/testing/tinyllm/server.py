@@ -9,6 +9,8 @@ GET  /readyz                200 only when the weights are loaded and verified
 GET  /weightship/v1/loaded  what was loaded (read by the operator's readiness-gate verifier)
 GET  /metrics               Prometheus: completions by code, latency, load seconds
 POST /v1/completions        OpenAI-style, greedy whatever the temperature
+POST /weightship/v1/seed/join    once loaded and verified: new replicas join a broadcast
+GET  /weightship/v1/seed/status  the broadcasts this replica ran as a root
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Literal
 
+import torch
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -32,7 +35,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from weightship.data.manifest import Manifest
 from weightship.dev.echoserver import ErrorInjector, Server
+from weightship.seeding.endpoints import handle_join, handle_status
+from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
+from weightship.seeding.root import SeedRoot
 from weightship.testing.tinyllm.model import TinyLLM
 from weightship.testing.tinyllm.settings import Settings
 from weightship.testing.tinyllm.weights import LoadFailure, obtain_weights
@@ -95,6 +102,7 @@ class App:
         self.model: TinyLLM | None = None
         self.metrics = Metrics(settings.revision)
         self.errors = ErrorInjector(settings.error_rate)
+        self.seed_root: SeedRoot | None = None
 
     def load(self) -> None:
         """Obtain the weights (run in a background thread). The model is set before the
@@ -120,6 +128,27 @@ class App:
             message=f"{got.manifest.total_size} bytes from {got.source}",
         )
         log.info("loaded %s from %s in %.2f s", got.manifest.digest, got.source, got.seconds)
+        self._become_root(got.tensors, got.manifest, got.verified)
+
+    def _become_root(
+        self, tensors: dict[str, torch.Tensor], manifest: Manifest, verified: bool
+    ) -> None:
+        """A verified replica can seed new ones (the operator picks which one does)."""
+        settings = self.settings
+        if not verified or settings.pod_ip is None:
+            return
+        try:
+            self.seed_root = SeedRoot(
+                tensors,
+                manifest,
+                host=settings.pod_ip,
+                name=settings.pod_name,
+                backend=settings.seed_backend,
+                timeout_s=settings.seed_timeout_s,
+                bucket_bytes=settings.seed_bucket_bytes,
+            )
+        except Exception as exc:  # e.g. a manifest without tensor checksums
+            log.warning("this replica cannot seed others: %s", exc)
 
     def _failed(self, reason: str, message: str, digest: str | None) -> None:
         log.error("refusing to serve: %s: %s", reason, message)
@@ -215,12 +244,17 @@ def make_handler(app: App) -> type[BaseHTTPRequestHandler]:
                 self._json(200, app.loaded_report())
             elif path == "/metrics":
                 self._send(200, generate_latest(app.metrics.registry), CONTENT_TYPE_LATEST)
+            elif path == STATUS_PATH:
+                self._json(*handle_status(app.seed_root))
             else:
                 self._json(404, _error(f"no route {path}", "not_found"))
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length)
+            if self.path.split("?", 1)[0] == JOIN_PATH:
+                self._json(*handle_join(app.seed_root, raw))
+                return
             if self.path.split("?", 1)[0] != COMPLETIONS_PATH:
                 self._json(404, _error(f"no route {self.path}", "not_found"))
                 return

@@ -7,6 +7,8 @@ at the top of it, before the node cache, returning source "broadcast" and the pe
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,12 +24,14 @@ from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, make_client
 from weightship.data.stage import stage
 from weightship.loader.load import WeightsVerificationError, load_model, locate_staged
+from weightship.seeding.errors import SeedingError
 from weightship.testing.tinyllm.build import CONFIG_NAME
 from weightship.testing.tinyllm.model import ModelConfig
 from weightship.testing.tinyllm.settings import Settings
 
 Source = Literal["cache", "origin", "broadcast"]
-Reason = Literal["ChecksumMismatch", "ManifestMismatch", "LoadError"]
+Reason = Literal["ChecksumMismatch", "BroadcastChecksumMismatch", "ManifestMismatch", "LoadError"]
+log = logging.getLogger("tinyllm")
 
 
 class LoadFailure(Exception):
@@ -56,9 +60,10 @@ def obtain_weights(settings: Settings) -> Obtained:
     started = time.monotonic()
     staged = _staged_files(settings)
     manifest = _find_manifest(settings, staged)
-    # Seam for broadcast seeding (weightship.seeding): receive from a verified replica
-    # here first (source "broadcast", seeded_from = that replica), and fall through to
-    # the cache when it cannot; a checksum failure there is a LoadFailure, like below.
+    if settings.seed is not None:
+        received = _receive(settings, manifest, staged, started)
+        if received is not None:
+            return received
     try:
         source: Source = "cache"
         if staged is None:
@@ -80,6 +85,47 @@ def obtain_weights(settings: Settings) -> Obtained:
         verified=loaded.verified,
         seconds=time.monotonic() - started,
     )
+
+
+def _receive(
+    settings: Settings, manifest: Manifest, staged: Path | None, started: float
+) -> Obtained | None:
+    """Weights by broadcast from a verified replica (weightship.seeding), or None to load
+    from the node cache instead. Bytes that fail their checksums on the way are never
+    served, and never replaced by the cache's copy: something is badly wrong."""
+    assert settings.seed is not None
+    try:
+        received = settings.seed.receive(manifest, device=settings.device)
+    except SeedingError as exc:
+        if not exc.fall_back:
+            raise LoadFailure("BroadcastChecksumMismatch", exc.message, manifest.digest) from exc
+        log.warning("broadcast seeding failed (%s); loading from the node cache", exc)
+        return None
+    config = ModelConfig.from_json(_verified_file(settings, manifest, staged, CONFIG_NAME))
+    return Obtained(
+        tensors=received.tensors,
+        config=config,
+        manifest=manifest,
+        source="broadcast",
+        seeded_from=received.seeded_from,
+        verified=True,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _verified_file(settings: Settings, manifest: Manifest, staged: Path | None, name: str) -> bytes:
+    """A small non-tensor file (config.json), from the cache or S3, checked by sha256."""
+    entry = next((f for f in manifest.files if f.path == name), None)
+    if entry is None:
+        raise LoadFailure("LoadError", f"the manifest lists no {name}", manifest.digest)
+    data = (
+        (staged / name).read_bytes() if staged is not None else _origin(settings).read_bytes(name)
+    )
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise LoadFailure(
+            "ChecksumMismatch", f"{name} does not match the manifest", manifest.digest
+        )
+    return data
 
 
 def _staged_files(settings: Settings) -> Path | None:

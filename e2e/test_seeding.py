@@ -1,0 +1,185 @@
+"""Broadcast seeding end to end on process nodes: node agents stage the weights, the
+reference server loads them, and when the canary scales from 1 to 3 the operator names the
+first verified replica as root and the two new ones receive its weights over gloo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from e2e.agent_fixtures import PROCESS, Agents
+from e2e.operator_fixtures import (
+    OperatorProcess,
+    Rollouts,
+    s3_secret,
+    tinyllm_rollout_body,
+)
+from weightship import rollouts as user_actions
+from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.data.s3 import S3Location, S3Origin
+from weightship.dev import testkit
+from weightship.testing.tinyllm import GOLDEN_PROMPTS
+from weightship.testing.tinyllm.build import publish_variant
+
+NAMESPACE_PREFIX = "sd-"
+# 1 canary pod at 33 %, then 3: the scale-up the broadcast serves; the pause keeps the
+# canary's status (who seeded whom) in view until the test promotes.
+STEPS = [{"setWeight": 33}, {"setWeight": 100}, {"pause": {}}]
+
+
+@pytest.fixture(scope="module")
+def models(cluster: Any) -> Iterator[dict[str, str]]:
+    s3 = testkit.s3_client(cluster.s3_endpoint)
+    bucket = testkit.unique_name("seeding")
+    s3.create_bucket(Bucket=bucket)
+    uris = {}
+    for version, seed in (("v1", 0), ("v2", 1)):
+        uri = f"s3://{bucket}/models/{version}/"
+        origin = S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(uri))
+        publish_variant("good", origin, seed=seed, chunk_size=1 << 20)
+        uris[version] = uri
+    yield uris
+    testkit.empty_bucket(s3, bucket)
+    s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
+    s3_secret(cluster.core, namespace)
+    return Rollouts(cluster.api, namespace)
+
+
+def start(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str], env: dict[str, str] | None = None
+) -> None:
+    """v1 stable on 3 replicas, then v2 as the canary."""
+    body = tinyllm_rollout_body(
+        "llm",
+        models["v1"],
+        "v1",
+        STEPS,
+        cluster.s3_endpoint,
+        GOLDEN_PROMPTS,
+        replicas=3,
+        env={"WEIGHTSHIP_SEED_BUCKET_BYTES": str(1 << 20), **(env or {})},
+    )
+    body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    body["spec"]["seeding"] = {"broadcast": True, "backend": "gloo", "timeoutSeconds": 30}
+    rollouts.create(body)
+    rollouts.wait(
+        "llm",
+        "Healthy on v1",
+        lambda s: (
+            s.get("phase") == "Healthy" and s.get("stableRevision", {}).get("revision") == "v1"
+        ),
+        timeout=150,
+    )
+    rollouts.set_model("llm", models["v2"], "v2")
+
+
+def canary_pods(cluster: Any, namespace: str, status: dict[str, Any]) -> list[Any]:
+    canary = status["canaryRevision"]["podTemplateHash"]
+    return list(
+        cluster.core.list_namespaced_pod(
+            namespace, label_selector=f"{REVISION_LABEL}={canary}"
+        ).items
+    )
+
+
+def gate(pod: Any) -> Any:
+    return next((c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE), None)
+
+
+def is_ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def paused_on_three(rollouts: Rollouts) -> dict[str, Any]:
+    return rollouts.wait(
+        "llm",
+        "paused with 3 verified canary pods",
+        lambda s: (
+            s.get("phase") == "Paused"
+            and (s.get("verification") or {}).get("verified") == 3
+            and len((s.get("verification") or {}).get("loads") or []) == 3
+        ),
+        timeout=150,
+    )["status"]
+
+
+def promote_to_healthy(cluster: Any, rollouts: Rollouts) -> None:
+    user_actions.promote(cluster.api, rollouts.namespace, "llm")
+    rollouts.wait(
+        "llm",
+        "Healthy on v2",
+        lambda s: (
+            s.get("phase") == "Healthy" and s.get("stableRevision", {}).get("revision") == "v2"
+        ),
+        timeout=90,
+    )
+
+
+def test_scale_up_seeds_new_replicas_by_broadcast(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    start(cluster, rollouts, models)
+    status = paused_on_three(rollouts)
+    loads = {load["pod"]: load for load in status["verification"]["loads"]}
+    (root,) = [p for p, load in loads.items() if load.get("source") != "broadcast"]
+    assert loads[root]["source"] == "cache", loads  # the first canary pod: staged weights
+    seeded = [load for load in loads.values() if load.get("source") == "broadcast"]
+    assert len(seeded) == 2, loads
+    for load in seeded:
+        assert load["seededFrom"] == root and load["seconds"] > 0, load
+    for pod in canary_pods(cluster, rollouts.namespace, status):
+        condition = gate(pod)
+        assert condition.status == "True", condition
+        assert is_ready(pod)
+        if pod.metadata.name != root:
+            assert f"seeded by {root}" in condition.message
+    promote_to_healthy(cluster, rollouts)
+
+
+def test_root_killed_mid_broadcast_falls_back_to_the_node_cache(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    # The root process exits after sending one 1 MiB bucket of the ~11 MiB model.
+    start(cluster, rollouts, models, env={"WEIGHTSHIP_SEED_FAULT": "root-exit-after-buckets=1"})
+    status = paused_on_three(rollouts)
+    loads = status["verification"]["loads"]
+    assert all(load["source"] == "cache" for load in loads), loads
+    pods = canary_pods(cluster, rollouts.namespace, status)
+    restarted = [
+        p.metadata.name
+        for p in pods
+        if sum(c.restart_count for c in p.status.container_statuses or []) > 0
+    ]
+    assert len(restarted) == 1, "the root died and was restarted by its kubelet"
+    assert all(is_ready(p) and gate(p).status == "True" for p in pods)
+    promote_to_healthy(cluster, rollouts)
+
+
+def test_tampered_broadcast_is_caught_and_never_serves(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    # Each receiver flips a byte of one bucket it received (test-only fault knob).
+    start(cluster, rollouts, models, env={"WEIGHTSHIP_SEED_FAULT": "tamper"})
+    seen_ready: set[str] = set()
+
+    def rolled_back() -> dict[str, Any] | None:
+        s = rollouts.get("llm").get("status") or {}
+        if s.get("canaryRevision"):
+            for pod in canary_pods(cluster, rollouts.namespace, s):
+                if is_ready(pod):
+                    seen_ready.add(pod.metadata.name)
+        return s if s.get("phase") == "Degraded" else None
+
+    status = testkit.wait_until(rolled_back, timeout=150, what="the tampered canary rolled back")
+    assert status["abort"]["reason"] == "VerificationFailed", status["abort"]
+    failures = status["verification"]["failures"]
+    assert failures and all(f["reason"] == "BroadcastChecksumMismatch" for f in failures), failures
+    root = [load["pod"] for load in status["verification"]["loads"]]
+    assert seen_ready <= set(root), f"a tampered replica turned Ready: {seen_ready - set(root)}"
+    assert status["stableRevision"]["revision"] == "v1"
