@@ -313,3 +313,27 @@ def test_closing_the_root_releases_receivers_waiting_to_start(
         assert "abandoned" in errors[0].message
     finally:
         server.shutdown()
+
+
+def test_a_receiver_that_never_shows_up_fails_only_that_broadcast(
+    model: tuple[Path, Manifest],
+) -> None:
+    """A joined receiver that never builds its group: the root's rendezvous times out, the
+    failure is recorded, and the root goes on seeding the next group."""
+    folder, manifest = model
+    seed_root = SeedRoot(
+        load_tensors(folder), manifest, host=HOST, name="r", timeout_s=2, bucket_bytes=BUCKET
+    )
+    server = serve(seed_root, HOST)
+    try:
+        answer = seed_root.join("ghost", 2, "vanished", digest=manifest.digest)
+        assert answer["accepted"] and answer["rank"] == 1
+        failed = record_of(seed_root, "ghost")
+        assert not failed.ok and failed.error and failed.results == {"vanished": "Unknown"}
+        got = run_receivers(
+            f"http://{HOST}:{server.server_address[1]}", "next", 2, model, {"n": ""}
+        )
+        assert got["n"]["identical"]
+    finally:
+        server.shutdown()
+        seed_root.close()

@@ -216,45 +216,27 @@ class SeedRoot:
     # -- broadcasting ----------------------------------------------------------------
 
     def _run(self, gen: _Generation) -> None:
-        started, t0 = time.time(), time.monotonic()
+        started = time.time()
         members = tuple(gen.members)
-        size = len(members) + 1
         with self._lock:
             store = self._ensure_store()
         prefix = store_prefix(gen.group, gen.number)
         ctl = transport.prefixed(prefix + "ctl/", store)
-        pg = None
-        error: str | None = None
-        results: dict[str, str] = {}
-        seconds = 0.0
-        try:
-            ctl.set(START_KEY, json.dumps({"worldSize": size}))
-            pg = transport.new_group(
-                self.backend,
-                transport.prefixed(prefix + "pg/", store),
-                0,
-                size,
-                bind_address=self.host,
-                timeout_s=self.timeout_s,
-                device=self.device,
-            )
-            send_buckets(
-                pg,
-                self.plan,
-                self.tensors,
-                device=self.device,
-                timeout_s=self.timeout_s,
-                sources=self.sources,
-                on_sent=self._after_bucket,
-            )
-            seconds = time.monotonic() - t0
-            results = _collect_results(ctl, members, RESULT_WAIT_S)
-        except Exception as exc:  # any failure ends this broadcast, never the server
-            error = f"{type(exc).__name__}: {exc}"
-            seconds = time.monotonic() - t0
+        seconds, error = self._broadcast(
+            len(members) + 1, ctl, transport.prefixed(prefix + "pg/", store)
+        )
+        with self._lock:  # the slot is free for the next group from here on
+            gen.state = "done"
+            if error is None:
+                self._seeded[gen.group] = self._seeded.get(gen.group, 0) + len(members)
+        results = dict.fromkeys(members, "Unknown")
+        if error is None:
+            try:
+                results = _collect_results(ctl, members, RESULT_WAIT_S)
+            except RuntimeError as exc:  # the store failed: results stay Unknown
+                log.warning("seeding %s/%d: no receiver results: %s", gen.group, gen.number, exc)
+        else:
             log.warning("seeding %s/%d failed: %s", gen.group, gen.number, error)
-        finally:
-            transport.close_group(pg)
         record = SeedRecord(
             group=gen.group,
             generation=gen.number,
@@ -270,10 +252,39 @@ class SeedRoot:
         )
         log.info("seeded %s/%d: %s", gen.group, gen.number, record.to_json())
         with self._lock:
-            gen.state = "done"
-            if record.ok:
-                self._seeded[gen.group] = self._seeded.get(gen.group, 0) + len(members)
             self._history.append(record)
+
+    def _broadcast(
+        self, size: int, ctl: transport.Store, pg_store: transport.Store
+    ) -> tuple[float, str | None]:
+        """Start the group, send every bucket, tear the group down: (seconds, error)."""
+        t0 = time.monotonic()
+        pg = None
+        try:
+            ctl.set(START_KEY, json.dumps({"worldSize": size}))
+            pg = transport.new_group(
+                self.backend,
+                pg_store,
+                0,
+                size,
+                bind_address=self.host,
+                timeout_s=self.timeout_s,
+                device=self.device,
+            )
+            send_buckets(
+                pg,
+                self.plan,
+                self.tensors,
+                device=self.device,
+                timeout_s=self.timeout_s,
+                sources=self.sources,
+                on_sent=self._after_bucket,
+            )
+            return time.monotonic() - t0, None
+        except Exception as exc:  # any failure ends this broadcast, never the server
+            return time.monotonic() - t0, f"{type(exc).__name__}: {exc}"
+        finally:
+            transport.close_group(pg)
 
     def _after_bucket(self, sent: int) -> None:
         exit_after = self.faults.root_exit_after_buckets
