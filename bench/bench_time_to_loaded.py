@@ -16,7 +16,7 @@ figure is from that start to the last replica done. The modes:
 On this 2-core machine the k replicas (and the root) share two cores and one loopback,
 where real replicas would each have their own node: read the ratios, not the absolutes.
 
-    python bench/bench_time_to_loaded.py [--quick] [--size-mib 256] [--k 2 3]
+    python bench/bench_time_to_loaded.py [--quick] [--size-mib 256] [--k 2 3] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ OUT = WORK / "ttl-out"
 
 def _replica(
     mode: str, index: int, target: str, folder: str, manifest_doc: bytes, world: int,
-    start: Barrier, out: Queue[dict[str, Any]],
+    group: str, start: Barrier, out: Queue[dict[str, Any]],
 ) -> None:  # fmt: skip
     """One new replica: wait for the others, then get verified tensors the ``mode`` way."""
     import torch
@@ -60,7 +60,7 @@ def _replica(
     start.wait()
     t0 = time.time()
     if mode == "broadcast":
-        got = receive(target, "bench", world, manifest, member=f"r{index}", timeout_s=600)
+        got = receive(target, group, world, manifest, member=f"r{index}", timeout_s=600)
         tensors, extra = (
             got.tensors,
             {
@@ -98,7 +98,19 @@ def _root(folder: str, manifest_doc: bytes, ready: Queue[str]) -> None:
     time.sleep(3600)  # until the benchmark terminates it
 
 
-def run_mode(mode: str, k: int, folder: Path, manifest: Manifest, target: str) -> dict[str, Any]:
+def run_mode(
+    mode: str, k: int, folder: Path, manifest: Manifest, target: str, repeat: int
+) -> dict[str, Any]:
+    """``repeat`` runs of k replicas; the median run is the figure."""
+    runs = [_run_once(mode, k, folder, manifest, target, f"bench-{k}-{i}") for i in range(repeat)]
+    runs.sort(key=lambda r: r["seconds"])
+    median = runs[len(runs) // 2]
+    return {**median, "all_seconds": [r["seconds"] for r in runs]}
+
+
+def _run_once(
+    mode: str, k: int, folder: Path, manifest: Manifest, target: str, group: str
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out: Queue[dict[str, Any]] = ctx.Queue()
     start = ctx.Barrier(k)
@@ -106,7 +118,17 @@ def run_mode(mode: str, k: int, folder: Path, manifest: Manifest, target: str) -
     procs = [
         ctx.Process(
             target=_replica,
-            args=(mode, i, target, str(folder), manifest.canonical_bytes(), k + 1, start, out),
+            args=(
+                mode,
+                i,
+                target,
+                str(folder),
+                manifest.canonical_bytes(),
+                k + 1,
+                group,
+                start,
+                out,
+            ),
         )
         for i in range(k)
     ]
@@ -120,7 +142,7 @@ def run_mode(mode: str, k: int, folder: Path, manifest: Manifest, target: str) -
     return {"mode": mode, "k": k, "seconds": seconds, "replicas": replicas}
 
 
-def run(size_bytes: int, ks: list[int]) -> dict[str, Any]:
+def run(size_bytes: int, ks: list[int], repeat: int) -> dict[str, Any]:
     folder, manifest = make_tensor_model(size_bytes)
     ctx = mp.get_context("spawn")
     results: list[dict[str, Any]] = []
@@ -131,15 +153,16 @@ def run(size_bytes: int, ks: list[int]) -> dict[str, Any]:
             root.start()
             try:
                 url = ready.get(timeout=300)
-                results.append(run_mode("broadcast", k, folder, manifest, url))
+                results.append(run_mode("broadcast", k, folder, manifest, url, repeat))
             finally:
                 root.terminate()
                 root.join(timeout=30)
-            results.append(run_mode("node cache", k, folder, manifest, ""))
-            results.append(run_mode("S3", k, folder, manifest, endpoint))
+            results.append(run_mode("node cache", k, folder, manifest, "", repeat))
+            results.append(run_mode("S3", k, folder, manifest, endpoint, repeat))
     return {
         "size_bytes": manifest.total_size,
         "tensors": len(manifest.tensors),
+        "repeat": repeat,
         "results": results,
     }
 
@@ -161,7 +184,10 @@ def report(r: dict[str, Any]) -> str:
                     f"{s / bcast:.2f}x" if mode != "broadcast" else "1.00x",
                 ]
             )
-    head = f"{size / MiB:.0f} MiB model, {r['tensors']} tensors; k new replicas at once"
+    head = (
+        f"{size / MiB:.0f} MiB model, {r['tensors']} tensors; k new replicas at once; "
+        f"median of {r['repeat']} runs"
+    )
     body = table(["k", "mode", "seconds", "GB/s delivered", "broadcast speedup"], rows)
     return f"{head}\n{body}"
 
@@ -171,11 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="64 MiB, k = 2 only")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.size_mib, args.k = 64, [2]
-    r = run(args.size_mib * MiB, args.k)
+        args.size_mib, args.k, args.repeat = 64, [2], 1
+    r = run(args.size_mib * MiB, args.k, args.repeat)
     print(report(r))
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))

@@ -187,7 +187,9 @@ class SeedRoot:
         return sum(g.state == "running" for g in self._current.values())
 
     def _open(self, group: str, world_size: int, previous: _Generation | None) -> _Generation:
-        expected = max(1, world_size - 1 - self._seeded.get(group, 0))
+        # The receivers not seeded yet; once all were, a new wave of the same size.
+        remaining = world_size - 1 - self._seeded.get(group, 0)
+        expected = remaining if remaining > 0 else world_size - 1
         gen = _Generation(group, previous.number + 1 if previous else 1, expected)
         gen.timer = threading.Timer(self.join_window_s, self._window_closed, (gen,))
         gen.timer.daemon = True
