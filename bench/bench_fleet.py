@@ -268,6 +268,11 @@ def report(r: dict[str, Any]) -> None:
         )
         if "origin-only" in r:
             print(f"speed-up over origin-only: {r['origin-only']['seconds'] / m['seconds']:.2f}x")
+        cpu = sum(n.get("cpu_s", 0.0) for n in m["nodes"])
+        print(
+            f"the {n} node processes used {cpu:.1f} CPU s while staging "
+            f"({cpu / m['seconds']:.2f} cores over the slowest node's time)"
+        )
         print(f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners\n")
         rows = [
             [

@@ -94,6 +94,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             if not timeline or now - timeline[-1][0] >= 0.5 or p.done_bytes == p.total_bytes:
                 timeline.append((round(now, 2), p.from_origin, p.from_peers))
 
+        cpu_before = time.process_time()
         result = stage(
             manifest,
             store,
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             policy=FetchPolicy(steal_after_s=None) if args.no_claims else None,
         )
         seconds = time.time() - start_at
+        cpu_s = time.process_time() - cpu_before  # every thread of this node, peer server too
         doc = {
             "node": args.node,
             "seconds": seconds,
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "from_local": result.from_local,
             "origin_done_s": last_origin["at"],
             "peer_answers": client.counts,
+            "cpu_s": cpu_s,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
             "timeline": timeline,
         }
