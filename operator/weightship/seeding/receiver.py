@@ -24,7 +24,7 @@ import torch
 from weightship.data.manifest import Manifest, TensorEntry
 from weightship.loader.checksum import checksum_tensor
 from weightship.seeding import transport
-from weightship.seeding.buckets import BucketPlan, new_arena, tensor_at
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, new_arena, tensor_at
 from weightship.seeding.errors import SeedingError
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import JOIN_PATH, START_KEY, result_key
@@ -86,7 +86,12 @@ def receive(
     """
     t0 = time.monotonic()
     deadline = _Deadline(timeout_s)
-    entries = tensor_entries(manifest)  # before joining: without checksums, don't take a rank
+    # Before joining: a receiver that cannot verify or lay out the tensors takes no rank.
+    entries = tensor_entries(manifest)
+    try:
+        plan_for(manifest, DEFAULT_BUCKET_BYTES)
+    except ValueError as exc:  # a dtype torch cannot hold, sizes that contradict shapes
+        raise SeedingError("NoTensorChecksums", f"the tensors cannot be verified: {exc}") from exc
     device = torch.device(device)
     faults = faults if faults is not None else Faults.from_env()
     if backend == "auto" and device.type != "cuda":
