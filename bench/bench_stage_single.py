@@ -1,8 +1,8 @@
 """One node: stage() from a local S3 server (versitygw on loopback) against s5cmd.
 
-Both read the same objects from the same server. Ours verifies every chunk's sha256 (as
-the body streams in), writes it once at its offset into the preallocated file, and
-fsyncs each file once; s5cmd only downloads, so it is shown alone and with a separate
+Both read the same objects from the same server. Ours verifies every chunk's sha256,
+writes it once at its offset into the preallocated file (starting its writeback at once),
+and fsyncs each file once; s5cmd only downloads, so it is shown alone and with a separate
 sha256 pass over what it wrote (verified against verified).
 
     sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
@@ -180,7 +180,7 @@ def profile_ours(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str
         patched(
             origin,
             "read_range_hashed",
-            t.wrap("S3 GET + sha256 (streamed)", origin.read_range_hashed),
+            t.wrap("S3 GET + sha256", origin.read_range_hashed),
         ),
         patched(ModelStaging, "put", t.wrap("put total", real_put)),
         patched(os, "fsync", t.wrap("fsync (file)", os.fsync)),
@@ -199,9 +199,6 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
     def get(c: Any) -> Any:
         return origin.read_range(c.file, c.offset, c.size)
 
-    def get_hashed(c: Any) -> Any:
-        return origin.read_range_hashed(c.file, c.offset, c.size)
-
     def timed(fn: Callable[[Any], Any], items: Any) -> float:
         started = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
@@ -214,7 +211,6 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
         no_fsync = run_ours(origin, manifest, workers).seconds
     return {
         "S3 GET only (bytes dropped)": timed(get, chunks),
-        "S3 GET + sha256 streamed, in memory": timed(get_hashed, chunks),
         "S3 GET, then sha256, in memory": timed(lambda c: hashlib.sha256(get(c)).digest(), chunks),
         "sha256 only, in memory": timed(lambda _: hashlib.sha256(blob).digest(), chunks),
         "stage() with fsync disabled": no_fsync,
@@ -316,7 +312,7 @@ def report(r: dict[str, Any]) -> None:
     if "profile" in r:
         prof, wall = r["profile"], r["profile"]["wall"]
         print(f"\n### Where the time goes (one run, {b['workers']} workers; thread-seconds)\n")
-        names = ["S3 GET + sha256 (streamed)", "pwrite + journal", "fsync (file)"]
+        names = ["S3 GET + sha256", "pwrite + journal", "fsync (file)"]
         rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
         print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
         print()

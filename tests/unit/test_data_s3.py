@@ -20,6 +20,7 @@ from weightship.data.cli import manifest_command, parse_size, publish_command
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import (
+    OriginConnectionError,
     RetryPolicy,
     S3Location,
     S3Origin,
@@ -74,7 +75,7 @@ class FaultyFront:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
-        self.faults: list[tuple[int, str] | str] = []  # (status, code) or "cut"
+        self.faults: list[tuple[int, str] | str] = []  # (status, code), "cut", "no-range"
         self.ranged_gets = 0
         self.connections = 0
         front = self
@@ -97,6 +98,9 @@ class FaultyFront:
                         status, code = fault
                         body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>"
                         self._answer(status, {"Content-Type": "application/xml"}, body.encode())
+                        return
+                    if fault == "no-range":  # a server that ignores Range
+                        self._answer(200, {}, b"0123456789")
                         return
                     if fault == "cut":
                         self.send_response(206)
@@ -227,6 +231,17 @@ def test_a_body_cut_short_is_retried_on_a_fresh_connection(
     data, digest = faulty.read_range_hashed("w.bin", 3, 4)
     assert data == b"3456" and digest == hashlib.sha256(b"3456").hexdigest()
     assert front.ranged_gets == 3
+
+
+def test_an_answer_of_the_wrong_length_is_never_read_as_the_chunk(
+    faulty: S3Origin, front: FaultyFront
+) -> None:
+    front.faults = ["no-range"] * 100
+    with pytest.raises(OriginConnectionError, match="asked for 4 bytes at 2, the answer has 10"):
+        faulty.read_range("w.bin", 2, 4)
+    assert front.ranged_gets == QUICK_RETRY.attempts
+    front.faults = []
+    assert faulty.read_range("w.bin", 2, 4) == b"2345"
 
 
 def test_chunk_gets_reuse_one_connection_per_thread(faulty: S3Origin, front: FaultyFront) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import ssl
 import threading
-from collections.abc import Callable
 
 # A reused connection the server closed meanwhile (idle timeout) fails with one of these
 # on the first request; it is retried once on a fresh connection.
@@ -96,21 +95,14 @@ class ThreadConnections:
         return conn, False
 
 
-def read_into(
-    resp: http.client.HTTPResponse,
-    view: memoryview,
-    piece: int,
-    on_piece: Callable[[memoryview], object] | None = None,
-) -> int:
-    """Read the body into ``view`` in ``piece``-byte reads, handing each piece to
-    ``on_piece`` as it lands (a hash update: the bytes are still in the CPU's cache).
-    Returns the bytes read: fewer than ``len(view)`` when the body ended early."""
+def read_into(resp: http.client.HTTPResponse, view: memoryview) -> int:
+    """Read the body into ``view``; return the bytes read (fewer than ``len(view)`` when
+    the body ended early). One ``readinto`` per call: the buffered socket reader loops
+    over ``recv`` into ``view`` itself, releasing the GIL for each."""
     got = 0
     while got < len(view):
-        n = resp.readinto(view[got : got + piece])
+        n = resp.readinto(view[got:])
         if not n:
             break
-        if on_piece is not None:
-            on_piece(view[got : got + n])
         got += n
     return got

@@ -50,14 +50,11 @@ from weightship.data.manifest import (
 )
 
 if TYPE_CHECKING:
-    from hashlib import _Hash as Hash
-
     from mypy_boto3_s3.client import S3Client
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 T = TypeVar("T")
 
-STREAM_PIECE = 1024 * 1024  # bytes read (and hashed) at a time from a GET body
 PRESIGN_EXPIRES_S = 900
 PRESIGN_REUSE_S = 300  # signing costs ~0.5 ms: one URL per object serves many chunks
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -232,27 +229,22 @@ class S3Origin:
 
         return self._call(list_all)
 
-    def read_range(self, path: str, offset: int, size: int) -> bytearray:
-        return self._get_range(path, offset, size, None)[0]
-
     def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[bytearray, str]:
-        """The bytes and their sha256, hashed piece by piece as they arrive (hashlib
-        releases the GIL, so hashing overlaps the socket reads of other workers)."""
-        data, digest = self._get_range(path, offset, size, hashlib.sha256)
-        assert digest is not None
-        return data, digest
+        """The bytes and their sha256, hashed once the whole body is in: hashing 1 MiB
+        pieces as they arrived stalled the server's stream between reads and cost 13-15 %
+        more CPU and time (docs/benchmarks.md). Other workers' transfers overlap the hash
+        (hashlib releases the GIL)."""
+        data = self.read_range(path, offset, size)
+        return data, hashlib.sha256(data).hexdigest()
 
-    def _get_range(
-        self, path: str, offset: int, size: int, new_hash: Callable[[], Hash] | None
-    ) -> tuple[bytearray, str | None]:
+    def read_range(self, path: str, offset: int, size: int) -> bytearray:
         key = self.location.key(path)
 
-        def get() -> tuple[bytearray, str | None]:
+        def get() -> bytearray:
             url = urlsplit(self._presigned(key))
             scheme, host = url.scheme, url.netloc
             headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
             buf = bytearray(size)  # the chunk's one buffer, filled in place
-            h = new_hash() if new_hash else None
             try:
                 resp = self._http.request(
                     "GET", host, f"{url.path}?{url.query}", headers, scheme=scheme
@@ -267,7 +259,9 @@ class S3Origin:
                         f"{self.location}{path}: asked for {size} bytes at {offset}, "
                         f"the answer has {resp.length}"
                     )
-                got = read_into(resp, memoryview(buf), STREAM_PIECE, h.update if h else None)
+                got = read_into(resp, memoryview(buf))
+            except OriginConnectionError:
+                raise
             except (OSError, http.client.HTTPException) as exc:
                 self._http.drop(scheme, host)
                 raise OriginConnectionError(f"{self.location}{path}: {exc!r}") from exc
@@ -275,7 +269,7 @@ class S3Origin:
                 self._http.drop(scheme, host)
                 raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
             self._http.done(scheme, host, resp)
-            return buf, h.hexdigest() if h is not None else None
+            return buf
 
         return self._call(get)
 
