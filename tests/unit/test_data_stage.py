@@ -24,7 +24,7 @@ from weightship.data.fetcher import (
 )
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
-from weightship.data.peer import PeerServer
+from weightship.data.peer import PeerClient, PeerServer
 from weightship.data.stage import StageProgress, stage
 
 CHUNK = 16 * 1024
@@ -422,6 +422,39 @@ def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
     for n in nodes:
         assert stores[n].is_staged(m.digest) and same_files(m, stores[n], src)
         assert results[n].from_origin + results[n].from_peers == m.total_size
+
+
+def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 8)})
+    chunk = m.chunks[0]
+    owner = names_ranked(chunk.sha256, "owner", ["claimant"])
+    owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
+    origin = CountingOrigin(src)
+    policy = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, long_poll_s=0.05, steal_after_s=0)
+    with (
+        PeerServer(owner_store, "127.0.0.1") as owner_server,
+        PeerServer(claimant_store, "127.0.0.1") as claimant_server,
+    ):
+        fetcher = ChunkFetcher(
+            node="claimant",
+            peers=[Peer(owner, owner_server.address), Peer("claimant", claimant_server.address)],
+            origin=origin,
+            sink=MemorySink(),
+            metrics=metrics()[0],
+            chunks=m.chunks,
+            policy=policy,
+            claims=claimant_store.claims,
+        )
+        fetcher.origin_idle.set()  # its own origin queue is done
+        assert fetcher.owner_of(chunk.sha256) == owner
+        assert fetcher.fetch(chunk) == "origin"  # the owner never got it: claimed, fetched
+        assert owner_store.claims.start(chunk.sha256) == "claimant"
+        # A third node asking the claimant for the same chunk is refused: it leaves the
+        # origin once.
+        client = PeerClient(timeout_s=2)
+        assert client.claim(claimant_server.address, chunk.sha256, "third") == (False, None)
+    assert origin.reads == 1
 
 
 def test_file_digests_match_the_manifest(tmp_path: Path) -> None:

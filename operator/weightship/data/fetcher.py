@@ -259,6 +259,7 @@ class ChunkFetcher:
             and waited_s >= after
             and self.origin_idle.is_set()
             and chunk.sha256 not in self._claim_refused
+            and self.owners.get(chunk.sha256) != self.node  # its own, given away: wait
         )
 
     def _claim(self, owner: str, chunk: ChunkEntry) -> bool:
@@ -275,6 +276,8 @@ class ChunkFetcher:
                 if holder:
                     self._holder_hint[chunk.sha256] = holder
                 return False
+            # Marked started here too, so this node refuses anyone else's claim on it.
+            self.claims.start(chunk.sha256)
             log.info(
                 "chunk %s: claimed from slow owner %s, fetching from origin", chunk.sha256, owner
             )
