@@ -37,7 +37,7 @@ def models(cluster: Any) -> Iterator[dict[str, str]]:
         ("v1", "good", 0),
         ("v2", "good", 1),  # another good build: other noise weights, other digest
         ("bad", "subtly-bad", 0),
-        ("corrupt", "corrupt", 0),
+        ("corrupt", "corrupt", 2),  # a manifest of its own (v1 is seed 0)
     ):
         uri = f"s3://{bucket}/models/{version}/"
         origin = S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(uri))

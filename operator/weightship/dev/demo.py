@@ -2,21 +2,25 @@
 
 1. Start the cluster (if needed), install the CRDs and the Helm chart (the operator runs
    as a non-root pod on a process node).
-2. Publish three model versions to the local S3 server: v1 and v2 good, v3 corrupt (its
-   bytes no longer match its manifest).
+2. Publish four versions of the reference model (weightship.testing.tinyllm: a small
+   torch transformer in safetensors, served with greedy decoding) to the local S3 server:
+   v1 and v2 good, v3 subtly bad (valid checksums, one golden prompt answered wrongly),
+   v4 corrupt (its bytes no longer match its manifest).
 3. Node agents stage each version on every process node (peer to peer, every chunk
-   verified) before any canary pod exists. v1 becomes stable; v2 walks the canary steps to
-   Healthy; v3's bytes fail verification on the nodes, so no pod ever sees them, and the
-   progress deadline rolls it back on its own: stable (v2) stays at full size, the spec is
-   left alone, and Slack is told why.
+   verified) before any canary pod exists. v1 becomes stable. v2 walks the canary steps:
+   each pod's readiness gate opens only after the operator's verifier has checked the
+   loaded digest and the golden prompts, and when the canary grows from 1 to 3 pods the
+   new ones receive their weights by broadcast from the first verified one. v3 is stopped
+   at the gate by its wrong answer and rolled back; Slack gets the prompt, expected
+   against got. v4's bytes fail verification on the nodes, so no pod ever sees them, and
+   the progress deadline rolls it back: the stable stays at full size, the spec is left
+   alone.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client
@@ -26,22 +30,29 @@ from rich.table import Table
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
-from weightship.data.s3 import S3Location, S3Origin, publish
+from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
 from weightship.dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship.dev.slackreceiver import SlackReceiver
+from weightship.testing.tinyllm import GOLDEN_PROMPTS, Variant
+from weightship.testing.tinyllm.build import publish_variant
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "weightship-system"
 BUCKET = "demo-models"
 STEPS = [
-    {"setWeight": 34},
-    {"pause": {"duration": "5s"}},
-    {"setWeight": 67},
+    {"setWeight": 33},
     {"pause": {"duration": "5s"}},
     {"setWeight": 100},
 ]
+PORT = 8000
+VERSIONS: tuple[tuple[str, Variant, int], ...] = (
+    ("v1", "good", 0),
+    ("v2", "good", 1),
+    ("v3", "subtly-bad", 0),
+    ("v4", "corrupt", 2),  # its own seed: a manifest no other version shares
+)
 
 
 def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
@@ -55,7 +66,7 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
         "template": {
             "metadata": {
                 "labels": {"app": "llm"},
-                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "8080"},
+                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT)},
             },
             "spec": {
                 "nodeSelector": {"weightship.io/node-kind": "process"},
@@ -64,16 +75,18 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
                     {
                         "name": "server",
                         "image": "python:3.11-slim",
-                        "command": ["python3", "-m", "weightship.dev.demoserver"],
+                        "command": ["python3", "-m", "weightship.testing.tinyllm", "serve"],
                         "env": [
                             *secret_env,
+                            {"name": "PORT", "value": str(PORT)},
                             {"name": "SCRATCH_DIR", "value": "/scratch"},
+                            {"name": "OMP_NUM_THREADS", "value": "1"},
                             {
                                 "name": "NODE_NAME",
                                 "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
                             },
                         ],
-                        "ports": [{"name": "http", "containerPort": 8080}],
+                        "ports": [{"name": "http", "containerPort": PORT}],
                         "readinessProbe": {
                             "httpGet": {"path": "/healthz", "port": "http"},
                             "periodSeconds": 1,
@@ -93,15 +106,21 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
             },
             "revision": revision,
         },
-        # The readiness-gate verifier arrives with its own issue; until then the demo
-        # server verifies what it loads itself.
         # Node agents stage the weights on every process node before any canary pod runs.
         "prefetch": {
             "enabled": True,
             "nodeSelector": {"weightship.io/node-kind": "process"},
             "minStagedPercent": 100,
         },
-        "validation": {"checksum": False},
+        # The readiness gate: the loaded digest must be the manifest's, and every golden
+        # prompt must be answered right, before a pod gets traffic.
+        "validation": {
+            "checksum": True,
+            "goldenPrompts": GOLDEN_PROMPTS,
+            "endpoint": {"port": PORT},
+            "timeoutSeconds": 10,
+        },
+        "seeding": {"broadcast": True, "backend": "gloo", "timeoutSeconds": 30},
         "strategy": {
             "canary": {
                 "steps": STEPS,
@@ -120,28 +139,18 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
     }
 
 
-def publish_versions(endpoint: str, root: Path) -> dict[str, str]:
+def publish_versions(endpoint: str) -> dict[str, str]:
     s3 = testkit.local_s3(endpoint)
     try:
         s3.create_bucket(Bucket=BUCKET)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
     except Exception as e:
         if "BucketAlreadyExists" not in str(e) and "BucketAlreadyOwnedByYou" not in str(e):
             raise
     uris = {}
-    for version in ("v1", "v2", "v3"):
-        folder = root / version
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "model.safetensors").write_bytes(os.urandom(4 << 20))
+    for version, variant, seed in VERSIONS:
         uri = f"s3://{BUCKET}/llm/{version}/"
-        publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
+        publish_variant(variant, S3Origin(s3, S3Location.parse(uri)), seed=seed, chunk_size=1 << 20)
         uris[version] = uri
-    # v3 goes bad after publishing: one byte flipped in S3, its manifest unchanged.
-    key = "llm/v3/model.safetensors"
-    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
-    data[len(data) // 2] ^= 0xFF
-    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     return uris
 
 
@@ -205,9 +214,10 @@ class Demo:
             f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}; "
             "a node agent on every process node"
         )
-        uris = publish_versions(local_cluster.s3_endpoint(), self.paths.root / "demo-models")
+        uris = publish_versions(local_cluster.s3_endpoint())
         self.console.print(
-            f"published v1, v2 and v3 (corrupted after publishing) to s3://{BUCKET}/llm/"
+            f"published the tiny model to s3://{BUCKET}/llm/: v1 and v2 good, v3 subtly bad "
+            "(one golden prompt answered wrongly), v4 corrupt (bytes changed after publishing)"
         )
         return uris
 
@@ -219,6 +229,7 @@ class Demo:
     def follow(self, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> None:
         """Print each change of phase, step, weight or replica counts until `until`."""
         last, last_staging = None, ""
+        told: set[str] = set()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.get().get("status") or {}
@@ -243,6 +254,10 @@ class Demo:
                 if staging:
                     self.console.print(f"              [magenta]staging[/] {staging}")
                 last, last_staging = line, staging
+            for news in _pod_news(status):
+                if news not in told:
+                    told.add(news)
+                    self.console.print(f"              [green]pod[/] {news}")
             if until(status):
                 return
             time.sleep(0.5)
@@ -274,7 +289,7 @@ class Demo:
         self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
         self.follow(lambda s: s.get("phase") == "Healthy")
 
-        self.say("v2: a canary walks 34% → pause → 67% → pause → 100%")
+        self.say("v2: a canary at 33% (1 pod), a pause, then 100% (3 pods, 2 seeded by broadcast)")
         self._set_model(uris["v2"], "v2")
         self.follow(
             lambda s: (
@@ -283,12 +298,32 @@ class Demo:
             )
         )
 
-        self.say("v3: corrupt weights; the nodes refuse them and the rollout rolls back by itself")
+        self.say("v3: subtly bad weights; the readiness gate catches a wrong answer")
         self._set_model(uris["v3"], "v3")
         self.follow(
-            lambda s: s.get("phase") == "Degraded" and (s.get("replicas") or {}).get("canary") == 0
+            lambda s: (
+                s.get("phase") == "Degraded"
+                and (s.get("canaryRevision") or {}).get("revision") == "v3"
+                and (s.get("replicas") or {}).get("canary") == 0
+            )
         )
-        self.report()
+        self.report("v3")
+
+        self.say("v4: corrupt weights; the nodes refuse them and the rollout rolls back by itself")
+        self._set_model(uris["v4"], "v4")
+        self.follow(
+            lambda s: (
+                s.get("phase") == "Degraded"
+                and (s.get("canaryRevision") or {}).get("revision") == "v4"
+                and (s.get("replicas") or {}).get("canary") == 0
+            )
+        )
+        self.report("v4")
+        self.console.print(
+            f"\nLook around: weightship status llm -n {NAMESPACE}; "
+            f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
+            f"-n {NAMESPACE}"
+        )
 
     def _set_model(self, uri: str, revision: str) -> None:
         self.custom.patch_namespaced_custom_object(
@@ -300,17 +335,25 @@ class Demo:
             {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}},
         )
 
-    def print_slack(self) -> None:
-        testkit.wait_until(
-            lambda: any("RolledBack" in m.get("text", "") for m in self.slack.received),
-            timeout=30,
-            what="the Slack message about the rollback",
-        )
-        self.say(f"Slack ({len(self.slack.received)} messages to #ml-oncall; the last one)")
-        self.console.print(_slack_text(self.slack.received[-1]))
+    def print_slack(self, revision: str) -> None:
+        def rollback() -> dict[str, Any] | None:
+            return next(
+                (
+                    m
+                    for m in reversed(self.slack.received)
+                    if "RolledBack" in m.get("text", "") and revision in m.get("text", "")
+                ),
+                None,
+            )
 
-    def report(self) -> None:
-        self.say("what happened")
+        message = testkit.wait_until(
+            rollback, timeout=30, what=f"the Slack message about the rollback of {revision}"
+        )
+        self.say(f"Slack: the message to #ml-oncall about {revision}")
+        self.console.print(_slack_text(message))
+
+    def report(self, revision: str) -> None:
+        self.say(f"what happened to {revision}")
         obj = self.get()
         status = obj["status"]
         table = Table("at (UTC)", "revision", "outcome", "reason", "message")
@@ -325,6 +368,10 @@ class Demo:
             f"spec still asks for: {obj['spec']['model']['revision']} "
             "(the spec is never changed: no GitOps drift)"
         )
+        for failure in (status.get("verification") or {}).get("failures") or []:
+            self.console.print(
+                f"[dim]{failure['pod']}:[/] {failure['reason']}: {failure.get('message') or ''}"
+            )
         digest = (status.get("canaryRevision") or {}).get("manifestDigest")
         caches = self.custom.list_cluster_custom_object(GROUP, VERSION, "weightcaches")
         for cache in caches.get("items", []):
@@ -334,12 +381,23 @@ class Demo:
                         f"[dim]{cache['metadata']['name']} agent:[/] "
                         f"{entry['state']}: {entry['lastError']}"
                     )
-        self.print_slack()
-        self.console.print(
-            f"\nLook around: weightship status llm -n {NAMESPACE}; "
-            f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
-            f"-n {NAMESPACE}"
+        self.print_slack(revision)
+
+
+def _pod_news(status: dict[str, Any]) -> list[str]:
+    """What the verifier found per canary pod: how it loaded, or why it failed."""
+    verification = status.get("verification") or {}
+    news = []
+    for load in verification.get("loads") or []:
+        how = {"cache": "the node cache", "origin": "S3", "broadcast": "broadcast"}.get(
+            load.get("source") or "", "?"
         )
+        seeded = f" (seeded by {load['seededFrom']})" if load.get("seededFrom") else ""
+        seconds = f" in {load['seconds']:.2f} s" if load.get("seconds") is not None else ""
+        news.append(f"{load['pod']} loaded from {how}{seeded}{seconds}")
+    for failure in verification.get("failures") or []:
+        news.append(f"{failure['pod']} [red]{failure['reason']}[/]: {failure.get('message')}")
+    return news
 
 
 def _staging(status: dict[str, Any]) -> str:
