@@ -196,6 +196,13 @@ class ChunkFetcher:
         self._steal_slot = threading.Semaphore(1)  # one claimed origin fetch at a time
         self._claim_refused: set[str] = set()  # chunks not to claim again
         self._holder_hint: dict[str, str] = {}  # chunk -> the node a claim went to
+        # Chunks this node claimed: set once the claimed fetch is over, so the worker
+        # that wants the chunk reports it as from the origin (the claimer counts nothing).
+        self._claimed_here: dict[str, threading.Event] = {}
+        self._entries = {c.sha256: c for c in reversed(chunks)}  # first position wins
+        self._queues: dict[str, list[str]] = {}  # owner -> its chunks, in fetch order
+        for sha, owner in self.owners.items():
+            self._queues.setdefault(owner, []).append(sha)
 
     def ranking(self, sha256: str) -> list[str]:
         """Every node, this one included: the chunk's owner first, then its rendezvous
@@ -217,13 +224,19 @@ class ChunkFetcher:
 
     def _fetch(self, chunk: ChunkEntry) -> Source:
         if self.sink.has(chunk.sha256):
-            return "local"
+            return "origin" if chunk.sha256 in self._claimed_here else "local"
         started = time.monotonic()
         deadline = started + self.policy.owner_wait_s
         while True:
             if self.cancel.is_set():
                 # The model is no longer wanted: stop waiting on owners at once.
                 raise FetchCancelledError(f"fetch of chunk {chunk.sha256} cancelled")
+            claimed = self._claimed_here.get(chunk.sha256)
+            if claimed is not None:  # another worker of this node claimed it
+                if claimed.wait(0.1) and self.sink.has(chunk.sha256):
+                    return "origin"
+                if not claimed.is_set():
+                    continue
             avoided = self.health.avoided()
             live = [n for n in self.ranking(chunk.sha256) if n not in avoided]
             if not live or live[0] == self.node:
@@ -247,8 +260,8 @@ class ChunkFetcher:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.sha256, live[0])
                 self._from_origin(chunk)
                 return "origin"
-            if self._may_claim(chunk, now - started) and self._claim(live[0], chunk):
-                return "origin"
+            if self._may_claim(chunk, now - started):
+                self._claim_tail(live[0])
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
 
@@ -258,32 +271,45 @@ class ChunkFetcher:
             after is not None
             and waited_s >= after
             and self.origin_idle.is_set()
-            and chunk.sha256 not in self._claim_refused
             and self.owners.get(chunk.sha256) != self.node  # its own, given away: wait
         )
 
-    def _claim(self, owner: str, chunk: ChunkEntry) -> bool:
-        """Ask ``owner`` for the chunk; if granted, fetch it from the origin here."""
-        if not self._steal_slot.acquire(blocking=False):
-            return False
+    def _claim_tail(self, owner: str) -> None:
+        """``owner`` is slow: claim the last chunk of its queue that nobody has taken yet
+        (it is fetching the first ones) and fetch it from the origin here."""
+        if owner not in self.address or not self._steal_slot.acquire(blocking=False):
+            return
         try:
-            try:
-                granted, holder = self.client.claim(self.address[owner], chunk.sha256, self.node)
-            except PeerError:
-                return False  # the next round's fetch finds out whether it is dead
-            if not granted:
-                self._claim_refused.add(chunk.sha256)
-                if holder:
-                    self._holder_hint[chunk.sha256] = holder
-                return False
-            # Marked started here too, so this node refuses anyone else's claim on it.
-            self.claims.start(chunk.sha256)
-            log.info(
-                "chunk %s: claimed from slow owner %s, fetching from origin", chunk.sha256, owner
+            target = next(
+                (
+                    sha
+                    for sha in reversed(self._queues.get(owner, []))
+                    if sha not in self._claim_refused
+                    and sha not in self._claimed_here
+                    and not self.sink.has(sha)
+                ),
+                None,
             )
+            if target is None:
+                return
+            try:
+                granted, holder = self.client.claim(self.address[owner], target, self.node)
+            except PeerError:
+                return  # the next round's fetch finds out whether it is dead
+            if not granted:
+                self._claim_refused.add(target)
+                if holder:
+                    self._holder_hint[target] = holder
+                return
+            # Marked started here too, so this node refuses anyone else's claim on it.
+            self.claims.start(target)
+            done = self._claimed_here[target] = threading.Event()
+            log.info("chunk %s: claimed from slow owner %s, fetching from origin", target, owner)
             self.metrics.chunks_claimed.inc()
-            self._from_origin(chunk)
-            return True
+            try:
+                self._from_origin(self._entries[target])
+            finally:
+                done.set()
         finally:
             self._steal_slot.release()
 
