@@ -17,7 +17,8 @@ GROUP_ENV = "WEIGHTSHIP_SEED_GROUP"
 WORLD_SIZE_ENV = "WEIGHTSHIP_SEED_WORLD_SIZE"
 BACKEND_ENV = "WEIGHTSHIP_SEED_BACKEND"
 TIMEOUT_ENV = "WEIGHTSHIP_SEED_TIMEOUT_SECONDS"
-MEMBER_ENV = "POD_NAME"
+MEMBER_ENV = "WEIGHTSHIP_POD_NAME"  # injected by the operator (downward API)
+FALLBACK_MEMBER_ENV = "POD_NAME"
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -50,7 +51,11 @@ class SeedConfig:
             raise ValueError(f"{WORLD_SIZE_ENV} / {TIMEOUT_ENV}: {exc}") from exc
         if world_size < 2 or timeout_s <= 0:
             raise ValueError(f"{WORLD_SIZE_ENV} must be >= 2 and {TIMEOUT_ENV} > 0")
-        member = env.get(MEMBER_ENV, "").strip() or socket.gethostname()
+        member = (
+            env.get(MEMBER_ENV, "").strip()
+            or env.get(FALLBACK_MEMBER_ENV, "").strip()
+            or socket.gethostname()
+        )
         return cls(root_url, group, world_size, member, backend, timeout_s)
 
     def receive(self, manifest: Manifest, *, device: str | torch.device = "cpu") -> Received:
