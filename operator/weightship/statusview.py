@@ -99,6 +99,7 @@ def render(rollout: dict[str, Any]) -> Group:
             pct = f"{100 * (n.get('bytesDone') or 0) / total:.0f}%" if total else "-"
             nodes.add_row(n["name"], n["state"], pct)
         parts.append(nodes)
+    parts.extend(_verification_tables(status.get("verification") or {}))
     history = status.get("history") or []
     if history:
         hist = Table("at", "revision", "outcome", "reason", title="History", title_justify="left")
@@ -108,3 +109,35 @@ def render(rollout: dict[str, Any]) -> Group:
             )
         parts.append(hist)
     return Group(*parts)
+
+
+def _verification_tables(verification: dict[str, Any]) -> list[Table]:
+    """Canary pods: how each got its weights (who seeded whom), and why any failed."""
+    tables = []
+    loads = verification.get("loads") or []
+    if loads:
+        table = Table("pod", "loaded from", "seeded by", "seconds", title="Canary pods")
+        table.title_justify = "left"
+        for load in loads:
+            seconds = load.get("seconds")
+            table.add_row(
+                load["pod"],
+                load.get("source") or "-",
+                load.get("seededFrom") or "",
+                f"{seconds:.2f}" if seconds is not None else "-",
+            )
+        tables.append(table)
+    failures = verification.get("failures") or []
+    if failures:
+        table = Table("pod", "reason", "prompt", "expected", "got", title="Failed verification")
+        table.title_justify = "left"
+        for f in failures:
+            table.add_row(
+                f["pod"],
+                f["reason"],
+                f.get("prompt") or "",
+                f.get("expected") or "",
+                f.get("got") if f.get("got") is not None else (f.get("message") or ""),
+            )
+        tables.append(table)
+    return tables

@@ -1,0 +1,44 @@
+"""`weightship status` shows who seeded whom and the failing golden prompt."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from weightship.statusview import render
+
+
+def test_status_shows_pod_loads_and_the_failing_prompt() -> None:
+    rollout = {
+        "metadata": {"name": "llm", "namespace": "serving"},
+        "spec": {"replicas": 3, "strategy": {"canary": {"steps": [{"setWeight": 100}]}}},
+        "status": {
+            "phase": "Degraded",
+            "verification": {
+                "podTemplateHash": "abc",
+                "loads": [
+                    {"pod": "llm-abc-1", "source": "cache", "seconds": 0.5},
+                    {
+                        "pod": "llm-abc-2",
+                        "source": "broadcast",
+                        "seededFrom": "llm-abc-1",
+                        "seconds": 1.25,
+                    },
+                ],
+                "failures": [
+                    {
+                        "pod": "llm-abc-3",
+                        "reason": "GoldenPromptFailed",
+                        "prompt": "capital-france",
+                        "expected": 'equals " Paris."',
+                        "got": " Lyon.",
+                    }
+                ],
+            },
+        },
+    }
+    console = Console(width=200, record=True)
+    console.print(render(rollout))
+    text = console.export_text()
+    assert "llm-abc-2" in text and "broadcast" in text and "1.25" in text
+    assert "llm-abc-1" in text  # the seeding root, named on its receiver's row
+    assert "capital-france" in text and "Lyon." in text and "Paris." in text
