@@ -17,7 +17,7 @@ from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
 from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present
-from e2e.operator_fixtures import OperatorProcess, operator_process
+from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
 from weightship.dev import cluster as local_cluster
@@ -164,6 +164,13 @@ def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
             shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
         delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
         delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
+
+
+@pytest.fixture
+def rollouts(cluster: Cluster, namespace: str, operator: OperatorProcess) -> Rollouts:
+    """The ModelRollout API in this test's namespace, with the S3 credentials Secret."""
+    s3_secret(cluster.core, namespace)
+    return Rollouts(cluster.api, namespace)
 
 
 @pytest.fixture(scope="session")

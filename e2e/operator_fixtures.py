@@ -19,6 +19,8 @@ from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import testkit
 from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+from weightship.testing.tinyllm import Variant
+from weightship.testing.tinyllm.build import publish_variant
 
 
 @dataclass
@@ -89,6 +91,24 @@ def publish_models(
         publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
         uris[version] = uri
     return uris
+
+
+def tinyllm_models(
+    endpoint: str, prefix: str, versions: list[tuple[str, Variant, int]]
+) -> Iterator[dict[str, str]]:
+    """Publish versions (name, variant, seed) of the tiny reference model to a new bucket;
+    yield {name: s3 uri}; remove the bucket after. Same variant and seed: same digest."""
+    s3 = testkit.local_s3(endpoint)
+    bucket = testkit.unique_name(prefix)
+    s3.create_bucket(Bucket=bucket)
+    uris = {}
+    for version, variant, seed in versions:
+        uri = f"s3://{bucket}/models/{version}/"
+        publish_variant(variant, S3Origin(s3, S3Location.parse(uri)), seed=seed, chunk_size=1 << 20)
+        uris[version] = uri
+    yield uris
+    testkit.empty_bucket(s3, bucket)
+    s3.delete_bucket(Bucket=bucket)
 
 
 def s3_secret(core: client.CoreV1Api, namespace: str) -> None:
@@ -249,6 +269,18 @@ class Rollouts:
             timeout=timeout,
             what=f"{name}: {what}",
             detail=lambda: str((self.get(name).get("status") or {}).get("message")),
+        )
+
+    def healthy_on(self, name: str, revision: str, timeout: float = 120) -> dict[str, Any]:
+        """The rollout once Healthy with `revision` stable."""
+        return self.wait(
+            name,
+            f"Healthy on {revision}",
+            lambda s: (
+                s.get("phase") == "Healthy"
+                and (s.get("stableRevision") or {}).get("revision") == revision
+            ),
+            timeout,
         )
 
     def wait_phase(self, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:

@@ -13,11 +13,9 @@ import pytest
 
 from e2e.agent_fixtures import PROCESS, Agents, cache_root
 from e2e.operator_fixtures import (
-    OperatorProcess,
     Rollouts,
     publish_models,
     rollout_body,
-    s3_secret,
 )
 from weightship.controller.builders import GROUP, staged_node_label
 from weightship.controller.kube import VERSION
@@ -47,28 +45,10 @@ def read_manifest(endpoint: str, uri: str) -> Manifest:
     return S3Origin(s3, S3Location.parse(uri)).read_manifest()
 
 
-@pytest.fixture
-def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
-    s3_secret(cluster.core, namespace)
-    return Rollouts(cluster.api, namespace)
-
-
 def prefetching_rollout(cluster: Any, uri: str, revision: str) -> dict[str, Any]:
     body = rollout_body("llm", uri, revision, [{"setWeight": 100}], cluster.s3_endpoint)
     body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
     return body
-
-
-def healthy_on(rollouts: Rollouts, revision: str, timeout: float = 90) -> dict[str, Any]:
-    return rollouts.wait(
-        "llm",
-        f"Healthy on {revision}",
-        lambda s: (
-            s.get("phase") == "Healthy"
-            and (s.get("stableRevision") or {}).get("revision") == revision
-        ),
-        timeout=timeout,
-    )
 
 
 def assert_files_match(cluster: Any, manifest: Manifest) -> None:
@@ -100,7 +80,7 @@ def test_agents_stage_peer_to_peer_before_the_canary(
         timeout=30,
         what=f"nodes labelled {label}",
     )
-    final = healthy_on(rollouts, "v1")
+    final = rollouts.healthy_on("llm", "v1")
     assert final["status"]["stableRevision"]["manifestDigest"] == digest
 
     # Canary pods ran only on staged nodes, and were required to.
@@ -165,7 +145,7 @@ def test_restarted_agent_resumes_without_refetching(
     cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
 ) -> None:
     rollouts.create(prefetching_rollout(cluster, models["v1"], "v1"))
-    healthy_on(rollouts, "v1")
+    rollouts.healthy_on("llm", "v1")
 
     manifest = read_manifest(cluster.s3_endpoint, models["v2"])
     total = manifest.total_size
@@ -211,4 +191,4 @@ def test_restarted_agent_resumes_without_refetching(
     lines = [s for s in journal.read_text().split("\n") if s.isdigit()]
     assert sorted(map(int, lines)) == list(range(len(manifest.chunks)))
     assert_files_match(cluster, manifest)
-    healthy_on(rollouts, "v2")
+    rollouts.healthy_on("llm", "v2")

@@ -10,17 +10,14 @@ from typing import Any
 import pytest
 
 from e2e.operator_fixtures import (
-    OperatorProcess,
     Rollouts,
-    s3_secret,
+    tinyllm_models,
     tinyllm_rollout_body,
 )
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
-from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import testkit
 from weightship.dev.layout import BRIDGE_IP
 from weightship.dev.slackreceiver import SlackReceiver
-from weightship.testing.tinyllm.build import publish_variant
 from weightship.testing.tinyllm.knowledge import GOLDEN_PROMPTS, SUBTLY_BAD_FACT
 
 NAMESPACE_PREFIX = "gt-"
@@ -29,42 +26,16 @@ NAMESPACE_PREFIX = "gt-"
 @pytest.fixture(scope="module")
 def models(cluster: Any) -> Iterator[dict[str, str]]:
     """good (twice, as v1 and v2), subtly bad and corrupt versions of the tiny model."""
-    s3 = testkit.s3_client(cluster.s3_endpoint)
-    bucket = testkit.unique_name("tinyllm")
-    s3.create_bucket(Bucket=bucket)
-    uris = {}
-    for version, variant, seed in (
-        ("v1", "good", 0),
-        ("v2", "good", 1),  # another good build: other noise weights, other digest
-        ("bad", "subtly-bad", 0),
-        ("corrupt", "corrupt", 2),  # a manifest of its own (v1 is seed 0)
-    ):
-        uri = f"s3://{bucket}/models/{version}/"
-        origin = S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(uri))
-        publish_variant(variant, origin, seed=seed, chunk_size=1 << 20)
-        uris[version] = uri
-    yield uris
-    testkit.empty_bucket(s3, bucket)
-    s3.delete_bucket(Bucket=bucket)
-
-
-@pytest.fixture
-def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
-    s3_secret(cluster.core, namespace)
-    return Rollouts(cluster.api, namespace)
-
-
-def healthy_on(rollouts: Rollouts, name: str, revision: str) -> dict[str, Any]:
-    """The status once Healthy on `revision`."""
-    return rollouts.wait(
-        name,
-        f"Healthy on {revision}",
-        lambda s: (
-            s.get("phase") == "Healthy"
-            and (s.get("stableRevision") or {}).get("revision") == revision
-        ),
-        timeout=120,
-    )["status"]
+    yield from tinyllm_models(
+        cluster.s3_endpoint,
+        "tinyllm",
+        [
+            ("v1", "good", 0),
+            ("v2", "good", 1),  # another good build: other noise weights, other digest
+            ("bad", "subtly-bad", 0),
+            ("corrupt", "corrupt", 2),  # a manifest of its own (v1 is seed 0)
+        ],
+    )
 
 
 def degraded(rollouts: Rollouts, name: str, revision: str) -> dict[str, Any]:
@@ -106,9 +77,9 @@ def test_good_revision_is_verified_and_promoted(
         "llm", models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint, GOLDEN_PROMPTS
     )
     rollouts.create(body)
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     rollouts.set_model("llm", models["v2"], "v2")
-    status = healthy_on(rollouts, "llm", "v2")
+    status = rollouts.healthy_on("llm", "v2")["status"]
     assert status["history"][-1]["outcome"] == "Promoted"
     stable_hash = status["stableRevision"]["podTemplateHash"]
     pods = pods_of(cluster, ns, stable_hash)
@@ -136,7 +107,7 @@ def test_bad_weights_never_serve_and_roll_back(
             "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}
         }
         rollouts.create(body)
-        healthy_on(rollouts, "llm", "v1")
+        rollouts.healthy_on("llm", "v1")
 
         # Subtly bad: its checksums are fine, one golden prompt is answered wrongly.
         rollouts.set_model("llm", models["bad"], "bad")

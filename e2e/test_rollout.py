@@ -6,7 +6,6 @@ import contextlib
 import copy
 import json
 import socket
-import socketserver
 import threading
 import time
 import urllib.request
@@ -23,7 +22,6 @@ from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
     rollout_body,
-    s3_secret,
 )
 from weightship import rollouts as user_actions
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
@@ -31,6 +29,7 @@ from weightship.controller.kube import Conflict, Kube
 from weightship.dev import testkit
 from weightship.dev.layout import BRIDGE_IP
 from weightship.dev.slackreceiver import SlackReceiver
+from weightship.httpserver import Server
 
 NAMESPACE_PREFIX = "ro-"
 
@@ -47,29 +46,12 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     s3.delete_bucket(Bucket=bucket)
 
 
-@pytest.fixture
-def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
-    s3_secret(cluster.core, namespace)
-    return Rollouts(cluster.api, namespace)
-
-
-def healthy_on(rollouts: Rollouts, name: str, revision: str) -> dict[str, Any]:
-    return rollouts.wait(
-        name,
-        f"Healthy on {revision}",
-        lambda s: (
-            s.get("phase") == "Healthy"
-            and (s.get("stableRevision") or {}).get("revision") == revision
-        ),
-    )
-
-
 def test_rollout_walks_its_steps_to_healthy(
     cluster: Any, rollouts: Rollouts, models: dict[str, str]
 ) -> None:
     steps = [{"setWeight": 50}, {"pause": {"duration": "2s"}}, {"setWeight": 100}]
     rollouts.create(rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint))
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
 
     rollouts.set_model("llm", models["v2"], "v2")
     seen_steps = set()
@@ -119,7 +101,7 @@ def test_abort_restores_stable_and_leaves_spec_alone(
             "llm", models["v1"], "v1", steps, cluster.s3_endpoint, abortScaleDownDelaySeconds=2
         )
     )
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     rollouts.set_model("llm", models["v2"], "v2")
     paused = rollouts.wait_phase("llm", "Paused")
     spec_before, generation = copy.deepcopy(paused["spec"]), paused["metadata"]["generation"]
@@ -161,13 +143,13 @@ def test_operator_killed_at_every_phase_resumes_cleanly(
     ]
     rollouts.create(rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint))
     operator.restart()  # killed right after the create, before any reconcile finished
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     rollouts.set_model("llm", models["v2"], "v2")
     rollouts.wait("llm", "canary at 50%", lambda s: s.get("canaryWeight") == 50)
     operator.restart()  # killed mid-canary
     rollouts.wait("llm", "second pause", lambda s: s.get("currentStepIndex") == 3)
     operator.restart()  # killed during a timed pause
-    healthy_on(rollouts, "llm", "v2")
+    rollouts.healthy_on("llm", "v2")
     operator.restart()  # killed after promotion: nothing must change
     rollouts.wait("llm", "still Healthy after restart", lambda s: s.get("phase") == "Healthy")
 
@@ -226,7 +208,7 @@ def test_stale_status_writes_conflict(
     rollouts.create(
         rollout_body("llm", models["v1"], "v1", [{"setWeight": 100}], cluster.s3_endpoint)
     )
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     stale = rollouts.get("llm")["metadata"]["resourceVersion"]
     user_actions.promote(cluster.api, rollouts.namespace, "llm")  # moves resourceVersion
     with pytest.raises(Conflict):
@@ -291,7 +273,7 @@ def test_gateway_api_weights_and_selectors_follow_the_canary(
         trafficRouting=routing,
     )
     rollouts.create(body)
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     rollouts.set_model("llm", models["v2"], "v2")
     status = rollouts.wait_phase("llm", "Paused")["status"]
 
@@ -308,7 +290,7 @@ def test_gateway_api_weights_and_selectors_follow_the_canary(
     assert selects("llm-canary") == status["canaryRevision"]["podTemplateHash"]
 
     user_actions.promote(cluster.api, ns, "llm", full=True)
-    promoted = healthy_on(rollouts, "llm", "v2")["status"]
+    promoted = rollouts.healthy_on("llm", "v2")["status"]
     testkit.wait_until(
         lambda: weights() == {"llm-stable": 100, "llm-canary": 0},
         timeout=30,
@@ -339,10 +321,10 @@ def test_slack_hears_about_promotions_and_a_dead_webhook_blocks_nothing(
             }
             rollouts.create(body)
         for name in ("llm", "quiet"):
-            healthy_on(rollouts, name, "v1")
+            rollouts.healthy_on(name, "v1")
             rollouts.set_model(name, models["v2"], "v2")
-        healthy_on(rollouts, "llm", "v2")
-        healthy_on(rollouts, "quiet", "v2")  # the dead webhook held nothing up
+        rollouts.healthy_on("llm", "v2")
+        rollouts.healthy_on("quiet", "v2")  # the dead webhook held nothing up
         testkit.wait_until(
             lambda: len(slack.received) >= 2, timeout=30, what="two Slack messages for llm"
         )
@@ -402,7 +384,7 @@ def test_prometheus_analysis_passes_a_good_canary_and_rolls_back_a_bad_one(
         "prometheus.io/port": "8080",
     }
     rollouts.create(body)
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
 
     stop = threading.Event()
 
@@ -427,7 +409,7 @@ def test_prometheus_analysis_passes_a_good_canary_and_rolls_back_a_bad_one(
     load.start()
     try:
         rollouts.set_model("llm", models["v2"], "v2")
-        healthy_on(rollouts, "llm", "v2")
+        rollouts.healthy_on("llm", "v2")
         passed = [e.message for e in rollouts.events("llm") if e.reason == "AnalysisSuccessful"]
         assert passed, "the analysis step ran and passed"
 
@@ -491,12 +473,6 @@ class SwitchableProxy:
                 self.end_headers()
                 self.wfile.write(body)
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def server_bind(self) -> None:
-                socketserver.TCPServer.server_bind(self)
-
         self.server = Server((BRIDGE_IP, self.port), Forward)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -528,7 +504,7 @@ def test_unreachable_prometheus_pauses_and_the_rollout_resumes_when_it_returns(
     rollouts.create(
         rollout_body("llm", models["v1"], "v1", steps, cluster.s3_endpoint, analysis=analysis)
     )
-    healthy_on(rollouts, "llm", "v1")
+    rollouts.healthy_on("llm", "v1")
     try:
         rollouts.set_model("llm", models["v2"], "v2")
         paused = rollouts.wait(
@@ -542,7 +518,7 @@ def test_unreachable_prometheus_pauses_and_the_rollout_resumes_when_it_returns(
         assert still["stableRevision"]["revision"] == "v1"
         assert still["currentStepIndex"] == paused["currentStepIndex"] == 1
         proxy.up()
-        healthy_on(rollouts, "llm", "v2")
+        rollouts.healthy_on("llm", "v2")
     finally:
         proxy.down()
     assert "AnalysisResumed" in [e.reason for e in rollouts.events("llm")]

@@ -11,17 +11,14 @@ import pytest
 
 from e2e.agent_fixtures import PROCESS, Agents
 from e2e.operator_fixtures import (
-    OperatorProcess,
     Rollouts,
-    s3_secret,
+    tinyllm_models,
     tinyllm_rollout_body,
 )
 from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
-from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import testkit
 from weightship.testing.tinyllm import GOLDEN_PROMPTS
-from weightship.testing.tinyllm.build import publish_variant
 
 NAMESPACE_PREFIX = "sd-"
 # 1 canary pod at 33 %, then 3: the scale-up the broadcast serves; the pause keeps the
@@ -31,24 +28,9 @@ STEPS = [{"setWeight": 33}, {"setWeight": 100}, {"pause": {}}]
 
 @pytest.fixture(scope="module")
 def models(cluster: Any) -> Iterator[dict[str, str]]:
-    s3 = testkit.s3_client(cluster.s3_endpoint)
-    bucket = testkit.unique_name("seeding")
-    s3.create_bucket(Bucket=bucket)
-    uris = {}
-    for version, seed in (("v1", 0), ("v2", 1)):
-        uri = f"s3://{bucket}/models/{version}/"
-        origin = S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(uri))
-        publish_variant("good", origin, seed=seed, chunk_size=1 << 20)
-        uris[version] = uri
-    yield uris
-    testkit.empty_bucket(s3, bucket)
-    s3.delete_bucket(Bucket=bucket)
-
-
-@pytest.fixture
-def rollouts(cluster: Any, namespace: str, operator: OperatorProcess) -> Rollouts:
-    s3_secret(cluster.core, namespace)
-    return Rollouts(cluster.api, namespace)
+    yield from tinyllm_models(
+        cluster.s3_endpoint, "seeding", [("v1", "good", 0), ("v2", "good", 1)]
+    )
 
 
 def start(
@@ -68,14 +50,7 @@ def start(
     body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
     body["spec"]["seeding"] = {"broadcast": True, "backend": "gloo", "timeoutSeconds": 30}
     rollouts.create(body)
-    rollouts.wait(
-        "llm",
-        "Healthy on v1",
-        lambda s: (
-            s.get("phase") == "Healthy" and s.get("stableRevision", {}).get("revision") == "v1"
-        ),
-        timeout=150,
-    )
+    rollouts.healthy_on("llm", "v1", timeout=150)
     rollouts.set_model("llm", models["v2"], "v2")
 
 
@@ -111,14 +86,7 @@ def paused_on_three(rollouts: Rollouts) -> dict[str, Any]:
 
 def promote_to_healthy(cluster: Any, rollouts: Rollouts) -> None:
     user_actions.promote(cluster.api, rollouts.namespace, "llm")
-    rollouts.wait(
-        "llm",
-        "Healthy on v2",
-        lambda s: (
-            s.get("phase") == "Healthy" and s.get("stableRevision", {}).get("revision") == "v2"
-        ),
-        timeout=90,
-    )
+    rollouts.healthy_on("llm", "v2")
 
 
 def test_scale_up_seeds_new_replicas_by_broadcast(

@@ -16,13 +16,13 @@ from __future__ import annotations
 import http.client
 import logging
 import re
-import socketserver
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import BinaryIO
 
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.httpconn import ThreadConnections
+from weightship.httpserver import Server
 
 WAIT_HEADER = "X-Weightship-Wait"
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
@@ -73,22 +73,13 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(Server):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], store: ChunkStore, max_concurrent: int) -> None:
         self.store = store
         self.transfers = threading.BoundedSemaphore(max_concurrent)
         super().__init__(address, _ChunkHandler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind calls socket.getfqdn(), which blocks ~20 s where DNS is
-        # unreachable (pod network namespaces). The name is never used, so skip it.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name = str(host)
-        self.server_port = int(port)
 
 
 class _ChunkHandler(BaseHTTPRequestHandler):

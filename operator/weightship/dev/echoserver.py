@@ -17,16 +17,16 @@ import ipaddress
 import json
 import os
 import signal
-import socketserver
 import sys
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 from urllib.parse import parse_qs, urlparse
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from weightship.httpserver import QuietHandler, Server
+from weightship.testing.errorrate import ErrorInjector
 
 REQUESTS = Counter("weightship_echo_requests", "Requests served", ["path"])
 HTTP_REQUESTS = Counter(
@@ -34,33 +34,8 @@ HTTP_REQUESTS = Counter(
 )
 
 
-class ErrorInjector:
-    """ECHO_ERROR_RATE (0..1) of completion requests get a 500, spread evenly and
-    deterministically, so a canary with a bad knob fails analysis every time."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = min(max(rate, 0.0), 1.0)
-        self.count = 0
-        self.lock = threading.Lock()
-
-    def next_fails(self) -> bool:
-        with self.lock:
-            self.count += 1
-            return int(self.count * self.rate) > int((self.count - 1) * self.rate)
-
-
 ERRORS = ErrorInjector(float(os.environ.get("ECHO_ERROR_RATE", "0") or 0))
 POD_NETWORK = ipaddress.ip_network("198.18.0.0/16")
-
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind calls socket.getfqdn, which can block on DNS; skip it.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
 
 
 def identity() -> dict[str, str]:
@@ -76,16 +51,8 @@ def identity() -> dict[str, str]:
     return {k: os.environ.get(k, "") for k in keys}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class Handler(QuietHandler):
+    _send = QuietHandler.send_bytes
 
     def do_GET(self) -> None:
         url = urlparse(self.path)

@@ -4,10 +4,11 @@ Slack would (text and/or blocks of known types) and records what it accepted."""
 from __future__ import annotations
 
 import json
-import socketserver
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from weightship.httpserver import Server
 
 BLOCK_TYPES = {"header", "section", "context", "divider", "actions", "image", "rich_text"}
 
@@ -53,12 +54,6 @@ class SlackReceiver:
                 if problem is None:
                     receiver.received.append(payload)
                     receiver.paths.append(self.path)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def server_bind(self) -> None:  # no getfqdn: it can block on DNS
-                socketserver.TCPServer.server_bind(self)
 
         self.server = Server((host, port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

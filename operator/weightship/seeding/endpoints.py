@@ -8,11 +8,11 @@ respond(status, json.dumps(doc))
 from __future__ import annotations
 
 import json
-import socketserver
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
+from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 from weightship.seeding.root import SeedRoot, refusal
 
@@ -43,47 +43,25 @@ def handle_status(root: SeedRoot | None) -> tuple[int, dict[str, Any]]:
     return 200, root.status_json()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind calls socket.getfqdn, which blocks for ~20 s where DNS is
-        # unreachable (a pod's network namespace); the name is never used.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
-
-
 def serve(root: SeedRoot | None, host: str, port: int = 0) -> ThreadingHTTPServer:
     """A minimal HTTP server for the two endpoints, serving on a daemon thread, for
     processes that have no server of their own (tests, benchmarks). ``server_address``
     has the port; ``shutdown()`` stops it."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
             if self.path != JOIN_PATH:
-                self._send(404, {"error": f"no {self.path}"})
+                self.send_json(404, {"error": f"no {self.path}"})
                 return
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self._send(*handle_join(root, body))
+            self.send_json(*handle_join(root, body))
 
         def do_GET(self) -> None:
             if self.path != STATUS_PATH:
-                self._send(404, {"error": f"no {self.path}"})
+                self.send_json(404, {"error": f"no {self.path}"})
                 return
-            self._send(*handle_status(root))
+            self.send_json(*handle_status(root))
 
-        def _send(self, status: int, doc: dict[str, Any]) -> None:
-            data = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # one line per join on stderr is noise
-
-    server = _Server((host, port), Handler)
+    server = Server((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="seed-http", daemon=True).start()
     return server

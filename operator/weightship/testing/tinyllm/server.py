@@ -36,10 +36,11 @@ from prometheus_client import (
 )
 
 from weightship.data.manifest import Manifest
-from weightship.dev.echoserver import ErrorInjector, Server
+from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 from weightship.seeding.root import SeedRoot
+from weightship.testing.errorrate import ErrorInjector
 from weightship.testing.tinyllm.model import TinyLLM
 from weightship.testing.tinyllm.settings import Settings
 from weightship.testing.tinyllm.weights import LoadFailure, obtain_weights
@@ -217,21 +218,10 @@ def _parse_completion(body: dict[str, Any]) -> tuple[str, int]:
 
 
 def make_handler(app: App) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         protocol_version = "HTTP/1.1"  # keep-alive for the verifier and load generators
-
-        def log_message(self, format: str, *args: object) -> None:
-            return
-
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, code: int, doc: dict[str, Any]) -> None:
-            self._send(code, json.dumps(doc).encode())
+        _send = QuietHandler.send_bytes
+        _json = QuietHandler.send_json
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
