@@ -3,7 +3,9 @@
 Both read the same objects from the same server. Ours verifies every chunk's sha256,
 writes it once at its offset into the preallocated file (starting its writeback at once),
 and fsyncs each file once; s5cmd only downloads, so it is shown alone and with a separate
-sha256 pass over what it wrote (verified against verified).
+sha256 pass over what it wrote (verified against verified). Ours runs two ways, rounds
+interleaved: "mapped" (the default: the socket's bytes land in the file's shared mapping)
+and "pwrite" (into a buffer, then ``pwrite``), to A/B the copy the mapping saves.
 
     sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
     .venv/bin/python bench/bench_stage_single.py --quick         # 128 MiB, fewer configs
@@ -122,7 +124,13 @@ def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[Run, Run]
     return download, hashing
 
 
-def run_ours(origin: S3Origin, manifest: Manifest, workers: int) -> Run:
+PATHS = ("mapped", "pwrite")
+
+
+def run_ours(origin: S3Origin, manifest: Manifest, workers: int, path: str = "mapped") -> Run:
+    if path == "pwrite":
+        with patched(ModelStaging, "map_partial_files", False):
+            return run_ours(origin, manifest, workers)
     store = ChunkStore(fresh_out())
     metrics = DataPlaneMetrics.create(CollectorRegistry())
     results = []
@@ -172,22 +180,18 @@ def patched(obj: Any, attr: str, value: Any) -> Iterator[None]:
         setattr(obj, attr, old)
 
 
-def profile_ours(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, float]:
+def profile_ours(origin: S3Origin, manifest: Manifest, workers: int, path: str) -> dict[str, float]:
     """One staging run with the library's phases timed (bench-side wrappers, no edits)."""
     t = Timers()
-    real_put = ModelStaging.put
     with (
-        patched(
-            origin,
-            "read_range_hashed",
-            t.wrap("S3 GET + sha256", origin.read_range_hashed),
-        ),
-        patched(ModelStaging, "put", t.wrap("put total", real_put)),
+        patched(origin, "read_range_into", t.wrap("S3 GET + sha256", origin.read_range_into)),
+        patched(ModelStaging, "receive", t.wrap("store", ModelStaging.receive)),
         patched(os, "fsync", t.wrap("fsync (file)", os.fsync)),
     ):
-        wall = run_ours(origin, manifest, workers).seconds
+        wall = run_ours(origin, manifest, workers, path).seconds
     s = t.seconds
-    s["pwrite + journal"] = s["put total"] - s["fsync (file)"]
+    # receive() runs the GET inside it, into the mapping or (pwrite) a buffer
+    s["write + journal"] = s["store"] - s["S3 GET + sha256"] - s["fsync (file)"]
     s["wall"] = wall
     return dict(s)
 
@@ -222,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--workers", default="2,3,4", help="comma-separated stage() worker counts")
     p.add_argument("--chunk-mib", default="4,16", help="comma-separated chunk sizes")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated: mapped, pwrite")
     p.add_argument(
         "--repeats", type=int, default=3, help="rounds (s5cmd, then every config); best counts"
     )
@@ -233,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = args.size_mib * MiB
     workers = [int(w) for w in args.workers.split(",")]
     chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]
+    paths = args.paths.split(",")
     version = subprocess.run(
         [str(s5cmd_path()), "version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout.strip()
@@ -246,22 +252,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             origin = S3Origin(client, model_location(model))
             # Rounds interleave the baseline with every config, so a change in the shared
             # machine's load hits both sides alike; the best of the rounds counts.
-            configs = [(c, w) for c in chunks for w in workers]
+            configs = [(c, w, path) for c in chunks for w in workers for path in paths]
             runs: list[tuple[Run, Run]] = []
-            mine: dict[tuple[int, int], list[Run]] = {k: [] for k in configs}
+            mine: dict[tuple[int, int, str], list[Run]] = {k: [] for k in configs}
             for _ in range(args.repeats):
                 runs.append(run_s5cmd(endpoint, model, manifests[chunks[0]]))
-                for c, w in configs:
-                    mine[(c, w)].append(run_ours(origin, manifests[c], w))
+                for c, w, path in configs:
+                    mine[(c, w, path)].append(run_ours(origin, manifests[c], w, path))
             s5_dl, s5_hash = min(runs, key=lambda r: r[0].seconds)
             ours: list[dict[str, Any]] = []
-            for (c, w), tries in mine.items():
+            for (c, w, path), tries in mine.items():
                 fastest = min(tries, key=lambda r: r.seconds)
-                ours.append({"chunk_mib": c // MiB, "workers": w, **asdict(fastest)})
+                ours.append({"chunk_mib": c // MiB, "workers": w, "path": path, **asdict(fastest)})
             best = min(ours, key=lambda r: r["seconds"])
             if not args.no_profile:
                 m = manifests[best["chunk_mib"] * MiB]
-                result["profile"] = profile_ours(origin, m, best["workers"])
+                result["profile"] = profile_ours(origin, m, best["workers"], best["path"])
                 result["ceilings"] = ceilings(origin, m, best["workers"])
     finally:
         shutil.rmtree(OUT, ignore_errors=True)
@@ -298,7 +304,8 @@ def report(r: dict[str, Any]) -> None:
         row("s5cmd + sha256 pass (2 threads)", both),
     ]
     for o in r["ours"]:
-        rows.append(row(f"stage() {o['workers']} workers, {o['chunk_mib']} MiB chunks", o))
+        name = f"stage() {o['path']}, {o['workers']} workers, {o['chunk_mib']} MiB chunks"
+        rows.append(row(name, o))
     before, after = r["loadavg_before"][0], r["loadavg_after"][0]
     print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback")
     print(f"(load average {before:.2f} before, {after:.2f} after)\n")
@@ -306,7 +313,7 @@ def report(r: dict[str, Any]) -> None:
     print(table(header, rows))
     b = r["best"]
     print(
-        f"\nbest ours ({b['workers']} workers, {b['chunk_mib']} MiB): "
+        f"\nbest ours ({b['path']}, {b['workers']} workers, {b['chunk_mib']} MiB): "
         f"ours/s5cmd = {r['ratio']:.2f}x, verified vs verified = {r['ratio_verified']:.2f}x "
         "(target >= 1.0x)"
     )
@@ -319,8 +326,11 @@ def report(r: dict[str, Any]) -> None:
     )
     if "profile" in r:
         prof, wall = r["profile"], r["profile"]["wall"]
-        print(f"\n### Where the time goes (one run, {b['workers']} workers; thread-seconds)\n")
-        names = ["S3 GET + sha256", "pwrite + journal", "fsync (file)"]
+        print(
+            f"\n### Where the time goes (one run, {b['path']}, {b['workers']} workers; "
+            "thread-seconds)\n"
+        )
+        names = ["S3 GET + sha256", "write + journal", "fsync (file)"]
         rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
         print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
         print()

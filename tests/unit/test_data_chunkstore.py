@@ -1,6 +1,8 @@
 import hashlib
 import logging
+import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from weightship.data.chunkstore import (
     verify_chunk,
 )
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.modelstaging import ModelStaging
 
 
 def sha(data: bytes) -> str:
@@ -73,6 +76,68 @@ def test_put_writes_only_verified_bytes_once_at_their_offsets(tmp_path: Path) ->
     # A new store (agent restart) finds the chunks in the finished files.
     again = ChunkStore(tmp_path / "cache")
     assert again.read_chunk(a_sha) == b"a" * 1024
+
+
+def _filler(data: bytes, seen: list[type]) -> Callable[[memoryview], str]:
+    """A fill that writes ``data`` into the slot it is given and returns its sha256,
+    noting what holds the slot."""
+
+    def fill(view: memoryview) -> str:
+        seen.append(type(view.obj))
+        view[:] = data
+        return sha(bytes(view))
+
+    return fill
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_receive_lands_bytes_in_place_and_journals_only_verified_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool
+) -> None:
+    monkeypatch.setattr(ModelStaging, "map_partial_files", mapped)
+    m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024 + b"s" * 1024})
+    store = ChunkStore(tmp_path / "cache")
+    s_sha, a_sha = sha(b"s" * 1024), sha(b"a" * 1024)
+    seen: list[type] = []
+    with store.begin(m) as staging:
+        staging.prepare()
+        with pytest.raises(ChunkVerificationError):
+            staging.receive(a_sha, _filler(b"y" * 1024, seen))  # bad bytes from the origin
+        assert (seen[0] is mmap.mmap) == mapped  # in the file's mapping, or a buffer
+        assert not store.has_chunk(a_sha)
+        assert staging.receive(s_sha, _filler(b"s" * 1024, seen)) == 2  # fetched once
+        assert len(seen) == 2
+        assert staging.receive(s_sha, _filler(b"s" * 1024, seen)) == 0
+        assert len(seen) == 2  # nothing needed it: nothing fetched
+        assert not (staging.dir / "files" / "w").exists()
+        assert (staging.dir / "journal").read_text().split() == ["0", "2"]
+    # Resume: the bad bytes still sit in the partial file, unjournaled, so they are
+    # fetched again, and the file appears only once every chunk verified.
+    with store.begin(m) as staging:
+        assert staging.journaled() == {0, 2}
+        staging.prepare()
+        assert staging.receive(a_sha, _filler(b"a" * 1024, seen)) == 1
+        assert (staging.dir / "files" / "w").read_bytes() == (tmp_path / "m" / "w").read_bytes()
+        staging.mark_staged()
+    assert store.is_staged(m.digest)
+
+
+def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> None:
+    m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024})
+    store = ChunkStore(tmp_path / "cache")
+    s_sha = sha(b"s" * 1024)
+
+    def cut_short(view: memoryview) -> str:
+        view[:10] = b"s" * 10
+        raise ConnectionResetError("the origin went away mid-body")
+
+    with store.begin(m) as staging:
+        staging.prepare()
+        with pytest.raises(ConnectionResetError):
+            staging.receive(s_sha, cut_short)
+        assert staging.journaled() == set()
+        assert staging.receive(s_sha, _filler(b"s" * 1024, [])) == 1  # claimable again
+        assert staging.journaled() == {0}
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63])

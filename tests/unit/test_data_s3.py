@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 
-from weightship.data.chunkstore import ChunkStore
+from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
 from weightship.data.cli import manifest_command, parse_size, publish_command
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
@@ -270,6 +270,26 @@ def test_stage_from_s3(origin: S3Origin, weights: Path, tmp_path: Path) -> None:
     assert result.from_origin == manifest.total_size
     for f in manifest.files:
         assert (result.path / f.path).read_bytes() == (weights / f.path).read_bytes()
+
+
+def test_stage_from_s3_never_keeps_bytes_that_changed_since_the_manifest(
+    origin: S3Origin, weights: Path, tmp_path: Path
+) -> None:
+    publish(weights, origin, chunk_size=1 * MiB)
+    manifest = origin.read_manifest()
+    changed = bytearray((weights / "model.safetensors").read_bytes())
+    changed[3 * MiB + 7] ^= 0xFF  # one byte of the fourth chunk
+    origin.put_bytes("model.safetensors", bytes(changed))
+    store = ChunkStore(tmp_path / "cache")
+    dp = DataPlaneMetrics.create(CollectorRegistry())
+    with pytest.raises(ChunkVerificationError, match="chunk 3 "):
+        stage(manifest, store, origin, [], node="n1", metrics=dp, workers=1)
+    assert not store.is_staged(manifest.digest)
+    assert not (store.files_dir(manifest.digest) / "model.safetensors").exists()
+    bad = next(c for c in manifest.chunks if c.file == "model.safetensors" and c.index == 3)
+    assert not store.has_chunk(bad.sha256)
+    journal = (store.model_dir(manifest.digest) / "journal").read_text().split()
+    assert str(manifest.chunks.index(bad)) not in journal
 
 
 def test_cli_publish_and_manifest(

@@ -52,6 +52,21 @@ class HashingOrigin(Protocol):
     def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[Buffer, str]: ...
 
 
+@runtime_checkable
+class FillingOrigin(Protocol):
+    """An origin that reads a range into the caller's memory and hashes it (``S3Origin``)."""
+
+    def read_range_into(self, path: str, offset: int, view: memoryview) -> str: ...
+
+
+@runtime_checkable
+class InPlaceSink(Protocol):
+    """A sink that lets the origin write a chunk straight into its place
+    (``ModelStaging.receive``)."""
+
+    def receive(self, sha256: str, fill: Callable[[memoryview], str]) -> int: ...
+
+
 class ChunkSink(Protocol):
     """Where verified chunks go (``ModelStaging``)."""
 
@@ -342,7 +357,21 @@ class ChunkFetcher:
         return True
 
     def _from_origin(self, chunk: ChunkEntry) -> None:
+        origin, sink = self.origin, self.sink
         for _ in range(self.policy.origin_attempts):
+            if isinstance(origin, FillingOrigin) and isinstance(sink, InPlaceSink):
+
+                def fill(view: memoryview) -> str:
+                    digest = origin.read_range_into(chunk.file, chunk.offset, view)
+                    self._throttle(len(view))
+                    return digest
+
+                try:
+                    sink.receive(chunk.sha256, fill)  # verifies before journaling
+                    return
+                except ChunkVerificationError:
+                    self.metrics.verification_failures.labels("origin").inc()
+                    continue
             digest: str | None = None
             if isinstance(self.origin, HashingOrigin):
                 data, digest = self.origin.read_range_hashed(chunk.file, chunk.offset, chunk.size)

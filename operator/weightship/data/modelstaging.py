@@ -1,18 +1,24 @@
 """One model being staged: verified chunks written once, in place, then files renamed.
 
-Each verified chunk is written with ``pwrite`` at its offset into its file's
-preallocated ``partial/<path>.partial`` and journaled; when a file's last chunk is in,
-the file is fsynced once and renamed into ``files/``. No file appears under its final
-name before every one of its chunks verified. See ``chunkstore`` for the layout.
+Each chunk lands at its offset in its file's preallocated ``partial/<path>.partial``:
+either received straight into the file's shared memory mapping (``receive``: the socket's
+bytes are copied once, into the page cache) or written with ``pwrite`` (``put``). It is
+journaled only once its sha256 matched; bytes that did not match stay in the partial
+file unjournaled, so a resume fetches them again. When a file's last chunk is in, the
+file is fsynced once (which also writes the mapping's dirty pages) and renamed into
+``files/``. No file appears under its final name before every one of its chunks
+verified. See ``chunkstore`` for the layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from weightship.data.chunkindex import ChunkLocation
@@ -33,12 +39,17 @@ from weightship.data.chunkstore import (
 )
 from weightship.data.manifest import Manifest, validate_relative_path
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13
+
 
 class ModelStaging:
     """One model being staged: holds its lock and journal, and writes verified chunks
     into preallocated partial files, renaming each file into place once complete.
 
-    Thread-safe: workers call ``put`` concurrently (``pwrite`` at distinct offsets)."""
+    Thread-safe: workers call ``put`` and ``receive`` concurrently (distinct offsets)."""
+
+    # False: ``receive`` fills a buffer and writes it with ``pwrite`` (the benchmark's A/B).
+    map_partial_files = True
 
     def __init__(self, store: ChunkStore, manifest: Manifest) -> None:
         self.store = store
@@ -55,6 +66,8 @@ class ModelStaging:
         self._journal = os.open(self.dir / "journal", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._mutex = threading.Lock()
         self._fds: dict[str, int] = {}  # open partial files
+        self._reserved: set[str] = set()  # partial files whose every block is allocated
+        self._maps: dict[str, mmap.mmap] = {}  # shared mappings of reserved partial files
         self._claimed: set[int] = set()  # chunk indexes being written right now
         self._indexes_of: dict[str, list[int]] = {}
         for i, c in enumerate(manifest.chunks):
@@ -69,6 +82,9 @@ class ModelStaging:
     def close(self) -> None:
         with self._mutex:
             fds, self._fds = list(self._fds.values()), {}
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            _unmap(m)
         for fd in fds:
             os.close(fd)
         os.close(self._journal)
@@ -123,40 +139,47 @@ class ModelStaging:
         actual = verified_sha256 if verified_sha256 is not None else sha256_hex(data)
         if actual != sha256:
             raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-        chunks = self.manifest.chunks
-        with self._mutex:
-            todo = [
-                i
-                for i in self._indexes_of.get(sha256, [])
-                if i not in self._done and i not in self._claimed
-            ]
-            self._claimed.update(todo)
+        todo = self._claim(sha256)
         try:
-            for i in todo:
-                if len(data) != chunks[i].size:
-                    raise ChunkVerificationError(f"chunk {sha256} has the wrong size")
-                fd = self._open_partial(chunks[i].file)
-                _pwrite_all(fd, data, chunks[i].offset)
-                start_writeback(fd, chunks[i].offset, chunks[i].size)
+            self._write_at(todo, data)
         except BaseException:
-            with self._mutex:
-                self._claimed.difference_update(todo)
+            self._unclaim(todo)
             raise
-        self.record(todo)
-        completed = []
-        with self._mutex:
-            self._claimed.difference_update(todo)
-            self._done.update(todo)
-            for i in todo:
-                self._remaining[chunks[i].file] -= 1
-                if self._remaining[chunks[i].file] == 0:
-                    completed.append(chunks[i].file)
-        for i in todo:
-            c = chunks[i]
-            self.store.index.add(sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
-        for path in completed:
-            self._finish_file(path)
-        return len(todo)
+        return self._commit(sha256, todo)
+
+    def receive(self, sha256: str, fill: Callable[[memoryview], str]) -> int:
+        """Like ``put``, with the bytes landing in place: ``fill`` writes the chunk into
+        its slot of the partial file's shared mapping (the first not-yet-written position
+        with this digest) and returns the sha256 of what it wrote. Saves ``put``'s copy
+        through a buffer. Fetches nothing, returning 0, when no position needs the chunk.
+
+        Raises ChunkVerificationError when the digest does not match: the slot keeps the
+        bad bytes but is not journaled, so it is fetched again (now or on resume).
+        Partial files whose space could not be preallocated are filled through a buffer:
+        a write fault on a mapped page with no disk block behind it is a SIGBUS."""
+        todo = self._claim(sha256)
+        if not todo:
+            return 0
+        first = self.manifest.chunks[todo[0]]
+        try:
+            mapping = self._mapping(first.file)
+            if mapping is None:
+                buf = bytearray(first.size)
+                if fill(memoryview(buf)) != sha256:
+                    raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
+                self._write_at(todo, buf)
+            else:
+                _populate(mapping, first.offset, first.size)
+                end = first.offset + first.size
+                with memoryview(mapping)[first.offset : end] as view:
+                    if fill(view) != sha256:
+                        raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
+                    start_writeback(self._open_partial(first.file), first.offset, first.size)
+                    self._write_at(todo[1:], view)
+        except BaseException:
+            self._unclaim(todo)
+            raise
+        return self._commit(sha256, todo)
 
     def record(self, indexes: Iterable[int]) -> None:
         """Append chunk indexes to the journal; one write, so lines never interleave."""
@@ -184,6 +207,51 @@ class ModelStaging:
 
     # ------------------------------------------------------------------------------------
 
+    def _claim(self, sha256: str) -> list[int]:
+        """The chunk positions with this digest that nobody has written or is writing,
+        now marked as being written by the caller."""
+        with self._mutex:
+            todo = [
+                i
+                for i in self._indexes_of.get(sha256, [])
+                if i not in self._done and i not in self._claimed
+            ]
+            self._claimed.update(todo)
+        return todo
+
+    def _unclaim(self, todo: list[int]) -> None:
+        with self._mutex:
+            self._claimed.difference_update(todo)
+
+    def _write_at(self, todo: list[int], data: Buffer) -> None:
+        chunks = self.manifest.chunks
+        for i in todo:
+            if len(data) != chunks[i].size:
+                raise ChunkVerificationError(f"chunk {chunks[i].sha256} has the wrong size")
+            fd = self._open_partial(chunks[i].file)
+            _pwrite_all(fd, data, chunks[i].offset)
+            start_writeback(fd, chunks[i].offset, chunks[i].size)
+
+    def _commit(self, sha256: str, todo: list[int]) -> int:
+        """Journal the claimed positions, whose verified bytes are in place; finish the
+        files they complete."""
+        chunks = self.manifest.chunks
+        self.record(todo)
+        completed = []
+        with self._mutex:
+            self._claimed.difference_update(todo)
+            self._done.update(todo)
+            for i in todo:
+                self._remaining[chunks[i].file] -= 1
+                if self._remaining[chunks[i].file] == 0:
+                    completed.append(chunks[i].file)
+        for i in todo:
+            c = chunks[i]
+            self.store.index.add(sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+        for path in completed:
+            self._finish_file(path)
+        return len(todo)
+
     def _open_partial(self, path: str) -> int:
         with self._mutex:
             fd = self._fds.get(path)
@@ -193,17 +261,34 @@ class ModelStaging:
             partial.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
             size = self._sizes[path]
-            if os.fstat(fd).st_size != size or allocated(partial) < size:
-                _preallocate(fd, size)
+            reserved = os.fstat(fd).st_size == size and allocated(partial) >= size
+            if not reserved:
+                reserved = _preallocate(fd, size)
+            if reserved:
+                self._reserved.add(path)
             self._fds[path] = fd
             return fd
+
+    def _mapping(self, path: str) -> mmap.mmap | None:
+        """The partial file's shared writable mapping; None where its blocks are not
+        all allocated (or it is empty)."""
+        fd = self._open_partial(path)
+        with self._mutex:
+            found = self._maps.get(path)
+            mappable = self.map_partial_files and path in self._reserved and self._sizes[path]
+            if found is None and mappable:
+                found = self._maps[path] = mmap.mmap(fd, self._sizes[path], mmap.MAP_SHARED)
+            return found
 
     def _finish_file(self, path: str) -> None:
         """fsync the complete partial file once and rename it into place."""
         fd = self._open_partial(path)
-        os.fsync(fd)
+        os.fsync(fd)  # on Linux this writes the mapping's dirty pages too (no msync)
         with self._mutex:
             self._fds.pop(path, None)
+            mapping = self._maps.pop(path, None)
+        if mapping is not None:
+            _unmap(mapping)
         os.close(fd)
         final = self.file_path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +325,8 @@ class ModelStaging:
         return done
 
 
-def _preallocate(fd: int, size: int) -> None:
+def _preallocate(fd: int, size: int) -> bool:
+    """Size the file and allocate its blocks; False where the filesystem cannot."""
     os.ftruncate(fd, size)
     if size:
         try:
@@ -248,6 +334,23 @@ def _preallocate(fd: int, size: int) -> None:
         except OSError as exc:  # no fallocate here: the space is taken as chunks land
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
+            return False
+    return True
+
+
+def _populate(mapping: mmap.mmap, offset: int, size: int) -> None:
+    """Fault a range's pages in for writing with one call: page by page, as the socket's
+    bytes land, cost 0.1-0.15 more core-s per 512 MiB (docs/benchmarks.md)."""
+    start = offset - offset % mmap.PAGESIZE
+    with contextlib.suppress(OSError):  # before Linux 5.14: faulted in as written
+        mapping.madvise(_MADV_POPULATE_WRITE, start, size + offset - start)
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    # A view still referenced (by an exception's traceback, say) keeps it mapped until
+    # that view goes; nothing is lost, the pages are the file's.
+    with contextlib.suppress(BufferError):
+        mapping.close()
 
 
 def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:

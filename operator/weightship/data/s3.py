@@ -7,7 +7,8 @@ throttling, 5xx and connection errors; never on 4xx such as 403 or 404.
 Chunk GETs, the hot path, skip botocore's response machinery: boto3 signs a presigned
 URL (SigV4, cached per object for a few minutes), and a plain keep-alive ``http.client``
 connection per thread reads the ranged body with ``readinto`` straight into the chunk's
-buffer, hashing each piece as it lands. Everything else goes through the boto3 client.
+place (its slot in the node's mapped partial file, or a buffer), then hashes it.
+Everything else goes through the boto3 client.
 Presigned URLs carry a signature: they are never logged or put in an error message.
 """
 
@@ -230,21 +231,31 @@ class S3Origin:
         return self._call(list_all)
 
     def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[bytearray, str]:
-        """The bytes and their sha256, hashed once the whole body is in: hashing 1 MiB
+        """The bytes and their sha256 (see ``read_range_into``)."""
+        buf = bytearray(size)  # the chunk's one buffer, filled in place
+        return buf, self.read_range_into(path, offset, memoryview(buf))
+
+    def read_range_into(self, path: str, offset: int, view: memoryview) -> str:
+        """Read ``len(view)`` bytes at ``offset`` into ``view`` (a chunk's slot in a mapped
+        file, say); return their sha256, hashed once the whole body is in: hashing 1 MiB
         pieces as they arrived stalled the server's stream between reads and cost 13-15 %
         more CPU and time (docs/benchmarks.md). Other workers' transfers overlap the hash
-        (hashlib releases the GIL)."""
-        data = self.read_range(path, offset, size)
-        return data, hashlib.sha256(data).hexdigest()
+        (hashlib releases the GIL). A retried attempt overwrites what a failed one left."""
+        self._read_into(path, offset, view)
+        return hashlib.sha256(view).hexdigest()
 
     def read_range(self, path: str, offset: int, size: int) -> bytearray:
-        key = self.location.key(path)
+        buf = bytearray(size)
+        self._read_into(path, offset, memoryview(buf))
+        return buf
 
-        def get() -> bytearray:
+    def _read_into(self, path: str, offset: int, view: memoryview) -> None:
+        key, size = self.location.key(path), len(view)
+
+        def get() -> None:
             url = urlsplit(self._presigned(key))
             scheme, host = url.scheme, url.netloc
             headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
-            buf = bytearray(size)  # the chunk's one buffer, filled in place
             try:
                 resp = self._http.request(
                     "GET", host, f"{url.path}?{url.query}", headers, scheme=scheme
@@ -259,7 +270,7 @@ class S3Origin:
                         f"{self.location}{path}: asked for {size} bytes at {offset}, "
                         f"the answer has {resp.length}"
                     )
-                got = read_into(resp, memoryview(buf))
+                got = read_into(resp, view)
             except OriginConnectionError:
                 raise
             except (OSError, http.client.HTTPException) as exc:
@@ -269,9 +280,8 @@ class S3Origin:
                 self._http.drop(scheme, host)
                 raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
             self._http.done(scheme, host, resp)
-            return buf
 
-        return self._call(get)
+        self._call(get)
 
     def _presigned(self, key: str) -> str:
         """A presigned GET URL for ``key``, reused for PRESIGN_REUSE_S."""
