@@ -18,7 +18,7 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from weightship.data.chunkindex import ChunkLocation
@@ -67,7 +67,6 @@ class ModelStaging:
         self._mutex = threading.Lock()
         self._fds: dict[str, int] = {}  # open partial files
         self._reserved: set[str] = set()  # partial files whose every block is allocated
-        self._maps: dict[str, mmap.mmap] = {}  # shared mappings of reserved partial files
         self._claimed: set[int] = set()  # chunk indexes being written right now
         self._indexes_of: dict[str, list[int]] = {}
         for i, c in enumerate(manifest.chunks):
@@ -82,9 +81,6 @@ class ModelStaging:
     def close(self) -> None:
         with self._mutex:
             fds, self._fds = list(self._fds.values()), {}
-            maps, self._maps = list(self._maps.values()), {}
-        for m in maps:
-            _unmap(m)
         for fd in fds:
             os.close(fd)
         os.close(self._journal)
@@ -149,9 +145,10 @@ class ModelStaging:
 
     def receive(self, sha256: str, fill: Callable[[memoryview], str]) -> int:
         """Like ``put``, with the bytes landing in place: ``fill`` writes the chunk into
-        its slot of the partial file's shared mapping (the first not-yet-written position
-        with this digest) and returns the sha256 of what it wrote. Saves ``put``'s copy
-        through a buffer. Fetches nothing, returning 0, when no position needs the chunk.
+        a shared mapping of its slot in the partial file (the first not-yet-written
+        position with this digest) and returns the sha256 of what it wrote. Saves
+        ``put``'s copy through a buffer. Fetches nothing, returning 0, when no position
+        needs the chunk.
 
         Raises ChunkVerificationError when the digest does not match: the slot keeps the
         bad bytes but is not journaled, so it is fetched again (now or on resume).
@@ -162,20 +159,20 @@ class ModelStaging:
             return 0
         first = self.manifest.chunks[todo[0]]
         try:
-            mapping = self._mapping(first.file)
-            if mapping is None:
+            fd = self._open_partial(first.file)
+            if not (self.map_partial_files and first.file in self._reserved and first.size):
                 buf = bytearray(first.size)
                 if fill(memoryview(buf)) != sha256:
                     raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
                 self._write_at(todo, buf)
             else:
-                _populate(mapping, first.offset, first.size)
-                end = first.offset + first.size
-                with memoryview(mapping)[first.offset : end] as view:
+                with _mapped(fd, first.offset, first.size) as view:
                     if fill(view) != sha256:
                         raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-                    start_writeback(self._open_partial(first.file), first.offset, first.size)
                     self._write_at(todo[1:], view)
+                # Unmapped first: starting the writeback of mapped pages write-protects
+                # them, a TLB shootdown per folio (4 % of the client's CPU in a profile).
+                start_writeback(fd, first.offset, first.size)
         except BaseException:
             self._unclaim(todo)
             raise
@@ -269,26 +266,12 @@ class ModelStaging:
             self._fds[path] = fd
             return fd
 
-    def _mapping(self, path: str) -> mmap.mmap | None:
-        """The partial file's shared writable mapping; None where its blocks are not
-        all allocated (or it is empty)."""
-        fd = self._open_partial(path)
-        with self._mutex:
-            found = self._maps.get(path)
-            mappable = self.map_partial_files and path in self._reserved and self._sizes[path]
-            if found is None and mappable:
-                found = self._maps[path] = mmap.mmap(fd, self._sizes[path], mmap.MAP_SHARED)
-            return found
-
     def _finish_file(self, path: str) -> None:
         """fsync the complete partial file once and rename it into place."""
         fd = self._open_partial(path)
-        os.fsync(fd)  # on Linux this writes the mapping's dirty pages too (no msync)
+        os.fsync(fd)  # on Linux this writes pages dirtied through mappings too (no msync)
         with self._mutex:
             self._fds.pop(path, None)
-            mapping = self._maps.pop(path, None)
-        if mapping is not None:
-            _unmap(mapping)
         os.close(fd)
         final = self.file_path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -338,12 +321,20 @@ def _preallocate(fd: int, size: int) -> bool:
     return True
 
 
-def _populate(mapping: mmap.mmap, offset: int, size: int) -> None:
-    """Fault a range's pages in for writing with one call: page by page, as the socket's
-    bytes land, cost 0.1-0.15 more core-s per 512 MiB (docs/benchmarks.md)."""
-    start = offset - offset % mmap.PAGESIZE
-    with contextlib.suppress(OSError):  # before Linux 5.14: faulted in as written
-        mapping.madvise(_MADV_POPULATE_WRITE, start, size + offset - start)
+@contextlib.contextmanager
+def _mapped(fd: int, offset: int, size: int) -> Iterator[memoryview]:
+    """A writable shared mapping of the file's ``size`` bytes at ``offset``, its pages
+    faulted in with one call: page by page, as the socket's bytes land, cost more CPU
+    (docs/benchmarks.md). Unmapped on leaving."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, size + offset - start, mmap.MAP_SHARED, offset=start)
+    try:
+        with contextlib.suppress(OSError):  # before Linux 5.14: faulted in as written
+            mapping.madvise(_MADV_POPULATE_WRITE)
+        with memoryview(mapping)[offset - start :] as view:
+            yield view
+    finally:
+        _unmap(mapping)
 
 
 def _unmap(mapping: mmap.mmap) -> None:
