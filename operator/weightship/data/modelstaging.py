@@ -1,11 +1,11 @@
 """One model being staged: verified chunks written once, in place, then files renamed.
 
 Each chunk lands at its offset in its file's preallocated ``partial/<path>.partial``:
-either received straight into the file's shared memory mapping (``receive``: the socket's
+either received straight into a shared mapping of its slot (``receive``: the socket's
 bytes are copied once, into the page cache) or written with ``pwrite`` (``put``). It is
 journaled only once its sha256 matched; bytes that did not match stay in the partial
 file unjournaled, so a resume fetches them again. When a file's last chunk is in, the
-file is fsynced once (which also writes the mapping's dirty pages) and renamed into
+file is fsynced once (which also writes pages dirtied through mappings) and renamed into
 ``files/``. No file appears under its final name before every one of its chunks
 verified. See ``chunkstore`` for the layout.
 """
