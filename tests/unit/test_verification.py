@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
@@ -354,6 +355,11 @@ def test_verifier_fails_the_gate_with_the_prompt_diff(server: tuple[int, FakeSer
     assert 'expected prefix " Paris", got " Lyon."' in condition["message"]
     assert annotations is not None
     assert json.loads(annotations[FAILED_PROMPT_ANNOTATION] or "")["got"] == " Lyon."
+    counted = REGISTRY.get_sample_value(
+        "weightship_pod_verifications_total",
+        {"namespace": "ns", "status": "False", "reason": "GoldenPromptFailed"},
+    )
+    assert counted is not None and counted >= 1
 
 
 def test_verifier_reports_a_checksum_failure_from_the_server(

@@ -22,6 +22,16 @@ ROLLOUT_STEP = Gauge("weightship_rollout_step", "Current canary step index", ["n
 ROLLOUT_WEIGHT = Gauge(
     "weightship_rollout_canary_weight", "Canary weight, 0-100", ["namespace", "name"]
 )
+VERIFICATIONS = Counter(
+    "weightship_pod_verifications",
+    "Readiness-gate verdicts written to pods, by status and reason",
+    ["namespace", "status", "reason"],
+)
+VERIFICATION_SECONDS = Histogram(
+    "weightship_pod_verification_duration_seconds",
+    "One verification round of one pod (load report and golden prompts)",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 
 
 def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> None:

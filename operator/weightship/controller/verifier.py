@@ -23,6 +23,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 
 from weightship.api.models import ModelRollout
 from weightship.api.spec import GoldenPrompt
+from weightship.controller import metrics
 from weightship.controller.builders import DIGEST_ANNOTATION, GROUP, VERIFIED_GATE
 from weightship.controller.kube import Kube
 from weightship.core.verification import (
@@ -165,11 +166,13 @@ class Verifier:
 
     def _run(self, check: _Check) -> None:
         try:
-            report, verdict = self._verify(check)
+            with metrics.VERIFICATION_SECONDS.time():
+                report, verdict = self._verify(check)
             if check.restarted or gate_changed(check.current, verdict):
                 annotations = verdict_annotations(report, verdict)
                 annotations[RESTARTS_ANNOTATION] = check.restarts
                 self._write(check, verdict, annotations)
+                metrics.VERIFICATIONS.labels(check.namespace, verdict.status, verdict.reason).inc()
                 log.info(
                     "pod %s/%s: %s %s: %s",
                     check.namespace,
