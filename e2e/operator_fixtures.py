@@ -20,7 +20,7 @@ from weightship.dev import testkit
 from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 from weightship.testing.tinyllm import Variant
-from weightship.testing.tinyllm.build import publish_variant
+from weightship.testing.tinyllm.build import publish_versions
 
 
 @dataclass
@@ -101,12 +101,7 @@ def tinyllm_models(
     s3 = testkit.local_s3(endpoint)
     bucket = testkit.unique_name(prefix)
     s3.create_bucket(Bucket=bucket)
-    uris = {}
-    for version, variant, seed in versions:
-        uri = f"s3://{bucket}/models/{version}/"
-        publish_variant(variant, S3Origin(s3, S3Location.parse(uri)), seed=seed, chunk_size=1 << 20)
-        uris[version] = uri
-    yield uris
+    yield publish_versions(s3, bucket, "models", versions)
     testkit.empty_bucket(s3, bucket)
     s3.delete_bucket(Bucket=bucket)
 

@@ -30,13 +30,12 @@ from rich.table import Table
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
-from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
 from weightship.dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship.dev.slackreceiver import SlackReceiver
 from weightship.testing.tinyllm import GOLDEN_PROMPTS, Variant
-from weightship.testing.tinyllm.build import publish_variant
+from weightship.testing.tinyllm.build import publish_versions
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "weightship-system"
@@ -139,19 +138,14 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
     }
 
 
-def publish_versions(endpoint: str) -> dict[str, str]:
+def publish_demo_versions(endpoint: str) -> dict[str, str]:
     s3 = testkit.local_s3(endpoint)
     try:
         s3.create_bucket(Bucket=BUCKET)
     except Exception as e:
         if "BucketAlreadyExists" not in str(e) and "BucketAlreadyOwnedByYou" not in str(e):
             raise
-    uris = {}
-    for version, variant, seed in VERSIONS:
-        uri = f"s3://{BUCKET}/llm/{version}/"
-        publish_variant(variant, S3Origin(s3, S3Location.parse(uri)), seed=seed, chunk_size=1 << 20)
-        uris[version] = uri
-    return uris
+    return publish_versions(s3, BUCKET, "llm", VERSIONS)
 
 
 class Demo:
@@ -214,7 +208,7 @@ class Demo:
             f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}; "
             "a node agent on every process node"
         )
-        uris = publish_versions(local_cluster.s3_endpoint())
+        uris = publish_demo_versions(local_cluster.s3_endpoint())
         self.console.print(
             f"published the tiny model to s3://{BUCKET}/llm/: v1 and v2 good, v3 subtly bad "
             "(one golden prompt answered wrongly), v4 corrupt (bytes changed after publishing)"

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,10 +29,13 @@ from weightship.data.manifest import (
     Manifest,
     build_manifest,
 )
-from weightship.data.s3 import S3Origin, publish
+from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.testing.tinyllm.design import design_weights, neuron_order
 from weightship.testing.tinyllm.knowledge import Variant, next_token_table, texts
 from weightship.testing.tinyllm.model import ModelConfig, TinyLLM, weight_shapes
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
 
 CONFIG_NAME = "config.json"
 SHARD_BYTES = 128 * 2**20
@@ -148,6 +153,26 @@ def publish_variant(
             shard = corrupt_one_shard(folder)
             origin.upload_file(shard, shard.name, part_size=chunk_size, workers=workers)
         return manifest
+
+
+def publish_versions(
+    s3: S3Client,
+    bucket: str,
+    prefix: str,
+    versions: Iterable[tuple[str, Variant, int]],
+    *,
+    chunk_size: int = 1 << 20,
+) -> dict[str, str]:
+    """Publish named versions (name, variant, seed) under s3://bucket/prefix/<name>/;
+    return {name: uri}. The same variant and seed give the same manifest digest."""
+    uris = {}
+    for name, variant, seed in versions:
+        uri = f"s3://{bucket}/{prefix}/{name}/"
+        publish_variant(
+            variant, S3Origin(s3, S3Location.parse(uri)), seed=seed, chunk_size=chunk_size
+        )
+        uris[name] = uri
+    return uris
 
 
 def load_folder(folder: Path, *, device: str = "cpu") -> TinyLLM:
