@@ -11,7 +11,7 @@ from weightship.api.status import AbortRequest, ControlRequest, ControlStatus, P
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision, ScaleAction
 from weightship.core.gates import ALWAYS_PASS_GATES
-from weightship.core.observed import ObservedMeasurement, PodFailure
+from weightship.core.observed import ObservedMeasurement, PodFailure, PodLoad
 from weightship.core.testing import (
     DIGEST_A,
     DIGEST_B,
@@ -381,6 +381,45 @@ def test_last_step_promotes_and_scales_old_stable_down() -> None:
     # replicaRatio: the old stable goes at once
     assert decision.scales == (ScaleAction(stable, "obsolete", 0, name=f"llm-{stable}"),)
     assert [n.event for n in decision.notifications] == ["Promoted"]
+
+
+def test_who_seeded_whom_stays_in_status_after_promotion() -> None:
+    rollout, stable, canary = canary_started()
+    rollout = at_step(rollout, 4, canary_weight=50)
+    loads = (
+        PodLoad("llm-c-1", "cache", None, 0.5),
+        PodLoad("llm-c-2", "broadcast", "llm-c-1", 1.5),
+    )
+    seeding, _ = advance(rollout, seen(stable, canary, 2, loads=loads[:1]), at(200))
+    assert seeding.status.verification is not None
+    assert [load.pod for load in seeding.status.verification.loads] == ["llm-c-1"]
+    promoted, _ = advance(seeding, seen(stable, canary, 4, loads=loads), at(210))
+    assert promoted.status.canary_revision is None
+    verification = promoted.status.verification
+    assert verification is not None and verification.pod_template_hash == canary
+    assert [(x.pod, x.source, x.seeded_from) for x in verification.loads] == [
+        ("llm-c-1", "cache", None),
+        ("llm-c-2", "broadcast", "llm-c-1"),
+    ]
+
+
+def test_verification_failures_name_the_prompt_and_survive_the_abort() -> None:
+    rollout, stable, canary = canary_started()
+    failure = PodFailure(
+        "llm-c-1",
+        "GoldenPromptFailed",
+        "golden prompt 'capital'",
+        "capital",
+        'equals " Paris."',
+        " Lyon.",
+    )
+    aborted, decision = advance(rollout, seen(stable, canary, 1, failed=(failure,)), at(100))
+    assert aborted.status.abort is not None and aborted.status.abort.reason == "VerificationFailed"
+    (shown,) = aborted.status.verification.failures  # type: ignore[union-attr]
+    assert (shown.prompt, shown.expected, shown.got) == ("capital", 'equals " Paris."', " Lyon.")
+    # The canary's pods are deleted: the record stays while this revision is the canary.
+    later, _ = advance(aborted, seen(stable, canary, 0), at(130))
+    assert [f.pod for f in later.status.verification.failures] == ["llm-c-1"]  # type: ignore[union-attr]
 
 
 def test_gateway_api_keeps_old_stable_for_scale_down_delay() -> None:

@@ -158,10 +158,10 @@ class PodVerificationFailure(ApiModel):
 
 
 class VerificationStatus(ApiModel):
-    """The canary pods' readiness-gate verification."""
+    """The readiness-gate verification of one revision's pods."""
 
     pod_template_hash: str = Field(
-        description="Canary revision these pods belong to.", max_length=MAX_LABEL_VALUE
+        description="Revision these pods belong to.", max_length=MAX_LABEL_VALUE
     )
     verified: int = Field(0, description="Pods with weights-verified True.", ge=0)
     failures: list[PodVerificationFailure] = Field(
@@ -331,7 +331,9 @@ class ModelRolloutStatus(ApiModel):
     replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="Pod counts.")
     analysis: AnalysisStatus | None = Field(None, description="Current or last analysis step.")
     verification: VerificationStatus | None = Field(
-        None, description="Canary pods' verification: failures and how each loaded."
+        None,
+        description="Verification of the canary's pods (the stable's when there is no "
+        "canary): failures and how each pod loaded its weights.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

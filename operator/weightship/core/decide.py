@@ -57,7 +57,7 @@ from weightship.core.decision import (
 )
 from weightship.core.durations import parse_duration
 from weightship.core.gates import DEFAULT_GATES, GateInput, GateResult, GateSet
-from weightship.core.observed import Observed, ReplicaSetObservation
+from weightship.core.observed import Observed
 from weightship.core.replicas import canary_replicas, weight_at_step
 from weightship.core.revision import revision_hash
 
@@ -784,14 +784,16 @@ class _Reconcile:
         digests = [r.manifest_digest for r in revisions if r is not None and r.manifest_digest]
         return tuple(dict.fromkeys(digests))
 
-    def _observe_verification(self, replica_set: ReplicaSetObservation | None) -> None:
-        """Failures and loads of the canary's pods. Pods come and go (an abort deletes
-        them), so records of the same revision are kept until a new canary starts."""
+    def _observe_verification(self) -> None:
+        """Failures and loads of the canary's pods, or of the stable's when there is no
+        canary (so who seeded whom stays visible after a promotion). Pods come and go (an
+        abort deletes them): records of the same revision are kept until another starts."""
         status = self.status
-        canary = status.canary_revision
+        canary = status.canary_revision or status.stable_revision
         if canary is None:
             status.verification = None
             return
+        replica_set = self.observed.replica_set(canary.pod_template_hash)
         old = status.verification
         if old is None or old.pod_template_hash != canary.pod_template_hash:
             old = VerificationStatus(pod_template_hash=canary.pod_template_hash)
@@ -836,7 +838,7 @@ class _Reconcile:
             ready=sum(rs.ready for rs in present),
             verified=sum(rs.verified for rs in present),
         )
-        self._observe_verification(canary)
+        self._observe_verification()
         seen = self.observed.prefetch
         prefetch = status.prefetch
         if seen is not None and prefetch is not None and seen.digest == prefetch.manifest_digest:
