@@ -413,7 +413,7 @@ def test_verification_failures_name_the_prompt_and_survive_the_abort() -> None:
         'equals " Paris."',
         " Lyon.",
     )
-    aborted, decision = advance(rollout, seen(stable, canary, 1, failed=(failure,)), at(100))
+    aborted, _ = advance(rollout, seen(stable, canary, 1, failed=(failure,)), at(100))
     assert aborted.status.abort is not None and aborted.status.abort.reason == "VerificationFailed"
     (shown,) = aborted.status.verification.failures  # type: ignore[union-attr]
     assert (shown.prompt, shown.expected, shown.got) == ("capital", 'equals " Paris."', " Lyon.")
