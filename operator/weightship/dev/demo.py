@@ -155,6 +155,7 @@ class Demo:
         self.api: client.ApiClient
         self.custom: client.CustomObjectsApi
         self.slack: SlackReceiver
+        self.told: set[str] = set()  # pod news already printed
 
     def say(self, text: str) -> None:
         self.console.rule(f"[bold]{text}")
@@ -223,7 +224,7 @@ class Demo:
     def follow(self, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> None:
         """Print each change of phase, step, weight or replica counts until `until`."""
         last, last_staging = None, ""
-        told: set[str] = set()
+        told = self.told
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.get().get("status") or {}
