@@ -77,6 +77,21 @@ def report(**kw: Any) -> LoadReport:
     return LoadReport.from_json(doc | kw)
 
 
+def test_load_report_round_trips_through_its_wire_format() -> None:
+    sent = report(source="broadcast", seededFrom="llm-abc-1", loadSeconds=1.5)
+    assert LoadReport.from_json(sent.to_json()) == sent
+    assert set(sent.to_json()) == {
+        "manifestDigest",
+        "verified",
+        "state",
+        "reason",
+        "message",
+        "source",
+        "seededFrom",
+        "loadSeconds",
+    }
+
+
 def test_load_report_decides_before_prompts() -> None:
     assert load_verdict(report(state="Loading"), DIGEST, True) == GateVerdict(
         "False", "Loading", "the server is loading weights"

@@ -31,7 +31,8 @@ MAX_SHOWN = 200  # characters of a completion shown in a diff
 
 @dataclass(frozen=True)
 class LoadReport:
-    """The inference server's answer on GET /weightship/v1/loaded."""
+    """The inference server's answer on GET /weightship/v1/loaded: what it loaded.
+    Servers build their answer with ``to_json``, the verifier reads it with ``from_json``."""
 
     state: LoadState
     manifest_digest: str | None = None
@@ -59,6 +60,19 @@ class LoadReport:
             seeded_from=_opt_str(doc.get("seededFrom")),
             load_seconds=float(seconds) if isinstance(seconds, int | float) else None,
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The document the inference server answers (the inverse of ``from_json``)."""
+        return {
+            "manifestDigest": self.manifest_digest,
+            "verified": self.verified,
+            "state": self.state,
+            "reason": self.reason,
+            "message": self.message,
+            "source": self.source,
+            "seededFrom": self.seeded_from,
+            "loadSeconds": self.load_seconds,
+        }
 
 
 def _opt_str(value: object) -> str | None:

@@ -21,9 +21,8 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from prometheus_client import (
@@ -35,6 +34,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from weightship.core.verification import LoadReport
 from weightship.data.manifest import Manifest
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
@@ -51,19 +51,6 @@ LOADED_PATH = "/weightship/v1/loaded"
 COMPLETIONS_PATH = "/v1/completions"
 MODEL_NAME = "tinyllm"
 MAX_TOKENS_LIMIT = 4096  # as spec.validation.goldenPrompts[].maxTokens
-State = Literal["Loading", "Loaded", "Failed"]
-
-
-@dataclass
-class Status:
-    state: State = "Loading"
-    digest: str | None = None
-    verified: bool = False
-    reason: str | None = None
-    message: str | None = None
-    source: str | None = None
-    seeded_from: str | None = None
-    load_seconds: float | None = None
 
 
 class Metrics:
@@ -99,7 +86,7 @@ class App:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.status = Status(digest=settings.manifest_digest)
+        self.status = LoadReport(state="Loading", manifest_digest=settings.manifest_digest)
         self.model: TinyLLM | None = None
         self.metrics = Metrics(settings.revision)
         self.errors = ErrorInjector(settings.error_rate)
@@ -119,9 +106,9 @@ class App:
             return
         self.metrics.load_seconds.labels(self.settings.revision).set(got.seconds)
         self.model = model
-        self.status = Status(
+        self.status = LoadReport(
             state="Loaded",
-            digest=got.manifest.digest,
+            manifest_digest=got.manifest.digest,
             verified=got.verified,
             source=got.source,
             seeded_from=got.seeded_from,
@@ -153,23 +140,15 @@ class App:
 
     def _failed(self, reason: str, message: str, digest: str | None) -> None:
         log.error("refusing to serve: %s: %s", reason, message)
-        self.status = Status(
-            state="Failed", digest=digest or self.status.digest, reason=reason, message=message
+        self.status = LoadReport(
+            state="Failed",
+            manifest_digest=digest or self.status.manifest_digest,
+            reason=reason,
+            message=message,
         )
 
     def loaded_report(self) -> dict[str, Any]:
-        s = self.status
-        return {
-            "manifestDigest": s.digest,
-            "verified": s.verified,
-            "state": s.state,
-            "reason": s.reason,
-            "message": s.message,
-            "source": s.source,
-            "seededFrom": s.seeded_from,
-            "loadSeconds": s.load_seconds,
-            "revision": self.settings.revision,
-        }
+        return {**self.status.to_json(), "revision": self.settings.revision}
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         model, status = self.model, self.status
