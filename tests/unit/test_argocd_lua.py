@@ -215,6 +215,8 @@ def test_argocd_cm_patch_is_in_sync() -> None:
     assert spec is not None and spec.loader is not None
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
+    for path, script in render.render_actions().items():
+        assert path.read_text() == script, f"{path} is stale: run python argocd/render.py"
     patch = render.render()
     assert (ARGOCD / "argocd-cm-patch.yaml").read_text() == patch, "run python argocd/render.py"
     doc = render.DOC.read_text()
