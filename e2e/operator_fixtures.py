@@ -20,7 +20,10 @@ from weightship.dev import testkit
 from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 from weightship.testing.tinyllm import Variant
+from weightship.testing.tinyllm import deploy as tinyllm
 from weightship.testing.tinyllm.build import publish_versions
+
+PROCESS_NODES = {"weightship.io/node-kind": "process"}
 
 
 @dataclass
@@ -138,7 +141,7 @@ def rollout_body(
             "template": {
                 "metadata": {"labels": {"app": name}},
                 "spec": {
-                    "nodeSelector": {"weightship.io/node-kind": "process"},
+                    "nodeSelector": PROCESS_NODES,
                     "terminationGracePeriodSeconds": 2,
                     "containers": [
                         {
@@ -176,16 +179,12 @@ def rollout_body(
     }
 
 
-TINYLLM_PORT = 8000
-
-
 def tinyllm_rollout_body(
     name: str,
     uri: str,
     revision: str,
     steps: list[dict[str, Any]],
     endpoint: str,
-    golden_prompts: list[dict[str, Any]],
     replicas: int = 2,
     env: dict[str, str] | None = None,
     **canary: Any,
@@ -193,34 +192,8 @@ def tinyllm_rollout_body(
     """A rollout of the reference inference server (weightship.testing.tinyllm) with
     checksum verification and golden prompts: its pods turn Ready only once verified."""
     body = rollout_body(name, uri, revision, steps, endpoint, replicas, **canary)
-    (container,) = body["spec"]["template"]["spec"]["containers"]
-    container.update(
-        {
-            "command": ["python3", "-m", "weightship.testing.tinyllm", "serve"],
-            "env": [
-                {"name": "PORT", "value": str(TINYLLM_PORT)},
-                *({"name": k, "value": v} for k, v in (env or {}).items()),
-            ],
-            "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
-            "ports": [{"name": "http", "containerPort": TINYLLM_PORT}],
-            "readinessProbe": {
-                "httpGet": {"path": "/healthz", "port": "http"},
-                "periodSeconds": 1,
-            },
-            "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
-        }
-    )
-    body["spec"]["template"]["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
-    body["spec"]["template"]["metadata"]["annotations"] = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(TINYLLM_PORT),
-    }
-    body["spec"]["validation"] = {
-        "checksum": True,
-        "goldenPrompts": golden_prompts,
-        "endpoint": {"port": TINYLLM_PORT},
-        "timeoutSeconds": 10,
-    }
+    body["spec"]["template"] = tinyllm.pod_template(name, node_selector=PROCESS_NODES, env=env)
+    body["spec"]["validation"] = tinyllm.validation()
     return body
 
 

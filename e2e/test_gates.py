@@ -73,9 +73,7 @@ def test_good_revision_is_verified_and_promoted(
     cluster: Any, rollouts: Rollouts, models: dict[str, str]
 ) -> None:
     ns = rollouts.namespace
-    body = tinyllm_rollout_body(
-        "llm", models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint, GOLDEN_PROMPTS
-    )
+    body = tinyllm_rollout_body("llm", models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint)
     rollouts.create(body)
     rollouts.healthy_on("llm", "v1")
     rollouts.set_model("llm", models["v2"], "v2")
@@ -101,7 +99,7 @@ def test_bad_weights_never_serve_and_roll_back(
             ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
         )
         body = tinyllm_rollout_body(
-            "llm", models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint, GOLDEN_PROMPTS
+            "llm", models["v1"], "v1", [{"setWeight": 50}], cluster.s3_endpoint
         )
         body["spec"]["notifications"] = {
             "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}

@@ -18,7 +18,6 @@ from e2e.operator_fixtures import (
 from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.dev import testkit
-from weightship.testing.tinyllm import GOLDEN_PROMPTS
 
 NAMESPACE_PREFIX = "sd-"
 # 1 canary pod at 33 %, then 3: the scale-up the broadcast serves; the pause keeps the
@@ -43,7 +42,6 @@ def start(
         "v1",
         STEPS,
         cluster.s3_endpoint,
-        GOLDEN_PROMPTS,
         replicas=3,
         env={"WEIGHTSHIP_SEED_BUCKET_BYTES": str(1 << 20), **(env or {})},
     )

@@ -34,7 +34,8 @@ from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
 from weightship.dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship.dev.slackreceiver import SlackReceiver
-from weightship.testing.tinyllm import GOLDEN_PROMPTS, Variant
+from weightship.testing.tinyllm import Variant
+from weightship.testing.tinyllm import deploy as tinyllm
 from weightship.testing.tinyllm.build import publish_versions
 
 NAMESPACE = "demo"
@@ -45,7 +46,7 @@ STEPS = [
     {"pause": {"duration": "5s"}},
     {"setWeight": 100},
 ]
-PORT = 8000
+PROCESS = {"weightship.io/node-kind": "process"}
 VERSIONS: tuple[tuple[str, Variant, int], ...] = (
     ("v1", "good", 0),
     ("v2", "good", 1),
@@ -55,47 +56,10 @@ VERSIONS: tuple[tuple[str, Variant, int], ...] = (
 
 
 def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
-    secret_env = [
-        {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": key}}}
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    ]
     return {
         "replicas": 3,
         "selector": {"matchLabels": {"app": "llm"}},
-        "template": {
-            "metadata": {
-                "labels": {"app": "llm"},
-                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT)},
-            },
-            "spec": {
-                "nodeSelector": {"weightship.io/node-kind": "process"},
-                "terminationGracePeriodSeconds": 2,
-                "containers": [
-                    {
-                        "name": "server",
-                        "image": "python:3.11-slim",
-                        "command": ["python3", "-m", "weightship.testing.tinyllm", "serve"],
-                        "env": [
-                            *secret_env,
-                            {"name": "PORT", "value": str(PORT)},
-                            {"name": "SCRATCH_DIR", "value": "/scratch"},
-                            {"name": "OMP_NUM_THREADS", "value": "1"},
-                            {
-                                "name": "NODE_NAME",
-                                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
-                            },
-                        ],
-                        "ports": [{"name": "http", "containerPort": PORT}],
-                        "readinessProbe": {
-                            "httpGet": {"path": "/healthz", "port": "http"},
-                            "periodSeconds": 1,
-                        },
-                        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
-                    }
-                ],
-                "volumes": [{"name": "scratch", "emptyDir": {}}],
-            },
-        },
+        "template": tinyllm.pod_template("llm", node_selector=PROCESS),
         "model": {
             "source": {
                 "uri": uri,
@@ -108,17 +72,10 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
         # Node agents stage the weights on every process node before any canary pod runs.
         "prefetch": {
             "enabled": True,
-            "nodeSelector": {"weightship.io/node-kind": "process"},
+            "nodeSelector": PROCESS,
             "minStagedPercent": 100,
         },
-        # The readiness gate: the loaded digest must be the manifest's, and every golden
-        # prompt must be answered right, before a pod gets traffic.
-        "validation": {
-            "checksum": True,
-            "goldenPrompts": GOLDEN_PROMPTS,
-            "endpoint": {"port": PORT},
-            "timeoutSeconds": 10,
-        },
+        "validation": tinyllm.validation(),
         "seeding": {"broadcast": True, "backend": "gloo", "timeoutSeconds": 30},
         "strategy": {
             "canary": {
