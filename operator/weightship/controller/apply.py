@@ -18,6 +18,7 @@ from weightship.controller.builders import (
     staged_node_label,
 )
 from weightship.controller.kube import Kube
+from weightship.controller.pods import is_true
 from weightship.controller.seeding import scale_up_env
 from weightship.core.decision import Decision
 from weightship.core.observed import Observed
@@ -126,9 +127,7 @@ def open_trivial_gates(kube: Kube, rollout: ModelRollout, pods: list[dict[str, A
         return
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     for pod in pods:
-        conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
-        ready = conditions.get("ContainersReady", {}).get("status") == "True"
-        if ready and conditions.get(VERIFIED_GATE, {}).get("status") != "True":
+        if is_true(pod, "ContainersReady") and not is_true(pod, VERIFIED_GATE):
             kube.patch_pod_condition(
                 pod["metadata"]["namespace"],
                 pod["metadata"]["name"],

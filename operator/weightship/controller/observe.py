@@ -15,6 +15,7 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.controller.kube import Kube
+from weightship.controller.pods import condition, is_true
 from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.analysis import due_queries
 from weightship.core.observed import (
@@ -34,18 +35,6 @@ from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, ma
 log = logging.getLogger(__name__)
 
 MANIFEST_TTL_SECONDS = 30.0
-
-
-def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == ctype:
-            return dict(c)
-    return None
-
-
-def _is_true(pod: dict[str, Any], ctype: str) -> bool:
-    cond = _condition(pod, ctype)
-    return bool(cond and cond.get("status") == "True")
 
 
 def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
@@ -80,7 +69,7 @@ def replica_set_observations(
         failed = []
         loads = []
         for pod in members:
-            gate = _condition(pod, VERIFIED_GATE)
+            gate = condition(pod, VERIFIED_GATE)
             notes = pod["metadata"].get("annotations") or {}
             if (
                 gate
@@ -110,7 +99,7 @@ def replica_set_observations(
                         float(seconds) if isinstance(seconds, int | float) else None,
                     )
                 )
-        ready = sum(_is_true(p, "Ready") for p in members)
+        ready = sum(is_true(p, "Ready") for p in members)
         out.append(
             ReplicaSetObservation(
                 name=rs["metadata"]["name"],
@@ -120,10 +109,10 @@ def replica_set_observations(
                 available=ready,
                 seeded=sum(
                     LOADED_ANNOTATION in (p["metadata"].get("annotations") or {})
-                    or _is_true(p, "ContainersReady")
+                    or is_true(p, "ContainersReady")
                     for p in members
                 ),
-                verified=sum(_is_true(p, VERIFIED_GATE) for p in members),
+                verified=sum(is_true(p, VERIFIED_GATE) for p in members),
                 failed=tuple(failed),
                 loads=tuple(sorted(loads, key=lambda load: load.pod)),
             )

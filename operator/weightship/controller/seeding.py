@@ -13,13 +13,7 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE, seed_env
-
-
-def _true(pod: dict[str, Any], ctype: str) -> bool:
-    return any(
-        c.get("type") == ctype and c.get("status") == "True"
-        for c in (pod.get("status") or {}).get("conditions") or []
-    )
+from weightship.controller.pods import is_true
 
 
 def seed_root(pods: list[dict[str, Any]], revision_hash: str) -> dict[str, Any] | None:
@@ -30,8 +24,8 @@ def seed_root(pods: list[dict[str, Any]], revision_hash: str) -> dict[str, Any] 
         if (p["metadata"].get("labels") or {}).get(REVISION_LABEL) == revision_hash
         and not p["metadata"].get("deletionTimestamp")
         and (p.get("status") or {}).get("podIP")
-        and _true(p, VERIFIED_GATE)
-        and _true(p, "Ready")
+        and is_true(p, VERIFIED_GATE)
+        and is_true(p, "Ready")
     ]
     if not candidates:
         return None

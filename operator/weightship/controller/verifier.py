@@ -26,6 +26,7 @@ from weightship.api.spec import GoldenPrompt
 from weightship.controller import metrics
 from weightship.controller.builders import DIGEST_ANNOTATION, GROUP, VERIFIED_GATE
 from weightship.controller.kube import Kube
+from weightship.controller.pods import condition
 from weightship.core.verification import (
     IN_PROGRESS_REASONS,
     PENDING,
@@ -54,13 +55,6 @@ class ServerError(Exception):
     """The server did not answer usefully (connection, timeout, 5xx): not a verdict."""
 
 
-def gate_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == VERIFIED_GATE:
-            return dict(c)
-    return None
-
-
 def restarts(pod: dict[str, Any]) -> str:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return str(sum(int(c.get("restartCount") or 0) for c in statuses))
@@ -73,7 +67,7 @@ def needs_check(pod: dict[str, Any]) -> bool:
     status = pod.get("status") or {}
     if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
         return False
-    gate = gate_condition(pod)
+    gate = condition(pod, VERIFIED_GATE)
     if gate is None:
         return True
     if gate.get("status") != "True" and gate.get("reason") in IN_PROGRESS_REASONS:
@@ -158,7 +152,7 @@ class Verifier:
             prompts=list(validation.golden_prompts),
             path=validation.endpoint.path,
             timeout_s=float(validation.timeout_seconds),
-            current=gate_condition(pod),
+            current=condition(pod, VERIFIED_GATE),
             restarts=restarts(pod),
             restarted=(meta.get("annotations") or {}).get(RESTARTS_ANNOTATION, restarts(pod))
             != restarts(pod),
@@ -189,7 +183,8 @@ class Verifier:
 
     def _verify(self, check: _Check) -> tuple[LoadReport | None, GateVerdict]:
         try:
-            report = LoadReport.from_json(self._get_json(check.base_url + LOADED_PATH, check))
+            loaded = self._request("GET", check.base_url + LOADED_PATH, None, check.timeout_s)
+            report = LoadReport.from_json(loaded)
         except (ServerError, ValueError) as e:
             return None, GateVerdict("False", PENDING, f"waiting for the server: {e}")
         verdict = load_verdict(report, check.want_digest, check.checksum)
@@ -206,9 +201,6 @@ class Verifier:
             if not outcome.passed:
                 break
         return report, prompts_verdict(report, outcomes, check.checksum)
-
-    def _get_json(self, url: str, check: _Check) -> dict[str, Any]:
-        return self._request("GET", url, None, check.timeout_s)
 
     @retry(
         retry=retry_if_exception_type(ServerError),
