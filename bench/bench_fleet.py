@@ -119,6 +119,8 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint
             *("--run-dir", str(RUN_DIR), "--workers", str(args.workers)),
             *("--timeout", str(args.timeout)),
             *(["--no-claims"] if mode == "p2p-no-claims" else []),
+            *(["--no-pacing"] if mode in ("p2p-unpaced", "p2p-round2") else []),
+            *(["--per-owner", "0"] if mode == "p2p-round2" else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -188,8 +190,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--modes",
         default="p2p,origin-only",
-        help="p2p, p2p-no-claims (tail claims off), origin-only",
+        help="p2p, p2p-no-claims (tail claims off), p2p-unpaced (peer intake not paced), "
+        "p2p-round2 (neither paced nor a per-owner limit: the code before round 3), origin-only",
     )
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
     args = p.parse_args(argv)
@@ -222,14 +226,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pass  # uploaded once; the gateway in the origin namespace serves the same dir
         setup_network(args.nodes, args.rate_mbit)
         with versitygw(ORIGIN_IP, ORIGIN_PORT, netns=ORIGIN_NS) as endpoint:
-            for mode in args.modes.split(","):
-                results[mode] = run_fleet(mode, args, manifest_path, endpoint)
+            results["rounds"] = []
+            for _ in range(args.rounds):  # interleaved, so load drifts hit every mode alike
+                for mode in args.modes.split(","):
+                    results[mode] = run_fleet(mode, args, manifest_path, endpoint)
+                    results["rounds"].append(summary(results[mode], manifest.total_size, rate))
     finally:
         cleanup()
     results["loadavg_after"] = os.getloadavg()[0]
     (WORK / "fleet-results.json").write_text(json.dumps(results, indent=1))
     report(results)
     return results
+
+
+def summary(run: dict[str, Any], size: int, rate: float) -> dict[str, Any]:
+    return {
+        "mode": run["mode"],
+        "x_bound": run["seconds"] / (size / rate),
+        "origin_wire_x": run["origin_tx_bytes"] / size,
+        "loadavg": os.getloadavg()[0],
+    }
 
 
 def report(r: dict[str, Any]) -> None:
@@ -239,7 +255,13 @@ def report(r: dict[str, Any]) -> None:
         f"{r['chunk_mib']} MiB chunks, {r['workers']} workers\n"
     )
     rows = [["bound S/B", f"{bound:.1f}", "", "1.00", "", "", "", ""]]
-    for mode, mult in (("p2p", 1), ("p2p-no-claims", 1), ("origin-only", n)):
+    for mode, mult in (
+        ("p2p", 1),
+        ("p2p-no-claims", 1),
+        ("p2p-unpaced", 1),
+        ("p2p-round2", 1),
+        ("origin-only", n),
+    ):
         if mode not in r:
             continue
         m = r[mode]
@@ -257,7 +279,7 @@ def report(r: dict[str, Any]) -> None:
         )
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
-    for mode in ("p2p", "p2p-no-claims"):
+    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2"):
         if mode not in r:
             continue
         m = r[mode]
@@ -287,6 +309,23 @@ def report(r: dict[str, Any]) -> None:
         ]
         header = ["node", "done s", "origin done s", "claimed", "origin MiB", "peer not-yet"]
         print(table(header, rows))
+    if len(r["rounds"]) > len({x["mode"] for x in r["rounds"]}):
+        print("\nevery round (x S/B; origin wire x S; load average after the run):\n")
+        modes = list(dict.fromkeys(x["mode"] for x in r["rounds"]))
+        rows = []
+        for mode in modes:
+            runs = [x for x in r["rounds"] if x["mode"] == mode]
+            ratios = sorted(x["x_bound"] for x in runs)
+            rows.append(
+                [
+                    mode,
+                    " ".join(f"{x['x_bound']:.2f}" for x in runs),
+                    f"{ratios[len(ratios) // 2]:.2f}",
+                    f"{max(x['origin_wire_x'] for x in runs):.3f}",
+                    " ".join(f"{x['loadavg']:.1f}" for x in runs),
+                ]
+            )
+        print(table(["mode", "x S/B, in order", "median", "max origin x S", "load"], rows))
     print(f"load average before/after: {r['loadavg_before']:.2f} / {r['loadavg_after']:.2f}")
 
 

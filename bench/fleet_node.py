@@ -22,7 +22,7 @@ from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import ChunkNotOnPeerError, PeerBusyError, PeerClient, PeerServer
 from weightship.data.s3 import S3Location, S3Origin, make_client
-from weightship.data.stage import StageProgress, stage
+from weightship.data.stage import PER_OWNER, StageProgress, stage
 
 
 class CountingClient(PeerClient):
@@ -106,6 +106,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             client=client,
             progress=progress,
             policy=FetchPolicy(steal_after_s=None) if args.no_claims else None,
+            per_owner=args.per_owner or None,
+            pace_intake=not args.no_pacing,
         )
         seconds = time.time() - start_at
         cpu_s = time.process_time() - cpu_before  # every thread of this node, peer server too
@@ -143,6 +145,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--no-claims", action="store_true", help="no tail claims (the baseline)")
+    p.add_argument(
+        "--per-owner", type=int, default=PER_OWNER, help="peer fetches per owner (0: FIFO lane)"
+    )
+    p.add_argument("--no-pacing", action="store_true", help="peer intake not paced")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     try:

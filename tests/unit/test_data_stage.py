@@ -457,6 +457,37 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
     assert origin.reads == 1
 
 
+def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(8 * CHUNK, 9)})
+    owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
+    origin, sink = CountingOrigin(src), MemorySink()
+    with (
+        PeerServer(owner_store, "127.0.0.1") as owner_server,
+        PeerServer(claimant_store, "127.0.0.1") as claimant_server,
+    ):
+        fetcher = ChunkFetcher(
+            node="claimant",
+            peers=[Peer("owner", owner_server.address), Peer("claimant", claimant_server.address)],
+            origin=origin,
+            sink=sink,
+            metrics=metrics()[0],
+            chunks=m.chunks,
+            policy=FAST,
+            claims=claimant_store.claims,
+        )
+        queue = [c.sha256 for c in m.chunks if fetcher.owner_of(c.sha256) == "owner"]
+        assert len(queue) == 4
+        owner_store.claims.start(queue[1])  # the owner is fetching its second chunk
+        fetcher.claim_tails()
+    # Its last two were claimed and fetched here, its second was refused (started), and
+    # the loop stopped there: the first alone is no sign of a slow owner.
+    assert set(sink.chunks) == set(queue[2:])
+    assert origin.reads == 2
+    granted = [owner_store.claims.claimant(sha) for sha in queue]
+    assert granted == [None, None, "claimant", "claimant"]
+
+
 def test_file_digests_match_the_manifest(tmp_path: Path) -> None:
     m = make_model(tmp_path / "src", {"w.bin": random_bytes(3 * CHUNK + 7, 7)})
     store = ChunkStore(tmp_path / "cache")

@@ -289,28 +289,52 @@ class ChunkFetcher:
             and self.owners.get(chunk.sha256) != self.node  # its own, given away: wait
         )
 
-    def _claim_tail(self, owner: str) -> None:
+    def claim_tails(self) -> None:
+        """Once this node's own origin queue is done, keep its origin slot busy: claim the
+        tail of the owner it misses the most chunks of, again and again, until no owner
+        is behind. The origin link then stays full to the end, instead of idling while
+        the slowest owners finish their queues alone."""
+        if self.policy.steal_after_s is None:
+            return
+        while not self.cancel.is_set() and (owner := self._most_behind()) is not None:
+            self._claim_tail(owner, blocking=True)
+
+    def _claimable(self, owner: str) -> list[str]:
+        """``owner``'s chunks this node lacks and has not asked for, in its fetch order."""
+        return [
+            sha
+            for sha in self._queues.get(owner, [])
+            if sha not in self._claim_refused
+            and sha not in self._claimed_here
+            and not self.sink.has(sha)
+        ]
+
+    def _most_behind(self) -> str | None:
+        """The live owner with the most claimable chunks, if that is at least two (its
+        first is the one it is fetching now)."""
+        avoided = self.health.avoided()
+        counts = {
+            owner: len(self._claimable(owner))
+            for owner in self._queues
+            if owner in self.address and owner not in avoided
+        }
+        owner = max(counts, key=lambda o: counts[o], default=None)
+        return owner if owner is not None and counts[owner] >= 2 else None
+
+    def _claim_tail(self, owner: str, *, blocking: bool = False) -> None:
         """``owner`` is slow: claim the last chunk of its queue that nobody has taken yet
         (it is fetching the first ones) and fetch it from the origin here."""
-        if owner not in self.address or not self._steal_slot.acquire(blocking=False):
+        if owner not in self.address or not self._steal_slot.acquire(blocking=blocking):
             return
         try:
-            target = next(
-                (
-                    sha
-                    for sha in reversed(self._queues.get(owner, []))
-                    if sha not in self._claim_refused
-                    and sha not in self._claimed_here
-                    and not self.sink.has(sha)
-                ),
-                None,
-            )
+            target = next(reversed(self._claimable(owner)), None)
             if target is None:
                 return
             try:
                 granted, holder = self.client.claim(self.address[owner], target, self.node)
             except PeerError:
-                return  # the next round's fetch finds out whether it is dead
+                self._claim_refused.add(target)  # the fetch finds out whether it is dead
+                return
             if not granted:
                 self._claim_refused.add(target)
                 if holder:

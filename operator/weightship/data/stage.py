@@ -6,6 +6,7 @@ fetched again, and the model is marked staged only after every file is in place.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -25,13 +26,15 @@ from weightship.data.fetcher import (
     TokenBucket,
     fetch_order,
 )
+from weightship.data.lanes import IntakePacer, KeyedLane
 from weightship.data.manifest import ChunkEntry, Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient
 
 ORIGIN_LANE_WORKERS = 1  # with peers: workers fetching this node's own chunks from origin
-PEER_LANE_MAX = 16  # peer-lane workers at most (one per other owner below that)
+PEER_LANE_MAX = 16  # peer-lane workers at most (PER_OWNER per other owner below that)
+PER_OWNER = 2  # peer-lane fetches in flight from one owner (lanes.py says why two)
 
 
 class StageCancelledError(RuntimeError):
@@ -95,6 +98,8 @@ def stage(
     pinned: Collection[str] = (),
     policy: FetchPolicy | None = None,
     workers: int = 4,
+    per_owner: int | None = PER_OWNER,
+    pace_intake: bool = True,
     bandwidth: TokenBucket | None = None,
     client: PeerClient | None = None,
     progress: ProgressCallback | None = None,
@@ -103,8 +108,11 @@ def stage(
     """Stage ``manifest`` into ``store``; return where its files are and where bytes came from.
 
     ``peers`` are the live agents (this node may be among them), ``pinned`` the models
-    that must not be evicted to make room. Raises InsufficientSpaceError before fetching
-    anything when the model cannot fit.
+    that must not be evicted to make room. ``per_owner``: peer fetches in flight from one
+    owner at most (None: no limit, a worker per other owner); ``pace_intake``: peer fetches
+    keep pace with this node's own origin queue (lanes.IntakePacer). Both are on by
+    default; the benchmark turns them off for its baseline.
+    Raises InsufficientSpaceError before fetching anything when the model cannot fit.
     """
     started = time.monotonic()
     tally = _Tally(manifest.total_size, progress)
@@ -124,7 +132,7 @@ def stage(
                 claims=store.claims,
             )
             try:
-                _stage(staging, fetcher, tally, pinned, workers, fetcher.cancel)
+                _stage(staging, fetcher, tally, pinned, workers, per_owner, pace_intake)
             finally:
                 store.claims.forget(c.sha256 for c in manifest.chunks)
         else:
@@ -145,9 +153,10 @@ def _stage(
     tally: _Tally,
     pinned: Collection[str],
     workers: int,
-    cancel: threading.Event,
+    per_owner: int | None,
+    pace_intake: bool,
 ) -> None:
-    manifest, store = staging.manifest, staging.store
+    manifest, store, cancel = staging.manifest, staging.store, fetcher.cancel
     chunks = manifest.chunks
     done = staging.journaled()  # verified on resume; never fetched again
     tally.add("local", sum(chunks[i].size for i in done))
@@ -184,11 +193,20 @@ def _stage(
     # waits for) never queue behind peer fetches that are waiting for a chunk to land.
     owned = [c for c in order if fetcher.owner_of(c.sha256) == fetcher.node]
     others = [c for c in order if fetcher.owner_of(c.sha256) != fetcher.node]
-    # The peer lane has a worker per other owner (capped): each waits on its owner's
-    # next chunk, so one slow owner never holds up the chunks the others already have.
+    # The peer lane runs at most PER_OWNER fetches per owner, so the workers waiting on
+    # a slow owner never hold up the chunks the others already have (lanes.py).
     other_owners = len({fetcher.owner_of(c.sha256) for c in others})
     origin_workers = max(1, ORIGIN_LANE_WORKERS if others else workers)
-    peer_workers = max(1, workers - origin_workers, min(PEER_LANE_MAX, other_owners))
+    per_owner_workers = per_owner or 1  # None: a worker per other owner, one FIFO queue
+    peer_workers = max(
+        1, workers - origin_workers, min(PEER_LANE_MAX, per_owner_workers * other_owners)
+    )
+    pacer = IntakePacer(
+        own_bytes=sum(c.size for c in owned),
+        peer_bytes=sum(c.size for c in others),
+        # one chunk from every other owner: the intake one own chunk pays for
+        slack_bytes=max((c.size for c in others), default=0) * other_owners,
+    )
     own_left = [len(owned)]  # this node's origin queue, counted down as chunks land
     own_lock = threading.Lock()
     if not owned:
@@ -200,21 +218,33 @@ def _stage(
             if fetcher.claims.claimant(chunk.sha256):
                 # A peer claimed it: it comes from that peer, on the peer lane, so this
                 # node's origin stream goes on with its next chunk.
-                deferred.append(peer_lane.submit(fetch_one, chunk))
+                claimant = fetcher.owner_of(chunk.sha256)
+                deferred.append(peer_lane.submit(claimant, functools.partial(fetch_one, chunk)))
             else:
                 fetch_one(chunk)
         finally:
+            pacer.own_progress(chunk.size)
             with own_lock:
                 own_left[0] -= 1
                 if own_left[0] == 0:
                     fetcher.origin_idle.set()
 
+    def fetch_other(chunk: ChunkEntry) -> None:
+        if pace_intake:
+            pacer.admit(chunk.size, cancel)
+        fetch_one(chunk)
+
     with (
         ThreadPoolExecutor(origin_workers, thread_name_prefix="origin") as origin_lane,
-        ThreadPoolExecutor(peer_workers, thread_name_prefix="peer") as peer_lane,
+        KeyedLane(peer_workers, per_owner or peer_workers, name="peer") as peer_lane,
     ):
         futures = [origin_lane.submit(fetch_own, c) for c in owned]
-        futures += [peer_lane.submit(fetch_one, c) for c in others]
+        if others:  # then the origin lane takes slow owners' tails (fetcher.claim_tails)
+            futures.append(origin_lane.submit(fetcher.claim_tails))
+        futures += [
+            peer_lane.submit(fetcher.owner_of(c.sha256), functools.partial(fetch_other, c))
+            for c in others
+        ]
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
         if not any(f.exception() for f in finished):
             # Every origin-lane task is done, so every deferred chunk has been submitted.
