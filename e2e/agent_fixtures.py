@@ -154,8 +154,10 @@ class Agents:
         manifests = (self.cache(node).get("status") or {}).get("manifests") or []
         return next((m for m in manifests if m["digest"] == digest), {})
 
-    def wait_staged(self, digest: str, timeout: float = 90) -> dict[str, dict[str, Any]]:
-        nodes = self.cluster.process_nodes
+    def wait_staged(
+        self, digest: str, timeout: float = 90, nodes: list[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        nodes = nodes or self.cluster.process_nodes
 
         def all_staged() -> dict[str, dict[str, Any]] | None:
             entries = {n: self.entry(n, digest) for n in nodes}

@@ -35,6 +35,7 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     root = tmp_path_factory.mktemp("models")
     uris = publish_models(cluster.s3_endpoint, bucket, root, ["v1"], size=6 * MiB)
     uris |= publish_models(cluster.s3_endpoint, bucket, root, ["v2"], size=8 * MiB + 12345)
+    uris |= publish_models(cluster.s3_endpoint, bucket, root, ["late"], size=6 * MiB)
     yield uris
     testkit.empty_bucket(s3, bucket)
     s3.delete_bucket(Bucket=bucket)
@@ -192,3 +193,45 @@ def test_restarted_agent_resumes_without_refetching(
     assert sorted(map(int, lines)) == list(range(len(manifest.chunks)))
     assert_files_match(cluster, manifest)
     rollouts.healthy_on("llm", "v2")
+
+
+def test_a_node_joining_late_takes_the_model_from_peers_not_the_origin(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    manifest = read_manifest(cluster.s3_endpoint, models["late"])
+    *early, late = cluster.process_nodes
+    wave = "weightship-e2e/wave"
+
+    def label(node: str, value: str | None) -> None:
+        cluster.core.patch_node(node, {"metadata": {"labels": {wave: value}}})
+
+    body = prefetching_rollout(cluster, models["late"], "late")
+    body["spec"]["prefetch"]["nodeSelector"] = {**PROCESS, wave: "early"}
+    try:
+        for node in early:
+            label(node, "early")
+        rollouts.create(body)
+        agents.wait_staged(manifest.digest, nodes=early)
+        assert agents.entry(late, manifest.digest) == {}, "the late node staged it too early"
+        # The late node joins: the rollout now selects every process node.
+        rollouts.custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            rollouts.namespace,
+            "modelrollouts",
+            "llm",
+            {"spec": {"prefetch": {"nodeSelector": {wave: None}}}},
+        )
+        entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
+    finally:
+        for node in early:
+            label(node, None)
+    print(
+        f"\n{late} joined late: {entry['bytesFromPeers']} B from peers, "
+        f"{entry['bytesFromOrigin']} B from the origin"
+    )
+    # Its own share of the chunks came from the nodes that had the model: the origin
+    # served it nothing.
+    assert entry["bytesFromOrigin"] == 0
+    assert entry["bytesFromPeers"] == entry["bytesTotal"] == manifest.total_size
+    assert_files_match(cluster, manifest)

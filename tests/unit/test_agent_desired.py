@@ -12,6 +12,7 @@ from weightship.agent.desired import (
     parse_quantity,
     retry_delay_s,
     selector_matches,
+    staged_on,
     wanted,
 )
 
@@ -174,3 +175,24 @@ def test_live_peers_excludes_self_stale_and_endpointless() -> None:
         cache("never", "10.0.0.5:8479", None),
     ]
     assert live_peers(caches, "me", now, 180) == [("a", "10.0.0.2:8479"), ("b", "10.0.0.3:8479")]
+
+
+def test_staged_on_names_the_nodes_with_a_whole_copy() -> None:
+    digest, other = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+
+    def cache(node: str, *manifests: tuple[str, str]) -> dict[str, Any]:
+        return {
+            "metadata": {"name": node},
+            "spec": {"nodeName": node},
+            "status": {"manifests": [{"digest": d, "state": s} for d, s in manifests]},
+        }
+
+    caches = [
+        cache("done", (digest, "Staged")),
+        cache("busy", (digest, "Staging")),
+        cache("failed", (digest, "Failed")),
+        cache("elsewhere", (other, "Staged")),
+        cache("both", (other, "Staged"), (digest, "Staged")),
+        {"metadata": {"name": "bare"}},
+    ]
+    assert staged_on(caches, digest) == {"done", "both"}

@@ -373,6 +373,40 @@ class SlowOrigin(CountingOrigin):
         return self.shared.read_range(path, offset, size)
 
 
+@pytest.mark.parametrize("told", [True, False])
+def test_a_node_joining_late_takes_its_own_chunks_from_nodes_that_have_the_model(
+    tmp_path: Path, told: bool
+) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {f"shard-{i}.bin": random_bytes(4 * CHUNK, 30 + i) for i in range(3)})
+    origin = CountingOrigin(src)
+    early = ["node-a", "node-b"]
+    stores = {n: ChunkStore(tmp_path / n) for n in [*early, "late"]}
+    for n in early:
+        put_model(stores[n], m, src)
+    with ExitStack() as stack:
+        servers = {n: stack.enter_context(PeerServer(s, "127.0.0.1")) for n, s in stores.items()}
+        peers = [Peer(n, server.address) for n, server in servers.items()]
+        r = stage(
+            m,
+            stores["late"],
+            origin,
+            peers,
+            node="late",
+            metrics=metrics()[0],
+            policy=FAST,
+            holders=early if told else (),
+        )
+    assert stores["late"].is_staged(m.digest) and same_files(m, stores["late"], src)
+    owned = rendezvous.balanced_owners([c.sha256 for c in m.chunks], sorted(stores))
+    own_bytes = sum(c.size for c in m.chunks if owned[c.sha256] == "late")
+    assert own_bytes > 0
+    if told:  # its own share came from the nodes that had it: nothing from the origin
+        assert origin.reads == 0 and r.from_peers == m.total_size
+    else:  # the baseline: it fetches the chunks it owns from the origin
+        assert r.from_origin == origin.bytes == own_bytes
+
+
 def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
     tmp_path: Path,
 ) -> None:

@@ -215,6 +215,19 @@ def live_peers(
     return sorted(out)
 
 
+def staged_on(caches: Iterable[Mapping[str, Any]], digest: str) -> set[str]:
+    """The nodes whose cache reports ``digest`` as Staged: whole, verified copies."""
+    out = set()
+    for c in caches:
+        node = (c.get("spec") or {}).get("nodeName") or (c.get("metadata") or {}).get("name")
+        manifests = (c.get("status") or {}).get("manifests") or []
+        if node and any(
+            m.get("digest") == digest and m.get("state") == "Staged" for m in manifests
+        ):
+            out.add(str(node))
+    return out
+
+
 def _parse_time(value: object) -> datetime | None:
     if not isinstance(value, str):
         return None

@@ -228,12 +228,13 @@ class Agent:
             with self.lock:
                 pinned = {w.digest for w in self.wants} | {digest}
             self._make_room(manifest, pinned)
-            peers = self._peers() if want.peer_to_peer else []
+            peers, holders = self._peers(digest) if want.peer_to_peer else ([], set())
             log.info(
-                "staging %s (%d bytes) with %d peers%s",
+                "staging %s (%d bytes) with %d peers (%d have it staged)%s",
                 digest,
                 manifest.total_size,
                 len(peers),
+                len(holders),
                 f", capped at {want.bandwidth_limit} B/s" if want.bandwidth_limit else "",
             )
             result = stage(
@@ -248,6 +249,7 @@ class Agent:
                 bandwidth=TokenBucket(want.bandwidth_limit) if want.bandwidth_limit else None,
                 progress=lambda p: self._progress(digest, p),
                 cancel=cancel,
+                holders=holders,
             )
         except StageBusyError:
             # Another process holds the model's lock: a previous agent on this node that
@@ -342,12 +344,14 @@ class Agent:
         client = make_client(S3Settings.from_secret(source.endpoint, source.region, creds))
         return S3Origin(client, S3Location.parse(source.uri))
 
-    def _peers(self) -> list[Peer]:
+    def _peers(self, digest: str) -> tuple[list[Peer], set[str]]:
+        """The live agents, and those of them that have ``digest`` staged already."""
         caches = self.kube.weight_caches()
         with self.lock:
             self.node_count = max(1, len(caches))
         found = desired.live_peers(caches, self.cfg.node_name, self.now(), PEER_MAX_AGE_S)
-        return [Peer(node, address) for node, address in found]
+        holders = desired.staged_on(caches, digest) & {node for node, _ in found}
+        return [Peer(node, address) for node, address in found], holders
 
     def _make_room(self, manifest: Manifest, pinned: set[str]) -> None:
         """Evict unpinned models (LRU) before staging, reporting them as Evicting first."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -188,14 +188,18 @@ class ChunkFetcher:
         health: PeerHealth | None = None,
         cancel: threading.Event | None = None,
         claims: ClaimBoard | None = None,
+        holders: Collection[str] = (),
     ) -> None:
         """``chunks``: the whole manifest's, in manifest order, so that every node computes
         the same balanced owners (a chunk not among them gets its rendezvous owner).
-        ``claims``: this node's board, shared with its peer server (``ChunkStore.claims``)."""
+        ``claims``: this node's board, shared with its peer server (``ChunkStore.claims``).
+        ``holders``: peers known to have the whole model staged (a node joining late):
+        this node takes its own chunks from them before going to the origin."""
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
         self.owners = rendezvous.balanced_owners((c.sha256 for c in chunks), self.nodes)
+        self.holders = sorted(set(holders) & set(self.address))
         self.origin = origin
         self.sink = sink
         self.metrics = metrics
@@ -257,6 +261,8 @@ class ChunkFetcher:
             if not live or live[0] == self.node:
                 claimant = self.claims.start(chunk.sha256)
                 if claimant is None or claimant not in self.address or claimant in avoided:
+                    if self._from_holders(chunk, avoided):
+                        return "peer"
                     self._from_origin(chunk)
                     return "origin"
                 continue  # granted to a peer meanwhile: the ranking now starts with it
@@ -351,6 +357,12 @@ class ChunkFetcher:
                 done.set()
         finally:
             self._steal_slot.release()
+
+    def _from_holders(self, chunk: ChunkEntry, avoided: set[str]) -> bool:
+        """Ask up to ``peers_per_round`` live holders of the whole model (rendezvous order,
+        so the load spreads) before this node fetches a chunk from the origin."""
+        ranked = [n for n in rendezvous.rank(self.holders, chunk.sha256) if n not in avoided]
+        return any(self._from_peer(n, chunk) for n in ranked[: self.policy.peers_per_round])
 
     def _from_peer(self, node: str, chunk: ChunkEntry, wait_s: float = 0.0) -> bool:
         try:

@@ -104,11 +104,13 @@ def stage(
     client: PeerClient | None = None,
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
+    holders: Collection[str] = (),
 ) -> StageResult:
     """Stage ``manifest`` into ``store``; return where its files are and where bytes came from.
 
-    ``peers`` are the live agents (this node may be among them), ``pinned`` the models
-    that must not be evicted to make room. ``per_owner``: peer fetches in flight from one
+    ``peers`` are the live agents (this node may be among them), ``holders`` those of
+    them known to have the whole model staged, ``pinned`` the models that must not be
+    evicted to make room. ``per_owner``: peer fetches in flight from one
     owner at most (None: no limit, a worker per other owner); ``pace_intake``: peer fetches
     keep pace with this node's own origin queue (lanes.IntakePacer). Both are on by
     default; the benchmark turns them off for its baseline.
@@ -130,6 +132,7 @@ def stage(
                 bandwidth=bandwidth,
                 cancel=cancel,
                 claims=store.claims,
+                holders=holders,
             )
             try:
                 _stage(staging, fetcher, tally, pinned, workers, per_owner, pace_intake)
