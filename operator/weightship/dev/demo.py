@@ -219,12 +219,12 @@ class Demo:
         )
 
     def run(self) -> None:
+        uris = self.setup()  # brings the cluster up, and with it the bridge Slack binds to
         with SlackReceiver(host=BRIDGE_IP) as slack:
             self.slack = slack
-            self._run()
+            self._run(uris)
 
-    def _run(self) -> None:
-        uris = self.setup()
+    def _run(self, uris: dict[str, str]) -> None:
         client.CoreV1Api(self.api).create_namespaced_secret(
             NAMESPACE,
             {"metadata": {"name": "slack-webhook"}, "stringData": {"url": self.slack.url}},
