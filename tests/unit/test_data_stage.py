@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data import chunkstore, rendezvous
 from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, InsufficientSpaceError
+from weightship.data.claims import ClaimBoard
 from weightship.data.fetcher import (
     ChunkFetcher,
     FetchCancelledError,
@@ -529,6 +530,26 @@ def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) ->
     assert origin.reads == 2
     granted = [owner_store.claims.claimant(sha) for sha in queue]
     assert granted == [None, None, "claimant", "claimant"]
+
+
+def test_owner_of_is_the_head_of_the_ranking(tmp_path: Path) -> None:
+    m = make_model(tmp_path / "src", {"w.bin": random_bytes(9 * CHUNK, 11)})
+    claims = ClaimBoard()
+    fetcher = ChunkFetcher(
+        node="n1",
+        peers=[Peer(n, f"127.0.0.1:{i}") for i, n in enumerate(["n1", "n2", "n3"], 1)],
+        origin=CountingOrigin(tmp_path / "src"),
+        sink=MemorySink(),
+        metrics=metrics()[0],
+        chunks=m.chunks,
+        claims=claims,
+    )
+    first, second = m.chunks[0].sha256, m.chunks[1].sha256
+    claims.grant(first, "n3")  # given away to a known peer
+    claims.grant(second, "stranger")  # to a node this one was not told of
+    for c in m.chunks:
+        assert fetcher.owner_of(c.sha256) == fetcher.ranking(c.sha256)[0]
+    assert fetcher.owner_of(first) == "n3"
 
 
 def test_file_digests_match_the_manifest(tmp_path: Path) -> None:

@@ -231,6 +231,11 @@ class ChunkFetcher:
         return rendezvous.rank_with_owner(self.nodes, sha256, owner)
 
     def owner_of(self, sha256: str) -> str:
+        """``ranking(sha256)[0]``, without ranking every node when the owner is known: the
+        stage asks this for every chunk several times, and a ranking hashes each node."""
+        owner = self.claims.claimant(sha256) or self.owners.get(sha256)
+        if owner is not None and (owner == self.node or owner in self.address):
+            return owner
         return self.ranking(sha256)[0]
 
     def fetch(self, chunk: ChunkEntry) -> Source:
