@@ -210,8 +210,6 @@ def _stage(
         # one chunk from every other owner: the intake one own chunk pays for
         slack_bytes=max((c.size for c in others), default=0) * other_owners,
     )
-    own_left = [len(owned)]  # this node's origin queue, counted down as chunks land
-    own_lock = threading.Lock()
     if not owned:
         fetcher.origin_idle.set()
     deferred: list[Future[None]] = []
@@ -226,11 +224,8 @@ def _stage(
             else:
                 fetch_one(chunk)
         finally:
-            pacer.own_progress(chunk.size)
-            with own_lock:
-                own_left[0] -= 1
-                if own_left[0] == 0:
-                    fetcher.origin_idle.set()
+            if pacer.own_progress(chunk.size):  # chunks are never empty: bytes count them
+                fetcher.origin_idle.set()
 
     def fetch_other(chunk: ChunkEntry) -> None:
         if pace_intake:
