@@ -217,15 +217,19 @@ class Rollouts:
             self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
         )
 
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        """Merge ``spec`` into the rollout's spec (a key set to None is removed)."""
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
+        )
+
     def set_model(
         self, name: str, uri: str, revision: str, steps: list[dict[str, Any]] | None = None
     ) -> None:
-        patch: dict[str, Any] = {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}}
+        spec: dict[str, Any] = {"model": {"source": {"uri": uri}, "revision": revision}}
         if steps is not None:
-            patch["spec"]["strategy"] = {"canary": {"steps": steps}}
-        self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, name, patch
-        )
+            spec["strategy"] = {"canary": {"steps": steps}}
+        self.patch_spec(name, spec)
 
     def wait(self, name: str, what: str, check: Any, timeout: float = 90) -> dict[str, Any]:
         def probe() -> dict[str, Any] | None:

@@ -18,7 +18,6 @@ from e2e.operator_fixtures import (
     rollout_body,
 )
 from weightship.controller.builders import GROUP, staged_node_label
-from weightship.controller.kube import VERSION
 from weightship.data.manifest import Manifest
 from weightship.data.s3 import S3Location, S3Origin
 from weightship.dev import testkit
@@ -154,14 +153,7 @@ def test_restarted_agent_resumes_without_refetching(
     old_pod = agents.pod_on(victim)
     # 1 MiB/s per node: the ~8 MiB stage takes long enough to interrupt mid-way.
     rollouts.set_model("llm", models["v2"], "v2")
-    rollouts.custom.patch_namespaced_custom_object(
-        GROUP,
-        VERSION,
-        rollouts.namespace,
-        "modelrollouts",
-        "llm",
-        {"spec": {"prefetch": {"bandwidthLimit": "1Mi"}}},
-    )
+    rollouts.patch_spec("llm", {"prefetch": {"bandwidthLimit": "1Mi"}})
     done_before = testkit.wait_until(
         lambda: (b := journaled_bytes(cluster, victim, manifest)) >= 2 * MiB and b,
         timeout=60,
@@ -214,14 +206,7 @@ def test_a_node_joining_late_takes_the_model_from_peers_not_the_origin(
         agents.wait_staged(manifest.digest, nodes=early)
         assert agents.entry(late, manifest.digest) == {}, "the late node staged it too early"
         # The late node joins: the rollout now selects every process node.
-        rollouts.custom.patch_namespaced_custom_object(
-            GROUP,
-            VERSION,
-            rollouts.namespace,
-            "modelrollouts",
-            "llm",
-            {"spec": {"prefetch": {"nodeSelector": {wave: None}}}},
-        )
+        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {wave: None}}})
         entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
     finally:
         for node in early:

@@ -416,17 +416,11 @@ def test_prometheus_analysis_passes_a_good_canary_and_rolls_back_a_bad_one(
         # Same weights, but the new pods answer half their requests with a 500.
         container = copy.deepcopy(body["spec"]["template"]["spec"]["containers"][0])
         container["env"] = [*container.get("env", []), {"name": "ECHO_ERROR_RATE", "value": "0.5"}]
-        rollouts.custom.patch_namespaced_custom_object(
-            "weightship.io",
-            "v1alpha1",
-            rollouts.namespace,
-            "modelrollouts",
+        rollouts.patch_spec(
             "llm",
             {
-                "spec": {
-                    "model": {"source": {"uri": models["v1"]}, "revision": "v1-bad"},
-                    "template": {"spec": {"containers": [container]}},
-                }
+                "model": {"source": {"uri": models["v1"]}, "revision": "v1-bad"},
+                "template": {"spec": {"containers": [container]}},
             },
         )
         bad = rollouts.wait(
