@@ -13,7 +13,7 @@ from weightship.controller.builders import (
     replicaset_body,
     staged_node_label,
 )
-from weightship.controller.observe import prefetch_observation, replica_set_observations
+from weightship.controller.snapshot import prefetch_observation, replica_set_observations
 
 DIGEST = "sha256:" + "ab" * 32
 

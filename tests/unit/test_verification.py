@@ -19,8 +19,8 @@ from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import GoldenPrompt
 from weightship.controller.builders import DIGEST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
-from weightship.controller.observe import replica_set_observations
 from weightship.controller.seeding import scale_up_env, seed_root
+from weightship.controller.snapshot import replica_set_observations
 from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
