@@ -1,0 +1,155 @@
+"""The reconcile work queue's semantics, with real threads (controller/workqueue.py)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter
+
+from weightship.controller.workqueue import Workers, WorkQueue
+
+
+def test_a_burst_of_adds_is_worked_once() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    for _ in range(100):
+        q.add("a")
+    q.add("b")
+    assert len(q) == 2
+    assert q.get(0) == "a"
+    assert q.get(0) == "b"
+    assert q.get(0) is None
+
+
+def test_one_worker_per_key_and_a_re_add_while_worked_runs_once_after() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add("a")
+    assert q.get(0) == "a"
+    q.add("a")
+    q.add("a")
+    assert q.get(0) is None  # still being worked: not handed out again
+    q.done("a")
+    assert q.get(0) == "a"  # the re-add, once
+    q.done("a")
+    assert q.get(0) is None
+
+
+def test_concurrent_workers_never_overlap_on_a_key() -> None:
+    q: WorkQueue[int] = WorkQueue()
+    active: set[int] = set()
+    lock = threading.Lock()
+    overlaps = []
+    runs: Counter[int] = Counter()
+
+    def work(key: int) -> None:
+        with lock:
+            if key in active:
+                overlaps.append(key)
+            active.add(key)
+            runs[key] += 1
+        time.sleep(0.001)
+        with lock:
+            active.discard(key)
+
+    workers = Workers(q, work, 8)
+    workers.start()
+    for _ in range(50):
+        for key in range(10):
+            q.add(key)
+        time.sleep(0.0005)
+    deadline = time.monotonic() + 5
+    while (len(q) or active) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers.stop()
+    assert not overlaps
+    assert set(runs) == set(range(10))
+    assert all(n < 50 for n in runs.values())  # de-duplicated, yet every key ran
+
+
+def test_add_after_keeps_the_earliest_timer_and_get_waits_for_it() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add_after("a", 5.0)
+    q.add_after("a", 0.05)
+    q.add_after("a", 10.0)
+    assert q.waiting() == 1
+    started = time.monotonic()
+    assert q.get(2.0) == "a"
+    assert 0.04 <= time.monotonic() - started < 1.0
+    q.done("a")
+    assert q.get(0.2) is None  # the later timers were dropped, not kept
+
+
+def test_taking_a_key_drops_its_timer() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add_after("a", 0.1)
+    q.add("a")
+    assert q.get(0) == "a"
+    q.done("a")
+    assert q.waiting() == 0
+    assert q.get(0.3) is None
+
+
+def test_a_zero_delay_is_now_not_later() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    q.add_after("a", 0)
+    assert q.get(0) == "a"
+
+
+def test_rate_limited_back_off_doubles_until_forget() -> None:
+    q: WorkQueue[str] = WorkQueue(base_delay_s=0.01, max_delay_s=0.05)
+    assert [q.add_rate_limited("a") for _ in range(5)] == [0.01, 0.02, 0.04, 0.05, 0.05]
+    assert q.failures("a") == 5
+    q.forget("a")
+    assert q.add_rate_limited("a") == 0.01
+
+
+def test_workers_back_off_on_errors_requeue_conflicts_at_once_and_follow_delays() -> None:
+    q: WorkQueue[str] = WorkQueue(base_delay_s=0.05)
+    calls: list[tuple[str, float]] = []
+    errors: list[str] = []
+    finished = threading.Event()
+
+    class Conflict(Exception):
+        pass
+
+    def work(key: str) -> float | None:
+        calls.append((key, time.monotonic()))
+        n = sum(1 for k, _ in calls if k == key)
+        if key == "fails" and n <= 3:
+            raise RuntimeError("boom")
+        if key == "conflicts" and n == 1:
+            raise Conflict
+        if key == "timer" and n == 1:
+            return 0.1
+        if len(calls) >= 8:
+            finished.set()
+        return None
+
+    workers = Workers(
+        q, work, 2, on_error=lambda key, e: errors.append(key), requeue_now=(Conflict,)
+    )
+    workers.start()
+    for key in ("fails", "conflicts", "timer"):
+        q.add(key)
+    assert finished.wait(5)
+    workers.stop()
+    times = [t for k, t in calls if k == "fails"]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) == 4 and errors == ["fails"] * 3
+    assert gaps[1] > gaps[0] * 1.5 and gaps[2] > gaps[1] * 1.5  # exponential
+    assert q.failures("fails") == 0  # forgotten after the success
+    assert [k for k, _ in calls].count("conflicts") == 2
+    timer = [t for k, t in calls if k == "timer"]
+    assert len(timer) == 2 and timer[1] - timer[0] >= 0.09
+
+
+def test_shutdown_releases_waiting_workers() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    workers = Workers(q, lambda key: None, 4)
+    workers.start()
+    started = time.monotonic()
+    workers.stop(timeout_s=5)
+    assert time.monotonic() - started < 2
+    assert not any(t.is_alive() for t in workers.threads)
+    q.add("late")
+    assert len(q) == 0
