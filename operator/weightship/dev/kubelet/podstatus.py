@@ -26,20 +26,23 @@ class ContainerState:
     ready: bool = False
     started: bool = False
     will_restart: bool = True
+    # The previous run's terminated state (Kubernetes' lastState), once restarted.
+    last_terminated: dict[str, Any] | None = None
+
+    def terminated_status(self) -> dict[str, Any]:
+        return {
+            "exitCode": self.exit_code if self.exit_code is not None else 0,
+            "reason": self.reason,
+            "message": self.message or None,
+            "startedAt": self.started_at,
+            "finishedAt": self.finished_at,
+        }
 
     def to_status(self) -> dict[str, Any]:
         if self.state == "running":
             state: dict[str, Any] = {"running": {"startedAt": self.started_at}}
         elif self.state == "terminated":
-            state = {
-                "terminated": {
-                    "exitCode": self.exit_code if self.exit_code is not None else 0,
-                    "reason": self.reason,
-                    "message": self.message or None,
-                    "startedAt": self.started_at,
-                    "finishedAt": self.finished_at,
-                }
-            }
+            state = {"terminated": self.terminated_status()}
         else:
             state = {"waiting": {"reason": self.reason, "message": self.message or None}}
         return {
@@ -51,6 +54,7 @@ class ContainerState:
             "started": self.started,
             "restartCount": self.restart_count,
             "state": state,
+            "lastState": {"terminated": self.last_terminated} if self.last_terminated else {},
         }
 
 

@@ -44,6 +44,12 @@ IMAGE_PATHS = sorted(
 )
 BACKOFF_START = 1.0
 BACKOFF_MAX = 20.0  # kubelet uses 10 s .. 5 min; tests need faster restarts
+# Kubernetes' limits on a termination message: the file's first 4096 bytes, or with
+# FallbackToLogsOnError the log's last 80 lines (at most 2048 bytes) of a failed container.
+TERMINATION_MESSAGE_BYTES = 4096
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 
 
 def now_iso() -> str:
@@ -269,6 +275,7 @@ class PodWorker(threading.Thread):
             argv = [podspec.expand(a, env) for a in entry.argv]
             mounts = volumes.container_mounts(spec, self.backing)
             security = self._security(spec, entry.default_uid)
+            mounts.append(self._termination_log_mount(spec, security["uid"], security["gid"]))
         except (images.ImageNotMapped, podspec.PodSpecError, OSError) as e:
             c.state.state, c.state.reason, c.state.message = (
                 "waiting",
@@ -299,8 +306,7 @@ class PodWorker(threading.Thread):
                 }
             )
         )
-        name = self.pod["metadata"]
-        log_path = self.logs_dir / f"{name['namespace']}_{name['name']}_{spec['name']}.log"
+        log_path = self._log_path(spec)
         shim = [sys.executable, "-m", "weightship.dev.kubelet.shim", str(spec_file)]
         with open(log_path, "ab") as out:
             c.proc = subprocess.Popen(
@@ -312,6 +318,8 @@ class PodWorker(threading.Thread):
             )
         now = time.monotonic()
         c.started_mono = now
+        if c.state.state == "terminated":
+            c.state.last_terminated = c.state.terminated_status()
         c.state.state, c.state.reason, c.state.message = "running", "", ""
         c.state.started_at, c.state.finished_at, c.state.exit_code = now_iso(), None, None
         c.state.started = not spec.get("startupProbe")
@@ -326,6 +334,37 @@ class PodWorker(threading.Thread):
             probes.ProbeState(spec["startupProbe"], now) if spec.get("startupProbe") else None
         )
         self.host.event(self.pod, "Started", f"Started container {spec['name']}")
+
+    def _log_path(self, spec: dict[str, Any]) -> Path:
+        meta = self.pod["metadata"]
+        return self.logs_dir / f"{meta['namespace']}_{meta['name']}_{spec['name']}.log"
+
+    def _termination_log(self, spec: dict[str, Any]) -> Path:
+        return Path(self.pod_dir, "containers", f"{spec['name']}.termination-log")
+
+    def _termination_log_mount(
+        self, spec: dict[str, Any], uid: int | None, gid: int | None
+    ) -> dict[str, Any]:
+        """A fresh file the container may write its termination message to, bound at its
+        terminationMessagePath, as Kubernetes does."""
+        path = self._termination_log(spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        if uid:
+            os.chown(path, uid, gid or -1)
+        dst = spec.get("terminationMessagePath") or DEFAULT_TERMINATION_MESSAGE_PATH
+        return {"src": str(path), "dst": dst, "readOnly": False}
+
+    def _termination_message(self, spec: dict[str, Any], exit_code: int) -> str:
+        try:
+            with open(self._termination_log(spec), "rb") as f:
+                data = f.read(TERMINATION_MESSAGE_BYTES)
+        except OSError:
+            data = b""
+        fallback = spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+        if not data and exit_code != 0 and fallback:
+            data = _log_tail(self._log_path(spec))
+        return data.decode(errors="replace")
 
     def _cm_key(self, ns: str, name: str, key: str, optional: bool) -> str | None:
         data = self.host.objects.configmap(ns, name, optional)
@@ -351,6 +390,7 @@ class PodWorker(threading.Thread):
         c.state.state = "terminated"
         c.state.exit_code = code
         c.state.reason = "Completed" if code == 0 else "Error"
+        c.state.message = self._termination_message(c.spec, code)
         c.state.finished_at = now_iso()
         c.state.ready = False
         c.state.will_restart = restart_wanted(policy, code)
@@ -491,3 +531,15 @@ def wait_all(
     for w in workers:
         if not w.done.wait(max(0.0, deadline - time.monotonic())) and on_timeout:
             on_timeout(w)
+
+
+def _log_tail(path: Path) -> bytes:
+    """The last lines of a container's log, as FallbackToLogsOnError reports them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16 * FALLBACK_LOG_BYTES))
+            lines = f.read().splitlines(keepends=True)[-FALLBACK_LOG_LINES:]
+    except OSError:
+        return b""
+    return b"".join(lines)[-FALLBACK_LOG_BYTES:]
