@@ -283,3 +283,106 @@ def test_valid_tensors_parse_in_canonical_order() -> None:
 def test_inconsistent_tensors_rejected(tensors: list[dict[str, object]], message: str) -> None:
     with pytest.raises(ManifestError, match=message):
         Manifest.parse(json.dumps(_doc_with(*tensors)))
+
+
+# A 171-byte document claiming a 10^12-byte file in 1-byte chunks. Parsed in a child
+# process capped at 2 GiB of address space, so the check also holds when parsing would
+# try to build the trillion expected chunks (it must fail fast with a ManifestError).
+HOSTILE_PARSE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 * 1024**3, 2 * 1024**3))
+from weightship.data.manifest import Manifest, ManifestError
+try:
+    Manifest.parse(sys.stdin.buffer.read())
+except ManifestError as exc:
+    print("ManifestError:", exc)
+"""
+
+
+def _huge_claim(chunk_size: int = 1, size: int = 10**12) -> bytes:
+    doc = _doc([{"path": "weights.bin", "size": size, "sha256": "a" * 64}], [])
+    doc["chunkSize"] = chunk_size
+    return json.dumps(doc).encode()
+
+
+def test_small_manifest_claiming_a_huge_file_fails_fast_in_bounded_memory() -> None:
+    import subprocess
+    import sys
+
+    data = _huge_claim()
+    assert len(data) < 200
+    done = subprocess.run(
+        [sys.executable, "-c", HOSTILE_PARSE], input=data, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    out = done.stdout.decode()
+    assert out.startswith("ManifestError:"), out
+    assert "10000000000000 chunks" not in out and "1000000000000 chunks" in out
+
+
+def test_parsing_a_huge_claim_allocates_almost_nothing() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match="takes 1000000000000 chunks, 0 are listed"):
+            Manifest.parse(_huge_claim())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024 * 1024
+
+
+def test_claims_beyond_the_bounds_are_refused_by_name() -> None:
+    with pytest.raises(ManifestError, match="size"):
+        Manifest.parse(_huge_claim(size=2**60))
+    with pytest.raises(ManifestError, match="chunkSize"):
+        Manifest.parse(_huge_claim(chunk_size=2**40))
+    too_long = json.dumps(_doc([], [])).encode() + b" " * (256 * 1024 * 1024)
+    with pytest.raises(ManifestError, match="over the 268435456 bytes"):
+        Manifest.parse(too_long)
+
+
+@pytest.mark.parametrize("field", ["path", "sha256"])
+def test_a_10_mb_field_gives_a_short_error_naming_it(field: str) -> None:
+    entry: dict[str, object] = {"path": "w.bin", "size": 0, "sha256": "a" * 64}
+    entry[field] = "a" * (10 * 1024 * 1024)
+    with pytest.raises(ManifestError) as caught:
+        Manifest.parse(json.dumps(_doc([entry], [])))
+    assert f"files.0.{field}" in str(caught.value)
+    assert len(str(caught.value)) < 4096
+
+
+def test_a_million_bad_entries_give_a_bounded_error() -> None:
+    chunk = _chunk("w.bin", 0, 0, 4)
+    chunk["sha256"] = "x"
+    doc = _doc([{"path": "w.bin", "size": 4, "sha256": "b" * 64}], [chunk] * 200_000)
+    with pytest.raises(ManifestError, match="and 199995 more") as caught:
+        Manifest.parse(json.dumps(doc))
+    assert len(str(caught.value)) < 4096
+
+
+@pytest.mark.parametrize("value", ["a" * 64 + "\n", "a" * 63 + "\n"])
+def test_a_digest_with_a_trailing_newline_is_refused(value: str) -> None:
+    with pytest.raises(ManifestError, match="sha256"):
+        Manifest.parse(json.dumps(_doc([{"path": "w.bin", "size": 0, "sha256": value}], [])))
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("a\nb", "control character"),
+        ("a\x1bb", "control character"),
+        ("a\x85b", "control character"),
+        ("d/" + "x" * 256, "segment longer than 255 bytes"),
+        ("é" * 128, "segment longer than 255 bytes"),  # 256 bytes in UTF-8
+        ("a/" * 600 + "b", "longer than 1024 bytes"),
+    ],
+)
+def test_paths_with_control_characters_or_too_long_are_refused(path: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        validate_relative_path(path)
+    doc = _doc([{"path": path, "size": 0, "sha256": "0" * 64}], [])
+    with pytest.raises(ManifestError):
+        Manifest.parse(json.dumps(doc))
+    assert validate_relative_path("d/" + "x" * 255) == "d/" + "x" * 255

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -40,8 +40,25 @@ from weightship.loader.layout import (
 
 MANIFEST_NAME = "weightship-manifest.json"
 DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
-SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-CHECKSUM_HEX = re.compile(rf"^[0-9a-f]{{{CHECKSUM_HEX_LEN}}}$")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+CHECKSUM_HEX = re.compile(rf"[0-9a-f]{{{CHECKSUM_HEX_LEN}}}")
+
+# Bounds on what a manifest may claim, checked before anything is built from it: the
+# operator and every agent parse manifests read from S3, so one hostile document must
+# fail fast with a ManifestError instead of taking the process's memory. They sit far
+# above any real model (1M chunks is 16 TiB at the default chunk size).
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_FILES = 100_000
+MAX_CHUNKS = 1_000_000
+MAX_TENSORS = 1_000_000
+MAX_CHUNK_SIZE = 4 * 1024**3
+MAX_FILE_BYTES = 2**50  # 1 PiB; the sum stays an exact int64 and float64 in status
+MAX_PATH_BYTES = 1024
+MAX_SEGMENT_BYTES = 255  # NAME_MAX of every common filesystem
+MAX_TENSOR_NAME = 1024
+MAX_DTYPE = 32
+MAX_TENSOR_DIMS = 32
+MAX_ERROR_DETAIL = 2048  # how much of a validation error a ManifestError quotes
 SAFETENSORS_SUFFIX = ".safetensors"
 _READ_BLOCK = 1024 * 1024
 
@@ -54,11 +71,15 @@ class ManifestError(ValueError):
 
 def validate_relative_path(path: str) -> str:
     """Accept only plain relative POSIX paths, so no entry can escape the model folder."""
+    if len(path) > MAX_PATH_BYTES or len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise ValueError(f"invalid path {_excerpt(path)}: longer than {MAX_PATH_BYTES} bytes")
     problems = []
     if not path:
         problems.append("is empty")
     if "\0" in path:
         problems.append("contains NUL")
+    elif any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in path):
+        problems.append("contains a control character")
     if "\\" in path:
         problems.append("contains a backslash")
     if path.startswith("/"):
@@ -70,28 +91,41 @@ def validate_relative_path(path: str) -> str:
         problems.append("contains '.'")
     if path and not path.startswith("/") and "" in segments:
         problems.append("has an empty segment")
+    if any(len(s.encode("utf-8", "surrogatepass")) > MAX_SEGMENT_BYTES for s in segments):
+        problems.append(f"has a segment longer than {MAX_SEGMENT_BYTES} bytes")
     if problems:
         raise ValueError(f"invalid path {path!r}: {', '.join(problems)}")
     return path
 
 
+def _excerpt(value: str, limit: int = 80) -> str:
+    """A value as an error quotes it: repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(value)} characters)"
+
+
 def _check_sha256(value: str) -> str:
-    if not SHA256_HEX.match(value):
-        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {value!r}")
+    if not SHA256_HEX.fullmatch(value):
+        raise ValueError(f"sha256 must be 64 lowercase hex characters, got {_excerpt(value)}")
     return value
 
 
 def _check_checksum(value: str) -> str:
-    if not CHECKSUM_HEX.match(value):
+    if not CHECKSUM_HEX.fullmatch(value):
         raise ValueError(
-            f"checksum must be {CHECKSUM_HEX_LEN} lowercase hex characters, got {value!r}"
+            f"checksum must be {CHECKSUM_HEX_LEN} lowercase hex characters, got {_excerpt(value)}"
         )
     return value
 
 
-RelativePath = Annotated[str, AfterValidator(validate_relative_path)]
-Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
-ChecksumHex = Annotated[str, AfterValidator(_check_checksum)]
+# max_length is checked before the after-validators, so a 10 MB field costs one length
+# check and an error of a few lines.
+RelativePath = Annotated[
+    str, Field(max_length=MAX_PATH_BYTES), AfterValidator(validate_relative_path)
+]
+Sha256Hex = Annotated[str, Field(max_length=64), AfterValidator(_check_sha256)]
+ChecksumHex = Annotated[str, Field(max_length=CHECKSUM_HEX_LEN), AfterValidator(_check_checksum)]
+ByteCount = Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
 
 
 class _Strict(BaseModel):
@@ -100,15 +134,15 @@ class _Strict(BaseModel):
 
 class FileEntry(_Strict):
     path: RelativePath
-    size: int = Field(ge=0)
+    size: ByteCount
     sha256: Sha256Hex
 
 
 class ChunkEntry(_Strict):
     file: RelativePath
-    index: int = Field(ge=0)
-    offset: int = Field(ge=0)
-    size: int = Field(gt=0)
+    index: int = Field(ge=0, lt=MAX_CHUNKS)
+    offset: ByteCount
+    size: int = Field(gt=0, le=MAX_CHUNK_SIZE)
     sha256: Sha256Hex
 
 
@@ -117,11 +151,13 @@ class TensorEntry(_Strict):
     (header included), and ``checksum`` is their wsum64 (weightship.loader.checksum)."""
 
     file: RelativePath
-    name: str = Field(min_length=1)
-    dtype: str
-    shape: tuple[Annotated[int, Field(ge=0)], ...]
-    offset: int = Field(ge=0)
-    size: int = Field(ge=0)
+    name: str = Field(min_length=1, max_length=MAX_TENSOR_NAME)
+    dtype: str = Field(max_length=MAX_DTYPE)
+    shape: tuple[Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)], ...] = Field(
+        max_length=MAX_TENSOR_DIMS
+    )
+    offset: ByteCount
+    size: ByteCount
     checksum: ChecksumHex
 
     @model_validator(mode="after")
@@ -137,12 +173,12 @@ class TensorEntry(_Strict):
 
 class Manifest(_Strict):
     version: Literal[1] = 1
-    chunk_size: int = Field(alias="chunkSize", gt=0)
-    files: tuple[FileEntry, ...]
-    chunks: tuple[ChunkEntry, ...]
+    chunk_size: int = Field(alias="chunkSize", gt=0, le=MAX_CHUNK_SIZE)
+    files: tuple[FileEntry, ...] = Field(max_length=MAX_FILES)
+    chunks: tuple[ChunkEntry, ...] = Field(max_length=MAX_CHUNKS)
     # Optional, and left out of the document (so out of the digest) when empty: every
     # manifest written before tensors were listed keeps its identity.
-    tensors: tuple[TensorEntry, ...] = ()
+    tensors: tuple[TensorEntry, ...] = Field((), max_length=MAX_TENSORS)
     created_at: datetime | None = Field(default=None, alias="createdAt")
 
     @model_validator(mode="after")
@@ -191,15 +227,40 @@ class Manifest(_Strict):
 
     @classmethod
     def parse(cls, data: bytes | str, *, source: str = "manifest") -> Manifest:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{source} is invalid: {len(data)} bytes, over the {MAX_MANIFEST_BYTES} "
+                "bytes a manifest may take"
+            )
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise ManifestError(f"{source} is invalid: {exc}") from exc
+            raise ManifestError(f"{source} is invalid: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """The first few problems, bounded: a document with a million bad entries (or one
+    10 MB field) gets an error that fits in a status message."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False)[:5]:
+        where = ".".join(str(part) for part in error["loc"]) or "document"
+        lines.append(f"{where}: {error['msg']}")
+    more = exc.error_count() - len(lines)
+    if more > 0:
+        lines.append(f"and {more} more")
+    text = "; ".join(lines)
+    return text if len(text) <= MAX_ERROR_DETAIL else text[: MAX_ERROR_DETAIL - 1] + "…"
 
 
 def _check_tiling(
     files: tuple[FileEntry, ...], chunks: tuple[ChunkEntry, ...], chunk_size: int
 ) -> None:
+    """Each file's chunks tile it exactly. A file's chunk count (one division) is checked
+    against the chunks listed before its spans are walked, lazily: a small document
+    claiming a huge file in tiny chunks costs nothing but that division."""
+    total = sum(f.size for f in files)
+    if total > MAX_FILE_BYTES:
+        raise ValueError(f"the files add up to {total} bytes, over {MAX_FILE_BYTES}")
     by_file: dict[str, list[ChunkEntry]] = {}
     for f in files:
         if f.path in by_file:
@@ -210,14 +271,22 @@ def _check_tiling(
             raise ValueError(f"chunk {c.index} names unknown file {c.file!r}")
         by_file[c.file].append(c)
     for f in files:
-        expected = _chunk_spans(f.size, chunk_size)
-        got = [(c.index, c.offset, c.size) for c in by_file[f.path]]
-        want = [(i, off, size) for i, (off, size) in enumerate(expected)]
-        if got != want:
+        got = by_file[f.path]
+        implied = -(-f.size // chunk_size)
+        if implied != len(got):
             raise ValueError(
                 f"chunks of {f.path!r} do not tile its {f.size} bytes at chunk size "
-                f"{chunk_size}: expected (index, offset, size) {want[:3]}..., got {got[:3]}..."
+                f"{chunk_size}: that takes {implied} chunks, {len(got)} are listed"
             )
+        for i, (c, (offset, size)) in enumerate(
+            zip(got, _chunk_spans(f.size, chunk_size), strict=True)
+        ):
+            if (c.index, c.offset, c.size) != (i, offset, size):
+                raise ValueError(
+                    f"chunks of {f.path!r} do not tile its {f.size} bytes at chunk size "
+                    f"{chunk_size}: chunk {i} is (index, offset, size) "
+                    f"{(c.index, c.offset, c.size)}, expected {(i, offset, size)}"
+                )
 
 
 def _check_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...]) -> None:
@@ -242,8 +311,9 @@ def _check_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...
         end_of_previous[t.file] = t.offset + t.size
 
 
-def _chunk_spans(size: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(off, min(chunk_size, size - off)) for off in range(0, size, chunk_size)]
+def _chunk_spans(size: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """(offset, size) of each chunk of a ``size``-byte file, lazily."""
+    return ((off, min(chunk_size, size - off)) for off in range(0, size, chunk_size))
 
 
 class ByteSource(Protocol):
