@@ -1,34 +1,47 @@
-"""kopf handlers: thin shells around `Reconciler.once`.
+"""kopf handlers: thin shells around the work queue, the watch caches and `Reconciler`.
 
-One daemon per ModelRollout runs the level-triggered loop (observe → decide → apply) and
-sleeps until its requeue time, or until a watch event on the rollout, its ReplicaSets,
-its pods or a WeightCache wakes it. Wake-ups are hints only: status is the memory, and a
-restarted operator simply reconciles every rollout again.
+- `@kopf.index` handlers keep what reconciles read, fed by kopf's watches (cache.py).
+- `@kopf.on.event` handlers only enqueue the rollout an event concerns. They are async and
+  never block: the event loop is what dispatches every rollout.
+- A fixed pool of worker threads (`WEIGHTSHIP_RECONCILE_WORKERS`, default 8) takes rollouts
+  from the queue and runs the blocking reconcile, so concurrency does not grow with the
+  number of rollouts and a burst of events for one rollout makes one reconcile.
+
+Events are hints only: status is the memory. kopf fills every index before it calls any
+other handler, and its first listing of ModelRollouts is an event for each one, so a
+restarted operator reconciles every rollout again, from complete caches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
+from weightship.controller import cache, metrics
 from weightship.controller.builders import GROUP, ROLLOUT_LABEL
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
 from weightship.controller.verifier import Verifier
+from weightship.controller.workqueue import Workers, WorkQueue
 from weightship.notify.slack import SlackSender
 
+log = logging.getLogger(__name__)
+
 FINALIZER = f"{GROUP}/finalizer"
-WAKE_POLL_SECONDS = 0.5
+INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods", "node_labels", "cache_entries")
+# A WeightCache changes up to once per node per 10 s while it stages: a rollout that
+# waits for staging reconciles at most once a second for all of its nodes together.
+STAGING_WAKE_DELAY_S = 1.0
 
 
 @kopf.on.startup(id="configure")
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Every kopf setting lives here."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -39,87 +52,147 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.peering.mandatory = False
     settings.peering.priority = int(os.environ.get("WEIGHTSHIP_PEERING_PRIORITY", "0"))
     settings.posting.level = logging.INFO
-    settings.execution.max_workers = int(os.environ.get("WEIGHTSHIP_MAX_WORKERS", "32"))
+    # kopf's own executor runs only sync handlers (this one): reconciles have their pool.
+    settings.execution.max_workers = int(os.environ.get("WEIGHTSHIP_MAX_WORKERS", "4"))
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
-    kube = Kube(load_client())
-    memo.reconciler = Reconciler(
+
+
+@kopf.on.startup(id="start-workers")
+async def start_workers(memo: Any, **kwargs: Any) -> None:
+    """The queue, the caches' view and the worker threads (kopf passes the indexes)."""
+    api = await asyncio.to_thread(load_client)
+    kube = Kube(api)
+    queue: WorkQueue[cache.RolloutKey] = WorkQueue()
+    view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, asyncio.get_running_loop())
+    reconciler = Reconciler(
         kube,
+        view,
         slack=SlackSender(),
         verifier=Verifier(kube, workers=int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))),
+        requeue=queue.add,
     )
-    memo.wakeups = {}
-    memo.wakeups_lock = threading.Lock()
+
+    def failed(key: cache.RolloutKey, error: BaseException) -> None:
+        log.error("reconciling %s/%s failed; retrying with back-off", *key, exc_info=error)
+
+    workers = Workers(
+        queue,
+        lambda key: reconciler.once(*key),
+        int(os.environ.get("WEIGHTSHIP_RECONCILE_WORKERS", "8")),
+        on_error=failed,
+        requeue_now=(Conflict,),
+    )
+    memo.queue, memo.workers, memo.reconciler = queue, workers, reconciler
+    metrics.QUEUE_DEPTH.set_function(lambda: len(queue))
+    metrics.QUEUE_WAITING.set_function(queue.waiting)
+    workers.start()
     port = int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))
     if port:
-        start_http_server(port)
+        await asyncio.to_thread(start_http_server, port)
 
 
-def _wakeup(memo: Any, namespace: str, name: str) -> threading.Event:
-    with memo.wakeups_lock:
-        event: threading.Event = memo.wakeups.setdefault((namespace, name), threading.Event())
-        return event
+@kopf.on.cleanup(id="stop-workers")
+async def stop_workers(memo: Any, **_: Any) -> None:
+    workers: Workers[cache.RolloutKey] | None = getattr(memo, "workers", None)
+    if workers is not None:
+        await asyncio.to_thread(workers.stop)
+        memo.reconciler.close()
 
 
-def _wake(memo: Any, namespace: str | None, name: str | None) -> None:
-    if namespace and name:
-        _wakeup(memo, namespace, name).set()
+def _enqueue(memo: Any, namespace: str | None, name: str | None) -> None:
+    queue: WorkQueue[cache.RolloutKey] | None = getattr(memo, "queue", None)
+    if queue is not None and namespace and name:
+        queue.add((namespace, name))
 
 
-@kopf.daemon(GROUP, VERSION, "modelrollouts", id="reconcile", cancellation_timeout=10)
-def reconcile(
-    name: str,
-    namespace: str | None,
-    stopped: kopf.DaemonStopped,
-    memo: Any,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-    **_: Any,
-) -> None:
-    assert namespace is not None  # ModelRollouts are namespaced
-    wake = _wakeup(memo, namespace, name)
-    reconciler: Reconciler = memo.reconciler
-    while not stopped:
-        wake.clear()
-        try:
-            delay = reconciler.once(namespace, name)
-        except Conflict as e:
-            logger.debug("%s", e)
-            continue
-        except Exception:
-            logger.exception("reconcile failed; retrying")
-            delay = 5.0
-        if delay is None:
-            return
-        waited = 0.0
-        while waited < delay and not stopped and not wake.is_set():
-            wake.wait(WAKE_POLL_SECONDS)
-            waited += WAKE_POLL_SECONDS
+# ---- the watch caches -----------------------------------------------------------------
+@kopf.index(GROUP, VERSION, "modelrollouts", id="rollouts")
+async def rollouts(
+    body: kopf.Body, namespace: str | None, name: str | None, **_: Any
+) -> dict[Any, Any]:
+    return {(namespace, name): cache.index_rollout(body)}
 
 
-@kopf.on.event(GROUP, VERSION, "modelrollouts", id="wake-on-rollout")
-def wake_on_rollout(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    _wake(memo, namespace, name)
+@kopf.index(
+    GROUP,
+    VERSION,
+    "modelrollouts",
+    id="rollouts_by_digest",
+    field="spec.prefetch.enabled",
+    value=True,
+)
+async def rollouts_by_digest(
+    status: kopf.Status, namespace: str | None, name: str | None, **_: Any
+) -> dict[Any, Any]:
+    """Prefetching rollouts by the digests they stage: whom a WeightCache change concerns."""
+    digests = {
+        (status.get(revision) or {}).get("manifestDigest")
+        for revision in ("canaryRevision", "stableRevision")
+    }
+    return {digest: (namespace, name) for digest in digests if digest}
+
+
+@kopf.index(
+    "apps", "v1", "replicasets", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="rollout_replicasets"
+)
+async def rollout_replicasets(
+    body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any
+) -> dict[Any, Any]:
+    return {(namespace, labels[ROLLOUT_LABEL]): cache.index_replicaset(body)}
+
+
+@kopf.index("", "v1", "pods", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="rollout_pods")
+async def rollout_pods(
+    body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any
+) -> dict[Any, Any]:
+    return {(namespace, labels[ROLLOUT_LABEL]): cache.index_pod(body)}
+
+
+@kopf.index("", "v1", "nodes", id="node_labels")
+async def node_labels(name: str | None, labels: Mapping[str, str], **_: Any) -> dict[Any, Any]:
+    return {name: dict(labels)}
+
+
+@kopf.index(GROUP, VERSION, "weightcaches", id="cache_entries")
+async def cache_entries(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return cache.index_cache_entries(body)
+
+
+# ---- events only enqueue --------------------------------------------------------------
+@kopf.on.event(GROUP, VERSION, "modelrollouts", id="enqueue-rollout")
+async def enqueue_rollout(name: str | None, namespace: str | None, memo: Any, **_: Any) -> None:
+    _enqueue(memo, namespace, name)
 
 
 @kopf.on.event(
-    "apps", "v1", "replicasets", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="wake-on-replicaset"
+    "apps", "v1", "replicasets", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="enqueue-replicaset"
 )
-def wake_on_replicaset(
+async def enqueue_replicaset(
     namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any
 ) -> None:
-    _wake(memo, namespace, labels.get(ROLLOUT_LABEL))
+    _enqueue(memo, namespace, labels.get(ROLLOUT_LABEL))
 
 
-@kopf.on.event("", "v1", "pods", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="wake-on-pod")
-def wake_on_pod(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    _wake(memo, namespace, labels.get(ROLLOUT_LABEL))
+@kopf.on.event("", "v1", "pods", labels={ROLLOUT_LABEL: kopf.PRESENT}, id="enqueue-pod")
+async def enqueue_pod(
+    namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any
+) -> None:
+    _enqueue(memo, namespace, labels.get(ROLLOUT_LABEL))
 
 
-@kopf.on.event(GROUP, VERSION, "weightcaches", id="wake-on-weightcache")
-def wake_on_weightcache(status: kopf.Status, memo: Any, **_: Any) -> None:
-    # A cache knows which rollouts pin it; anything else waits for its own requeue.
+@kopf.on.event(GROUP, VERSION, "weightcaches", id="enqueue-weightcache")
+async def enqueue_weightcache(status: kopf.Status, memo: Any, **kwargs: Any) -> None:
+    rollouts_by_digest: kopf.Index[Any, Any] = kwargs["rollouts_by_digest"]
+    queue: WorkQueue[cache.RolloutKey] | None = getattr(memo, "queue", None)
+    if queue is None:
+        return
     for manifest in status.get("manifests") or []:
+        wanted = set(rollouts_by_digest.get(manifest.get("digest"), ()))
         for pin in manifest.get("pinnedBy") or []:
             namespace, _sep, name = str(pin).partition("/")
-            _wake(memo, namespace, name)
+            if namespace and name:
+                wanted.add((namespace, name))
+        for key in wanted:
+            queue.add_after(key, STAGING_WAKE_DELAY_S)

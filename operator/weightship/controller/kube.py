@@ -1,7 +1,9 @@
 """Kubernetes adapter for the controller: reads and writes, with retries at the edge.
 
-All calls are synchronous (the kubernetes client is): the controller runs them from a
-sync kopf daemon, i.e. in a worker thread, never on the event loop.
+All calls are synchronous (the kubernetes client is): the controller runs them from its
+reconcile workers, i.e. in threads, never on the event loop. Reads of what the operator
+watches come from `cache.ClusterView`, not from here; each write's answer is handed to the
+view (`record_write`), so the next reconcile sees it even before the watch delivers it.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -20,7 +22,10 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from weightship.controller.builders import GROUP, ROLLOUT_LABEL
+from weightship.controller.builders import GROUP
+
+if TYPE_CHECKING:
+    from weightship.controller.cache import ClusterView
 
 VERSION = "v1alpha1"
 PLURAL = "modelrollouts"
@@ -58,22 +63,16 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.view: ClusterView | None = None  # set by the operator; None in plain scripts
+
+    def _wrote(self, kind: str, body: dict[str, Any]) -> None:
+        if self.view is not None:
+            self.view.record_write(kind, body)
 
     def to_dict(self, obj: Any) -> dict[str, Any]:
         return dict(self.api.sanitize_for_serialization(obj))
 
     # ---- ModelRollout -----------------------------------------------------------------
-    @api_retry
-    def get_rollout(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return dict(
-                self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
     @api_retry
     def patch_rollout_status(
         self, namespace: str, name: str, resource_version: str, patch: dict[str, Any]
@@ -81,41 +80,35 @@ class Kube:
         """Merge-patch status, guarded by resourceVersion so no concurrent write is lost."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": patch}
         try:
-            self.custom.patch_namespaced_custom_object_status(
+            answer = self.custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, PLURAL, name, body
             )
         except ApiException as e:
             if e.status == 409:
                 raise Conflict(f"{namespace}/{name} changed; re-reading") from e
             raise
+        self._wrote("ModelRollout", dict(answer))
 
     # ---- ReplicaSets and pods ---------------------------------------------------------
     @api_retry
-    def replicasets(self, namespace: str, rollout: str) -> list[dict[str, Any]]:
-        items = self.apps.list_namespaced_replica_set(
-            namespace, label_selector=f"{ROLLOUT_LABEL}={rollout}"
-        ).items
-        return [self.to_dict(i) for i in items]
-
-    @api_retry
-    def pods(self, namespace: str, rollout: str) -> list[dict[str, Any]]:
-        items = self.core.list_namespaced_pod(
-            namespace, label_selector=f"{ROLLOUT_LABEL}={rollout}"
-        ).items
-        return [self.to_dict(i) for i in items]
-
-    @api_retry
     def create_replicaset(self, body: dict[str, Any]) -> None:
         try:
-            self.apps.create_namespaced_replica_set(body["metadata"]["namespace"], body)
+            created = self.apps.create_namespaced_replica_set(body["metadata"]["namespace"], body)
         except ApiException as e:
-            if e.status != 409:  # already there: a repeated create after a restart
+            # Already there: a repeated create after a restart, or before the watch brought
+            # the one this operator created. Done either way.
+            if e.status != 409:
                 raise
+            return
+        self._wrote("ReplicaSet", self.to_dict(created))
 
     @api_retry
     def scale_replicaset(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """A strategic merge patch (builders.scale_patch): the size, maybe the pods' env."""
-        self.apps.patch_namespaced_replica_set(name, namespace, patch)
+        self._wrote(
+            "ReplicaSet",
+            self.to_dict(self.apps.patch_namespaced_replica_set(name, namespace, patch)),
+        )
 
     @api_retry
     def patch_pod_condition(
@@ -130,7 +123,9 @@ class Kube:
         patch: dict[str, Any] = {"status": {"conditions": [condition]}}
         if annotations:
             patch["metadata"] = {"annotations": annotations}
-        self.core.patch_namespaced_pod_status(name, namespace, patch)
+        self._wrote(
+            "Pod", self.to_dict(self.core.patch_namespaced_pod_status(name, namespace, patch))
+        )
 
     @api_retry
     def deployment_template(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -149,18 +144,14 @@ class Kube:
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     @api_retry
-    def nodes(self, selector: dict[str, str]) -> list[dict[str, Any]]:
-        label_selector = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-        return [self.to_dict(n) for n in self.core.list_node(label_selector=label_selector).items]
-
-    @api_retry
     def label_node(self, name: str, label: str, value: str | None) -> None:
+        """Set (None: remove) a node label; no write when the watched node has it already."""
+        view = self.view
+        if view is not None and value is not None and view.node_has_label(name, label, value):
+            return
         self.core.patch_node(name, {"metadata": {"labels": {label: value}}})
-
-    @api_retry
-    def weight_caches(self) -> list[dict[str, Any]]:
-        listing = self.custom.list_cluster_custom_object(GROUP, VERSION, "weightcaches")
-        return list(listing.get("items", []))
+        if view is not None:
+            view.noted_node_label(name, label, value)
 
     # ---- Events and routes ------------------------------------------------------------
     def event(self, rollout: dict[str, Any], kind: str, reason: str, message: str) -> None:

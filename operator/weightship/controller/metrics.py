@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from weightship.api.status import ModelRolloutStatus
@@ -13,8 +15,10 @@ RECONCILE_ERRORS = Counter("weightship_reconcile_errors", "Reconciles that raise
 RECONCILE_SECONDS = Histogram(
     "weightship_reconcile_duration_seconds",
     "Reconcile duration",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+QUEUE_DEPTH = Gauge("weightship_workqueue_depth", "Rollouts ready to reconcile, not yet taken")
+QUEUE_WAITING = Gauge("weightship_workqueue_waiting", "Rollouts waiting on a requeue timer")
 ROLLOUT_PHASE = Gauge(
     "weightship_rollout_phase", "1 for the rollout's current phase", ["namespace", "name", "phase"]
 )
@@ -39,3 +43,13 @@ def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> Non
         ROLLOUT_PHASE.labels(namespace, name, phase).set(1 if status.phase == phase else 0)
     ROLLOUT_STEP.labels(namespace, name).set(status.current_step_index or 0)
     ROLLOUT_WEIGHT.labels(namespace, name).set(status.canary_weight)
+
+
+def forget_rollout(namespace: str, name: str) -> None:
+    """A deleted rollout's series go with it (else 100s of churned rollouts pile up)."""
+    for phase in PHASES:
+        with contextlib.suppress(KeyError):
+            ROLLOUT_PHASE.remove(namespace, name, phase)
+    for gauge in (ROLLOUT_STEP, ROLLOUT_WEIGHT):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name)

@@ -1,9 +1,14 @@
-"""One reconcile: read the rollout, observe, decide, apply. Status is the only memory."""
+"""One reconcile: read the rollout, observe, decide, apply. Status is the only memory.
+
+Everything read comes from one snapshot of the watch caches (`cache.ClusterView`), taken
+once: observe projects it for `decide`, and apply acts on the same pods `decide` saw.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -13,8 +18,16 @@ from pydantic import ValidationError
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
 from weightship.controller import apply, metrics
+from weightship.controller.cache import ClusterView, RolloutKey
 from weightship.controller.kube import Kube
-from weightship.controller.observe import ManifestResolver, MeasureFn, observe, prometheus_measure
+from weightship.controller.observe import (
+    ManifestResolver,
+    MeasureFn,
+    Measurements,
+    Templates,
+    observe,
+    prometheus_measure,
+)
 from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
@@ -26,19 +39,36 @@ log = logging.getLogger(__name__)
 
 IDLE_RECHECK_SECONDS = 30.0
 VERIFY_RECHECK_SECONDS = 2.0  # while pods wait for a verdict (their server is loading)
+LOOKUP_RECHECK_SECONDS = 1.0  # a measurement is running; its completion requeues sooner
+
+
+def _never(key: RolloutKey) -> None:
+    return None
 
 
 @dataclass
 class Reconciler:
     kube: Kube
+    view: ClusterView
     gates: GateSet = DEFAULT_GATES
     measure: MeasureFn = prometheus_measure
     slack: SlackSender | None = None
     verifier: Verifier | None = None
+    requeue: Callable[[RolloutKey], None] = _never
+    """Called when a lookup the reconcile did not wait for completes (the work queue's add)."""
     manifests: ManifestResolver = field(init=False)
+    measurements: Measurements = field(init=False)
+    templates: Templates = field(init=False)
 
     def __post_init__(self) -> None:
-        self.manifests = ManifestResolver(self.kube)
+        self.kube.view = self.view
+        self.manifests = ManifestResolver(self.kube, self.requeue)
+        self.measurements = Measurements(self.measure, self.requeue)
+        self.templates = Templates(self.kube)
+
+    def close(self) -> None:
+        self.manifests.lookups.shutdown()
+        self.measurements.lookups.shutdown()
 
     def once(self, namespace: str, name: str) -> float | None:
         """Reconcile one rollout. Returns seconds until the next run (None: it is gone)."""
@@ -53,9 +83,11 @@ class Reconciler:
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
     def _once(self, namespace: str, name: str) -> float | None:
-        body = self.kube.get_rollout(namespace, name)
-        if body is None:
+        objects = self.view.rollout_objects(namespace, name)
+        if objects is None:
+            metrics.forget_rollout(namespace, name)
             return None
+        body, pods = objects.rollout, objects.pods
         now = datetime.now(UTC)
         resource_version = body["metadata"]["resourceVersion"]
         try:
@@ -67,9 +99,13 @@ class Reconciler:
             )
             self._write(body, status, decision, resource_version)
             return IDLE_RECHECK_SECONDS
-        observed = observe(self.kube, self.manifests, rollout, now, self.measure)
+        observation = observe(
+            self.view, objects, rollout, self.manifests, self.measurements, self.templates, now
+        )
+        if observation is None:
+            return None  # the manifest is being read; its completion requeues the rollout
+        observed = observation.observed
         decision = decide(rollout, observed, now, self.gates)
-        pods = self.kube.pods(namespace, name)
         apply.apply_scales(self.kube, rollout, observed, decision, pods)
         apply.apply_traffic(self.kube, rollout, decision)
         apply.label_staged_nodes(self.kube, observed)
@@ -77,7 +113,9 @@ class Reconciler:
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
         metrics.record_rollout(namespace, name, decision.status)
-        delay = decision.requeue_after or IDLE_RECHECK_SECONDS
+        delay = IDLE_RECHECK_SECONDS if decision.requeue_after is None else decision.requeue_after
+        if observation.waiting:
+            delay = max(delay, LOOKUP_RECHECK_SECONDS)
         return min(delay, VERIFY_RECHECK_SECONDS) if verifying else delay
 
     def _write(

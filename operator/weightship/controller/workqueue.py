@@ -145,7 +145,7 @@ class WorkQueue(Generic[K]):
             return len(self._timers)
 
 
-class Workers:
+class Workers(Generic[K]):
     """A fixed number of threads that take keys from a queue and run `work(key)`.
 
     `work` returns seconds until the key's next run (None: no timer); raising

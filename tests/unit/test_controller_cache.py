@@ -1,0 +1,145 @@
+"""The watch caches' values, the view over them, and read-your-writes (controller/cache.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from weightship.controller.builders import ROLLOUT_LABEL
+from weightship.controller.cache import (
+    ClusterView,
+    WriteOverlay,
+    index_cache_entries,
+    index_pod,
+    index_replicaset,
+)
+from weightship.controller.snapshot import prefetch_observation, replica_set_observations
+
+OWNER = ("ns", "llm")
+
+
+def rs(name: str, version: str, replicas: int = 1) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "resourceVersion": version,
+            "labels": {ROLLOUT_LABEL: "llm", "weightship.io/revision-hash": name[-3:]},
+        },
+        "spec": {"replicas": replicas, "template": {"spec": {"containers": [{"name": "x"}]}}},
+        "status": {"replicas": replicas},
+    }
+
+
+def test_a_write_masks_the_version_it_was_made_against_until_the_watch_moves_on() -> None:
+    overlay = WriteOverlay()
+    assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])[0]["spec"]["replicas"] == 1
+    overlay.record(OWNER, "ReplicaSet", rs("llm-aaa", "2", replicas=3))
+    # The watch has not delivered the scale yet: the write's answer stands in.
+    assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])[0]["spec"]["replicas"] == 3
+    # Anything newer from the watch (ours, or the ReplicaSet controller's) wins from now on.
+    newer = overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "5", replicas=3)])
+    assert newer[0]["metadata"]["resourceVersion"] == "5"
+    assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])[0]["spec"]["replicas"] == 1
+
+
+def test_a_created_object_is_seen_before_the_watch_brings_it_and_dropped_once_gone() -> None:
+    overlay = WriteOverlay()
+    assert overlay.merge(OWNER, "ReplicaSet", []) == []
+    overlay.record(OWNER, "ReplicaSet", rs("llm-bbb", "7"))
+    assert [r["metadata"]["name"] for r in overlay.merge(OWNER, "ReplicaSet", [])] == ["llm-bbb"]
+    assert len(overlay.merge(OWNER, "ReplicaSet", [rs("llm-bbb", "7")])) == 1
+    assert overlay.merge(OWNER, "ReplicaSet", []) == []  # seen, then deleted: gone
+
+
+def test_an_unconfirmed_write_stops_masking_after_its_max_age() -> None:
+    now = [0.0]
+    overlay = WriteOverlay(max_age_s=10, clock=lambda: now[0])
+    overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])
+    overlay.record(OWNER, "ReplicaSet", rs("llm-aaa", "2", replicas=3))
+    now[0] = 11
+    assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])[0]["spec"]["replicas"] == 1
+
+
+def test_trimmed_pods_and_replica_sets_project_like_the_full_objects() -> None:
+    pod = {
+        "metadata": {
+            "name": "llm-aaa-x",
+            "namespace": "ns",
+            "uid": "u1",
+            "resourceVersion": "3",
+            "labels": {ROLLOUT_LABEL: "llm", "weightship.io/revision-hash": "aaa"},
+            "annotations": {"weightship.io/loaded": '{"source": "cache", "seconds": 1.5}'},
+            "managedFields": [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}],
+        },
+        "spec": {
+            "nodeName": "n1",
+            "containers": [{"name": "server", "image": "x", "env": [{"name": "A"}]}],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.1",
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "weightship.io/weights-verified", "status": "True"},
+            ],
+            "containerStatuses": [{"name": "server", "restartCount": 2, "image": "x"}],
+        },
+    }
+    replica_set = rs("llm-aaa", "1", replicas=2)
+    full = replica_set_observations([replica_set], [pod])
+    trimmed = replica_set_observations([index_replicaset(replica_set)], [index_pod(pod)])
+    assert full == trimmed and trimmed[0].verified == 1 and trimmed[0].loads[0].seconds == 1.5
+    assert "managedFields" not in index_pod(pod)["metadata"]
+    assert index_pod(pod)["status"]["containerStatuses"] == [{"name": "server", "restartCount": 2}]
+
+
+def weight_cache(node: str, *entries: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": node},
+        "spec": {"nodeName": node},
+        "status": {"manifests": entries},
+    }
+
+
+def test_the_view_reads_a_selector_and_a_digest_on_the_event_loop() -> None:
+    caches = [
+        weight_cache("n1", {"digest": "sha256:a", "state": "Staged", "bytesDone": 10}),
+        weight_cache("n2", {"digest": "sha256:a", "state": "Staging", "bytesDone": 4}),
+        weight_cache("n3", {"digest": "sha256:b", "state": "Staged"}),
+    ]
+    by_digest: dict[str, list[dict[str, Any]]] = {}
+    for c in caches:
+        for digest, entry in index_cache_entries(c).items():
+            by_digest.setdefault(digest, []).append(entry)
+    indexes: dict[str, dict[Any, list[Any]]] = {
+        "rollouts": {OWNER: [{"metadata": {"name": "llm", "namespace": "ns"}}]},
+        "rollout_replicasets": {OWNER: [rs("llm-aaa", "1")]},
+        "rollout_pods": {},
+        "node_labels": {
+            "n1": [{"gpu": "h100", "pool": "a"}],
+            "n2": [{"gpu": "h100", "pool": "b"}],
+            "n3": [{"gpu": "a100"}],
+        },
+        "cache_entries": by_digest,
+    }
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    try:
+        view = ClusterView(indexes, loop)
+        staging = view.staging({"gpu": "h100"}, "sha256:a")
+        objects = view.rollout_objects("ns", "llm")
+        gone = view.rollout_objects("ns", "other")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        loop.close()
+    assert staging.target_nodes == ["n1", "n2"]
+    observed = prefetch_observation("sha256:a", staging.target_nodes, staging.caches)
+    expected = prefetch_observation("sha256:a", ["n1", "n2"], caches)
+    assert observed == expected and observed.staged_nodes == 1
+    assert objects is not None and len(objects.replica_sets) == 1 and objects.pods == []
+    assert gone is None
+    assert view.node_has_label("n1", "gpu", "h100") and not view.node_has_label("n3", "gpu", "x")
