@@ -329,3 +329,76 @@ def test_parse_size() -> None:
     assert parse_size("1024") == 1024
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+TOKEN = "FwoGZXIvYXdzEXAMPLEsessionTOKEN/with+slashes=="
+SECRET_KEY = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+def test_credentials_from_a_secret_are_trimmed_and_never_printed(endpoint: str) -> None:
+    data = {
+        "AWS_ACCESS_KEY_ID": " AKIDEXAMPLE\n",
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY + "\r\n",
+        "AWS_SESSION_TOKEN": TOKEN + "\n",  # kubectl create secret --from-file keeps it
+    }
+    settings = S3Settings.from_secret(endpoint, "us-east-1", data)
+    assert settings.access_key_id == "AKIDEXAMPLE"
+    assert settings.session_token == TOKEN and settings.secret_access_key == SECRET_KEY
+    assert (
+        S3Settings.from_secret(endpoint, None, {"AWS_SESSION_TOKEN": " \n"}).session_token is None
+    )
+    for text in (repr(settings), str(settings)):
+        assert TOKEN not in text and SECRET_KEY not in text and "AKIDEXAMPLE" not in text
+    # The trimmed token is sent as is: moto answers (the bucket is missing), no header error.
+    origin = S3Origin(make_client(settings), S3Location("missing", ""), retry=QUICK_RETRY)
+    with pytest.raises(ClientError, match="NoSuchBucket"):
+        origin.read_manifest()
+
+
+@pytest.mark.parametrize("read", ["manifest", "chunk"])
+def test_botocore_errors_quoting_a_token_are_scrubbed(endpoint: str, read: str) -> None:
+    """A token with a trailing newline reaching botocore (settings made by hand, or a
+    Secret read by older code) makes it raise HTTPClientError quoting the token; nothing
+    an S3Origin raises may show it, in its text or its traceback."""
+    settings = S3Settings(
+        endpoint_url=endpoint,
+        region="us-east-1",
+        access_key_id="AKIDEXAMPLE",
+        secret_access_key=SECRET_KEY,
+        session_token=TOKEN + "\n",
+    )
+    origin = S3Origin(make_client(settings), S3Location("b", "p/"), retry=QUICK_RETRY)
+    with pytest.raises(Exception) as raised:
+        if read == "manifest":
+            origin.read_manifest()
+        else:
+            origin.read_range("w.bin", 0, 4)
+    text = "".join(traceback.format_exception(raised.value))
+    assert TOKEN not in text and TOKEN.replace("/", "%2F") not in text
+    assert SECRET_KEY not in text
+    assert len(str(raised.value)) <= 1024
+
+
+def test_error_text_redacts_every_form_of_a_secret_and_caps_length() -> None:
+    from weightship.errortext import REDACTED, error_text
+
+    secret = TOKEN + "\n"
+    forms = [secret, TOKEN, repr(secret), "X-Amz-Security-Token=" + TOKEN.replace("/", "%2F")]
+    exc = ValueError("Invalid header value b'" + TOKEN + "\\n' then " + " / ".join(forms))
+    text = error_text(exc, [secret])
+    assert TOKEN not in text and "FwoGZXIv" not in text and REDACTED in text
+    signed = "GET /b/k?X-Amz-Credential=AKID%2F2026&X-Amz-Signature=abcdef0123 HTTP/1.1"
+    assert "abcdef0123" not in error_text(ValueError(signed))
+    assert "AKID" not in error_text(ValueError(signed))
+    assert len(error_text(ValueError("x" * 10_000_000))) == 1024
+
+
+def test_an_oversized_manifest_object_is_refused_before_its_body_is_read(
+    origin: S3Origin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weightship.data.s3 as s3
+
+    monkeypatch.setattr(s3, "MAX_MANIFEST_BYTES", 1000)
+    origin.put_bytes(MANIFEST_NAME, b" " * 1001)
+    with pytest.raises(s3.ManifestError, match="over the 1000 bytes"):
+        origin.read_manifest()

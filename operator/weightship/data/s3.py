@@ -10,6 +10,9 @@ connection per thread reads the ranged body with ``readinto`` straight into the 
 place (its slot in the node's mapped partial file, or a buffer), then hashes it.
 Everything else goes through the boto3 client.
 Presigned URLs carry a signature: they are never logged or put in an error message.
+Every exception leaving an S3Origin call has had its text passed through
+``weightship.errortext`` (this client's credentials and any signed field removed, length
+capped) and its chained causes dropped, so a caller may show it as is.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
@@ -43,12 +47,15 @@ from weightship.data.httpconn import ThreadConnections, read_into
 from weightship.data.manifest import (
     DEFAULT_CHUNK_SIZE,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     LocalFolder,
     Manifest,
+    ManifestError,
     ProgressFn,
     build_manifest,
     validate_relative_path,
 )
+from weightship.errortext import error_text, redact
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -101,9 +108,9 @@ class S3Location:
 class S3Settings:
     endpoint_url: str | None = None
     region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
     max_connections: int = 32
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
@@ -112,14 +119,27 @@ class S3Settings:
     def from_secret(
         cls, endpoint_url: str | None, region: str | None, data: Mapping[str, str]
     ) -> S3Settings:
-        """Settings from a credentialsSecretRef Secret's data (AWS_* keys; empty = ambient)."""
+        """Settings from a credentialsSecretRef Secret's data (AWS_* keys; empty = ambient).
+
+        Values are trimmed: a Secret made with ``--from-file`` keeps the file's trailing
+        newline, which botocore refuses as a header value, quoting it in the error."""
+
+        def value(key: str) -> str | None:
+            text = (data.get(key) or "").strip()
+            return text or None
+
         return cls(
             endpoint_url=endpoint_url,
             region=region,
-            access_key_id=data.get("AWS_ACCESS_KEY_ID"),
-            secret_access_key=data.get("AWS_SECRET_ACCESS_KEY"),
-            session_token=data.get("AWS_SESSION_TOKEN"),
+            access_key_id=value("AWS_ACCESS_KEY_ID"),
+            secret_access_key=value("AWS_SECRET_ACCESS_KEY"),
+            session_token=value("AWS_SESSION_TOKEN"),
         )
+
+    @property
+    def secrets(self) -> tuple[str | None, ...]:
+        """The values no error text may show."""
+        return (self.access_key_id, self.secret_access_key, self.session_token)
 
 
 @dataclass(frozen=True)
@@ -129,9 +149,46 @@ class RetryPolicy:
     max_backoff_s: float = 10.0
 
 
+# The credentials each client was made with, so that its origin's errors can be scrubbed
+# of them (the client itself keeps them only inside botocore's private signer).
+_client_secrets: weakref.WeakKeyDictionary[object, tuple[str | None, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def make_client(settings: S3Settings) -> S3Client:
     """An S3 client with botocore retries off (tenacity retries here) and path-style
     addressing for custom endpoints (versitygw, MinIO, moto)."""
+    try:
+        client = _make_client(settings)
+    except Exception as exc:
+        raise scrubbed(exc, settings.secrets) from None
+    _client_secrets[client] = settings.secrets
+    return client
+
+
+def scrubbed(exc: BaseException, secrets: tuple[str | None, ...] = ()) -> BaseException:
+    """``exc`` itself (its type is kept, so retry and callers' checks still hold), with its
+    text redacted and bounded and the chained causes that could quote a credential gone."""
+    exc.args = (error_text(exc, secrets),)
+    kwargs = getattr(exc, "kwargs", None)  # botocore keeps what it formatted the text from
+    if isinstance(kwargs, dict):
+        for key, value in kwargs.items():
+            if isinstance(value, BaseException):
+                kwargs[key] = error_text(value, secrets)
+            elif isinstance(value, str):
+                kwargs[key] = redact(value, secrets)
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        if "Message" in error:
+            error["Message"] = error_text(Exception(error["Message"]), secrets)
+    exc.__cause__ = None
+    exc.__context__ = None
+    exc.__suppress_context__ = True
+    return exc
+
+
+def _make_client(settings: S3Settings) -> S3Client:
     session = boto3.session.Session(
         aws_access_key_id=settings.access_key_id,
         aws_secret_access_key=settings.secret_access_key,
@@ -151,6 +208,10 @@ def make_client(settings: S3Settings) -> S3Client:
 
 class OriginConnectionError(ConnectionError):
     """A chunk GET failed on the wire: refused, reset, timed out, or cut short."""
+
+
+class ObjectTooLargeError(ValueError):
+    """An object is larger than its reader may hold."""
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -212,7 +273,10 @@ class S3Origin:
             retry=retry_if_exception(is_retryable),
             reraise=True,
         )
-        return retrying(fn)
+        try:
+            return retrying(fn)
+        except Exception as exc:
+            raise scrubbed(exc, _client_secrets.get(self.client, ())) from None
 
     def list_files(self) -> list[tuple[str, int]]:
         """Every object under the prefix except the manifest, as (relative path, size)."""
@@ -299,20 +363,41 @@ class S3Origin:
             self._urls[key] = (now, url)
         return url
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole object; over ``max_bytes`` it is refused before its body is read."""
         key = self.location.key(path)
-        return self._call(
-            lambda: self.client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
-        )
+
+        def get() -> bytes:
+            answer = self.client.get_object(Bucket=self.location.bucket, Key=key)
+            body = answer["Body"]
+            try:
+                if max_bytes is not None and answer.get("ContentLength", 0) > max_bytes:
+                    raise ObjectTooLargeError(
+                        f"{self.location}{path} is {answer['ContentLength']} bytes, "
+                        f"over the {max_bytes} bytes it may take"
+                    )
+                data = body.read() if max_bytes is None else body.read(max_bytes + 1)
+                if max_bytes is not None and len(data) > max_bytes:
+                    raise ObjectTooLargeError(
+                        f"{self.location}{path} is over the {max_bytes} bytes it may take"
+                    )
+                return data
+            finally:
+                body.close()
+
+        return self._call(get)
 
     def put_bytes(self, path: str, data: bytes) -> None:
         key = self.location.key(path)
         self._call(lambda: self.client.put_object(Bucket=self.location.bucket, Key=key, Body=data))
 
     def read_manifest(self) -> Manifest:
-        return Manifest.parse(
-            self.read_bytes(MANIFEST_NAME), source=f"{self.location}{MANIFEST_NAME}"
-        )
+        source = f"{self.location}{MANIFEST_NAME}"
+        try:
+            data = self.read_bytes(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectTooLargeError as exc:
+            raise ManifestError(f"{source} is invalid: {exc}") from None
+        return Manifest.parse(data, source=source)
 
     def write_manifest(self, manifest: Manifest) -> None:
         self.put_bytes(MANIFEST_NAME, manifest.canonical_bytes())
