@@ -17,7 +17,13 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
 from weightship.data.cli import manifest_command, parse_size, publish_command
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
+from weightship.data.manifest import (
+    MANIFEST_NAME,
+    LocalFolder,
+    Manifest,
+    ManifestError,
+    build_manifest,
+)
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import (
     OriginConnectionError,
@@ -400,5 +406,5 @@ def test_an_oversized_manifest_object_is_refused_before_its_body_is_read(
 
     monkeypatch.setattr(s3, "MAX_MANIFEST_BYTES", 1000)
     origin.put_bytes(MANIFEST_NAME, b" " * 1001)
-    with pytest.raises(s3.ManifestError, match="over the 1000 bytes"):
+    with pytest.raises(ManifestError, match="over the 1000 bytes"):
         origin.read_manifest()
