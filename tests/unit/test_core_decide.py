@@ -9,7 +9,7 @@ import pytest
 from weightship.api.models import ModelRollout
 from weightship.api.status import AbortRequest, ControlRequest, ControlStatus, PromoteRequest
 from weightship.core.decide import decide, decide_invalid_spec
-from weightship.core.decision import Decision, ScaleAction
+from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction
 from weightship.core.gates import ALWAYS_PASS_GATES
 from weightship.core.observed import ObservedMeasurement, PodFailure, PodLoad
 from weightship.core.testing import (
@@ -527,7 +527,9 @@ def test_new_revision_mid_rollout_supersedes_canary() -> None:
     by_hash = {a.revision_hash: a for a in decision.scales}
     assert by_hash[canary].replicas == 0
     new_hash = after.status.canary_revision.pod_template_hash
-    assert by_hash[new_hash] == ScaleAction(new_hash, "canary", 1, create=True)
+    assert by_hash[new_hash] == CreateReplicaSet(
+        new_hash, "canary", 1, DIGEST_B, "spec.template", require_staged=True
+    )
 
 
 def test_reverting_spec_to_stable_drops_canary_without_prefetch() -> None:

@@ -19,8 +19,7 @@ from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import GoldenPrompt
 from weightship.controller.builders import DIGEST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
-from weightship.controller.seeding import scale_up_env, seed_root
-from weightship.controller.snapshot import replica_set_observations
+from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
@@ -28,6 +27,8 @@ from weightship.controller.verifier import (
     Verifier,
     needs_check,
 )
+from weightship.core.observed import ReplicaSetObservation
+from weightship.core.seeding import scale_up_seed, seed_root
 from weightship.core.verification import (
     GateVerdict,
     LoadReport,
@@ -214,43 +215,46 @@ def rollout(**validation: Any) -> ModelRollout:
 
 
 def test_scale_up_seeds_from_the_oldest_verified_ready_pod() -> None:
-    pods = [
-        pod(
-            "young",
-            gate=("True", "Verified"),
-            ready=True,
-            ip="10.0.0.2",
-            created="2026-11-30T01:00:00Z",
-        ),
-        pod("old", gate=("True", "Verified"), ready=True, ip="10.0.0.1"),
-        pod("unverified", ready=True, ip="10.0.0.3", created="2026-11-29T00:00:00Z"),
-        pod(
-            "other-rev",
-            gate=("True", "Verified"),
-            ready=True,
-            revision="zzz",
-            created="2026-11-01T00:00:00Z",
-        ),
-    ]
+    """Raw pods through snapshot.observed_pods into the core's seed-root choice."""
+    pods = observed_pods(
+        [
+            pod(
+                "young",
+                gate=("True", "Verified"),
+                ready=True,
+                ip="10.0.0.2",
+                created="2026-11-30T01:00:00Z",
+            ),
+            pod("old", gate=("True", "Verified"), ready=True, ip="10.0.0.1"),
+            pod("unverified", ready=True, ip="10.0.0.3", created="2026-11-29T00:00:00Z"),
+            pod(
+                "other-rev",
+                gate=("True", "Verified"),
+                ready=True,
+                revision="zzz",
+                created="2026-11-01T00:00:00Z",
+            ),
+        ]
+    )
     root = seed_root(pods, "abc")
-    assert root is not None and root["metadata"]["name"] == "old"
-    planned = scale_up_env(rollout(), pods, "llm-abc", "abc", 1, 3)
+    assert root is not None and root.name == "old"
+    rs = ReplicaSetObservation("llm-abc", "abc", replicas=1)
+    planned = scale_up_seed(rollout().spec, pods, rs, 3)
     assert planned is not None
-    env, containers = planned
-    values = {e["name"]: e["value"] for e in env}
-    assert containers == ["server"]
+    values = {e.name: e.value for e in planned.env}
+    assert planned.containers == ("server",)
     assert values["WEIGHTSHIP_SEED_ROOT"] == "http://10.0.0.1:8000"
     assert values["WEIGHTSHIP_SEED_WORLD_SIZE"] == "3"
-    assert values["WEIGHTSHIP_SEED_GROUP"].startswith("llm-abc-1to3-")
-    assert scale_up_env(rollout(), pods, "llm-abc", "abc", 3, 1) is None
+    assert values["WEIGHTSHIP_SEED_GROUP"] == "llm-abc-1to3-uid-old"
+    assert scale_up_seed(rollout().spec, pods, rs, 1) is None
 
 
 def test_scale_up_without_a_verified_root_switches_broadcast_off() -> None:
-    planned = scale_up_env(
-        rollout(), [pod("loading", gate=("False", "Loading"))], "llm-abc", "abc", 1, 3
-    )
-    assert planned is not None
-    values = {e["name"]: e["value"] for e in planned[0]}
+    pods = observed_pods([pod("loading", gate=("False", "Loading"))])
+    rs = ReplicaSetObservation("llm-abc", "abc", replicas=1, containers=("server",))
+    planned = scale_up_seed(rollout().spec, pods, rs, 3)
+    assert planned is not None and planned.containers == ("server",)
+    values = {e.name: e.value for e in planned.env}
     assert values["WEIGHTSHIP_SEED_ROOT"] == "" and values["WEIGHTSHIP_SEED_GROUP"] == ""
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from datetime import UTC
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.core.decision import OpenGate, SeedEnv
 
 GROUP = "weightship.io"
 ROLLOUT_LABEL = f"{GROUP}/rollout"
@@ -46,34 +48,27 @@ def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, Any
     return env
 
 
-def seed_env(
-    rollout: ModelRollout, root_url: str | None, group: str, world_size: int
-) -> list[dict[str, Any]]:
-    """Where new pods of a scale-up receive their weights by broadcast (weightship.seeding).
-    Empty values switch broadcast off: the pods load from the node cache."""
-    seeding = rollout.spec.seeding
-    on = root_url is not None and seeding.broadcast
-    values = {
-        "WEIGHTSHIP_SEED_ROOT": root_url if on and root_url else "",
-        "WEIGHTSHIP_SEED_GROUP": group if on else "",
-        "WEIGHTSHIP_SEED_WORLD_SIZE": str(world_size) if on else "",
-        "WEIGHTSHIP_SEED_BACKEND": seeding.backend,
-        "WEIGHTSHIP_SEED_TIMEOUT_SECONDS": str(seeding.timeout_seconds),
-    }
-    return [{"name": k, "value": v} for k, v in values.items()]
-
-
-def scale_patch(
-    replicas: int, containers: list[str], env: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """Strategic merge patch of a ReplicaSet: its size and, in the same write, env of the
-    pods it creates next (containers and env merge by name)."""
+def scale_patch(replicas: int, seed: SeedEnv | None = None) -> dict[str, Any]:
+    """Strategic merge patch of a ReplicaSet: its size and, in the same write, the seed env
+    of the pods it creates next (containers and env merge by name)."""
     patch: dict[str, Any] = {"spec": {"replicas": replicas}}
-    if env:
+    if seed is not None and seed.env:
+        env = [{"name": e.name, "value": e.value} for e in seed.env]
         patch["spec"]["template"] = {
-            "spec": {"containers": [{"name": name, "env": env} for name in containers]}
+            "spec": {"containers": [{"name": name, "env": env} for name in seed.containers]}
         }
     return patch
+
+
+def verified_condition(gate: OpenGate) -> dict[str, Any]:
+    """The pod condition that opens the weights-verified readiness gate."""
+    return {
+        "type": VERIFIED_GATE,
+        "status": "True",
+        "reason": gate.reason,
+        "message": gate.message,
+        "lastTransitionTime": gate.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
 
 
 def _inject_container(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +28,7 @@ from weightship.controller.observe import (
     observe,
     prometheus_measure,
 )
+from weightship.controller.snapshot import observed_pods
 from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
@@ -105,11 +106,10 @@ class Reconciler:
         if observation is None:
             return None  # the manifest is being read; its completion requeues the rollout
         observed = observation.observed
+        if not observed.pods:  # the same snapshot's pods, for the seed root and trivial gates
+            observed = replace(observed, pods=observed_pods(pods))
         decision = decide(rollout, observed, now, self.gates)
-        apply.apply_scales(self.kube, rollout, observed, decision, pods)
-        apply.apply_traffic(self.kube, rollout, decision)
-        apply.label_staged_nodes(self.kube, observed)
-        apply.open_trivial_gates(self.kube, rollout, pods)
+        apply.carry_out(self.kube, rollout, decision)
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
         metrics.record_rollout(namespace, name, decision.status)

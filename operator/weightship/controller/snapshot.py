@@ -5,13 +5,15 @@ core's `Observed` pieces. No clients, no I/O: observe gathers, these convert.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE, staged_node_label
 from weightship.controller.pods import condition, is_true
 from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.observed import (
     NodeStaging,
+    ObservedPod,
     PodFailure,
     PodLoad,
     PrefetchObservation,
@@ -30,6 +32,40 @@ def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
 
 def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
+    """Pure: the rollout's pods as the core's decisions (seed root, trivial gates) read them."""
+    out = []
+    for pod in raw_pods:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        containers = ((pod.get("spec") or {}).get("containers")) or []
+        out.append(
+            ObservedPod(
+                name=meta["name"],
+                revision_hash=(meta.get("labels") or {}).get(REVISION_LABEL),
+                uid=str(meta.get("uid") or ""),
+                created=str(meta.get("creationTimestamp") or ""),
+                pod_ip=status.get("podIP") or None,
+                phase=status.get("phase"),
+                deleting=bool(meta.get("deletionTimestamp")),
+                ready=is_true(pod, "Ready"),
+                containers_ready=is_true(pod, "ContainersReady"),
+                weights_verified=is_true(pod, VERIFIED_GATE),
+                containers=tuple(str(c["name"]) for c in containers if c.get("name")),
+                restarts=sum(
+                    int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
+                ),
+            )
+        )
+    return tuple(out)
+
+
+def _template_containers(replica_set: dict[str, Any]) -> tuple[str, ...]:
+    template = (replica_set.get("spec") or {}).get("template") or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    return tuple(str(c["name"]) for c in containers if c.get("name"))
 
 
 def replica_set_observations(
@@ -98,15 +134,23 @@ def replica_set_observations(
                 verified=sum(is_true(p, VERIFIED_GATE) for p in members),
                 failed=tuple(failed),
                 loads=tuple(sorted(loads, key=lambda load: load.pod)),
+                containers=_template_containers(rs),
             )
         )
     return tuple(out)
 
 
 def prefetch_observation(
-    digest: str, target_nodes: list[str], caches: list[dict[str, Any]]
+    digest: str,
+    target_nodes: list[str],
+    caches: list[dict[str, Any]],
+    node_labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> PrefetchObservation:
-    """Pure: sum the staging of `digest` over the WeightCaches of the target nodes."""
+    """Pure: sum the staging of `digest` over the WeightCaches of the target nodes.
+    `node_labels` (by node name) tells which nodes carry the staged label already, so
+    the core labels only the others; without it every staged node is labelled."""
+    label = staged_node_label(digest)
+    labels = node_labels or {}
     by_node = {(c.get("spec") or {}).get("nodeName") or c["metadata"]["name"]: c for c in caches}
     nodes = []
     for node in sorted(target_nodes):
@@ -131,6 +175,7 @@ def prefetch_observation(
                 int(entry.get("bytesDone") or 0),
                 int(entry.get("bytesTotal") or 0),
                 entry.get("lastError"),
+                labelled=(labels.get(node) or {}).get(label) == "true",
             )
         )
     return PrefetchObservation(

@@ -12,8 +12,9 @@ deadline or a manual abort leads to a capacity-safe abort → Degraded.
 
 This module only orchestrates; each concern has its own module: desired (the spec's
 revision), control (promote/abort/retry requests), canary (steady or canary flow),
-prefetch, steps, pause, analysis_step, abort, projection (status from observations) and
-scaling (ReplicaSet sizes, traffic, pins).
+prefetch (and staged node labels), steps, pause, analysis_step, abort, projection (status
+from observations), scaling (ReplicaSet creates and sizes, traffic, pins), seeding (who
+seeds a scale-up) and trivial_gates (pods with nothing to verify).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from datetime import datetime
 
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
-from weightship.core import canary, projection, scaling
+from weightship.core import canary, prefetch, projection, scaling
 from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
 from weightship.core.decision import Decision
 from weightship.core.desired import desired_revision, mark_invalid
 from weightship.core.gates import DEFAULT_GATES, GateSet
 from weightship.core.observed import Observed
+from weightship.core.trivial_gates import trivial_gates
 
 
 def decide(
@@ -70,9 +72,13 @@ def _decision(ctx: RolloutContext) -> Decision:
     ctx.status.conditions = [
         c.model_copy(update={"observed_generation": ctx.generation}) for c in ctx.status.conditions
     ]
+    replica_sets, not_rebuilt = ((), ()) if ctx.invalid else scaling.replica_set_actions(ctx)
     return Decision(
         status=ctx.status,
-        scales=() if ctx.invalid else scaling.scales(ctx),
+        scales=replica_sets,
+        not_rebuilt=not_rebuilt,
+        node_labels=prefetch.staged_node_labels(ctx.observed),
+        open_gates=trivial_gates(ctx.spec, ctx.observed.pods, ctx.now),
         events=tuple(ctx.events),
         notifications=tuple(ctx.notifications),
         traffic=scaling.traffic(ctx),

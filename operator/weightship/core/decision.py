@@ -1,8 +1,11 @@
-"""What `decide` wants done. The kopf handlers apply it; they decide nothing themselves."""
+"""What `decide` wants done, fully resolved: controller/apply.py carries the actions out
+(rendering Kubernetes bodies with controller/builders.py) and decides nothing itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
 from weightship.api.spec import NotificationEvent
@@ -13,15 +16,65 @@ ReplicaSetRole = Literal["stable", "canary", "retiring", "obsolete"]
 
 
 @dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
+class SeedEnv:
+    """Env of the pods a scale-up creates: where they receive their weights by broadcast
+    (core.seeding); empty values make them load from the node cache."""
+
+    containers: tuple[str, ...]
+    env: tuple[EnvVar, ...]
+
+
+@dataclass(frozen=True)
 class ScaleAction:
-    """Scale (or create, from spec.template / the workloadRef template) one ReplicaSet."""
+    """Set the size of one observed ReplicaSet (in the same write, `seed` on a scale-up)."""
 
     revision_hash: str
     role: ReplicaSetRole
     replicas: int
-    create: bool = False
-    name: str | None = None
-    """Name of the observed ReplicaSet; None when it must be created."""
+    name: str
+    """Name of the observed ReplicaSet."""
+    seed: SeedEnv | None = None
+
+
+@dataclass(frozen=True)
+class CreateReplicaSet:
+    """Create the ReplicaSet of the spec's current revision (the only one with a template)."""
+
+    revision_hash: str
+    role: ReplicaSetRole
+    replicas: int
+    manifest_digest: str
+    template_source: Literal["spec.template", "workloadRef"]
+    require_staged: bool
+    """Its pods require nodes labelled as holding the staged weights (NodeLabel)."""
+    template: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+ReplicaSetAction = ScaleAction | CreateReplicaSet
+
+
+@dataclass(frozen=True)
+class OpenGate:
+    """Set a pod's weights-verified readiness gate True (nothing to verify)."""
+
+    pod: str
+    reason: str
+    message: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class NodeLabel:
+    """Mark a node as holding a manifest's staged weights: canary pods require it."""
+
+    node: str
+    manifest_digest: str
 
 
 @dataclass(frozen=True)
@@ -50,13 +103,20 @@ class TrafficWeights:
     stable_hash: str | None = None
     """Revision hash the stable backend Service must select."""
     canary_hash: str | None = None
-    """Revision hash the canary backend Service must select."""
+    """Revision hash the canary backend Service must select (the stable's when there is no
+    canary, so it never selects pods of a dropped revision)."""
 
 
 @dataclass(frozen=True)
 class Decision:
     status: ModelRolloutStatus
-    scales: tuple[ScaleAction, ...] = ()
+    scales: tuple[ReplicaSetAction, ...] = ()
+    """ReplicaSets to create or resize, in revision-hash order."""
+    not_rebuilt: tuple[str, ...] = ()
+    """Revisions whose ReplicaSet is gone but wanted: only the spec's current revision can
+    be built again, from its template (apply logs these)."""
+    node_labels: tuple[NodeLabel, ...] = ()
+    open_gates: tuple[OpenGate, ...] = ()
     events: tuple[Event, ...] = ()
     notifications: tuple[Notification, ...] = ()
     traffic: TrafficWeights | None = None

@@ -45,6 +45,8 @@ class ReplicaSetObservation:
     """Pods whose readiness gate weightship.io/weights-verified is True."""
     failed: tuple[PodFailure, ...] = ()
     loads: tuple[PodLoad, ...] = ()
+    containers: tuple[str, ...] = ()
+    """Container names of its pod template (where a scale-up's seed env goes)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class NodeStaging:
     bytes_done: int = 0
     bytes_total: int = 0
     message: str | None = None
+    labelled: bool = False
+    """The node already carries the staged label of this manifest."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,27 @@ class ObservedMeasurement:
 
 
 @dataclass(frozen=True)
+class ObservedPod:
+    """One pod of the rollout, as far as decisions about it need to know."""
+
+    name: str
+    revision_hash: str | None = None
+    uid: str = ""
+    created: str = ""
+    """creationTimestamp as the API writes it (RFC 3339 UTC: sorts as time does)."""
+    pod_ip: str | None = None
+    phase: str | None = None
+    deleting: bool = False
+    ready: bool = False
+    containers_ready: bool = False
+    weights_verified: bool = False
+    """Its readiness gate weightship.io/weights-verified is True."""
+    containers: tuple[str, ...] = ()
+    restarts: int = 0
+    """Container restarts, summed over its containers."""
+
+
+@dataclass(frozen=True)
 class Observed:
     manifest: ManifestResolution
     replica_sets: tuple[ReplicaSetObservation, ...] = ()
@@ -94,6 +119,8 @@ class Observed:
     measurements: tuple[ObservedMeasurement, ...] = ()
     workload_template: Mapping[str, Any] | None = field(default=None, compare=False)
     """Pod template of spec.workloadRef's Deployment; None when not found or not used."""
+    pods: tuple[ObservedPod, ...] = ()
+    """The rollout's pods (all revisions)."""
 
     def replica_set(self, revision_hash: str | None) -> ReplicaSetObservation | None:
         return next((r for r in self.replica_sets if r.revision_hash == revision_hash), None)

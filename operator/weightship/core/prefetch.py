@@ -6,7 +6,8 @@ from __future__ import annotations
 from weightship.api.status import PrefetchStatus
 from weightship.core.abort import deadline_exceeded
 from weightship.core.context import RolloutContext
-from weightship.core.decision import Event
+from weightship.core.decision import Event, NodeLabel
+from weightship.core.observed import Observed
 
 
 def prefetched(ctx: RolloutContext) -> bool:
@@ -44,4 +45,17 @@ def prefetch_done(ctx: RolloutContext) -> bool:
         and prefetch.manifest_digest == canary.manifest_digest
         and condition is not None
         and condition.status == "True"
+    )
+
+
+def staged_node_labels(observed: Observed) -> tuple[NodeLabel, ...]:
+    """Nodes that have staged the spec's manifest get its label (canary pods require it),
+    unless they carry it already."""
+    prefetch = observed.prefetch
+    if prefetch is None:
+        return ()
+    return tuple(
+        NodeLabel(node.name, prefetch.digest)
+        for node in prefetch.nodes
+        if node.state == "Staged" and not node.labelled
     )

@@ -1,12 +1,21 @@
-"""How big each ReplicaSet should be, where traffic goes, and which manifests stay pinned:
+"""How big each ReplicaSet should be (and how a missing one is built, and how the pods a
+scale-up creates are seeded), where traffic goes, and which manifests stay pinned:
 derived from the status a reconcile has just decided."""
 
 from __future__ import annotations
 
 from weightship.core.context import RolloutContext
-from weightship.core.decision import ReplicaSetRole, ScaleAction, TrafficWeights
+from weightship.core.decision import (
+    CreateReplicaSet,
+    ReplicaSetAction,
+    ReplicaSetRole,
+    ScaleAction,
+    TrafficWeights,
+)
+from weightship.core.desired import spec_template
 from weightship.core.prefetch import prefetch_done
 from weightship.core.replicas import canary_replicas, weight_at_step
+from weightship.core.seeding import scale_up_seed
 
 
 def canary_target(ctx: RolloutContext) -> int:
@@ -27,25 +36,68 @@ def canary_target(ctx: RolloutContext) -> int:
     )
 
 
-def scales(ctx: RolloutContext) -> tuple[ScaleAction, ...]:
+def targets(ctx: RolloutContext) -> dict[str, tuple[ReplicaSetRole, int]]:
+    """The wanted size of every ReplicaSet by revision hash; observed ones not wanted: 0."""
     status = ctx.status
-    targets: dict[str, tuple[ReplicaSetRole, int]] = {}
+    wanted: dict[str, tuple[ReplicaSetRole, int]] = {}
     for replica_set in ctx.observed.replica_sets:
-        targets[replica_set.revision_hash] = ("obsolete", 0)
+        wanted[replica_set.revision_hash] = ("obsolete", 0)
     if status.retiring is not None:
-        targets[status.retiring.pod_template_hash] = ("retiring", ctx.spec.replicas)
+        wanted[status.retiring.pod_template_hash] = ("retiring", ctx.spec.replicas)
     if status.canary_revision is not None:
-        targets[status.canary_revision.pod_template_hash] = ("canary", canary_target(ctx))
+        wanted[status.canary_revision.pod_template_hash] = ("canary", canary_target(ctx))
     if status.stable_revision is not None:
-        targets[status.stable_revision.pod_template_hash] = ("stable", ctx.spec.replicas)
-    actions = []
-    for revision, (role, replicas) in sorted(targets.items()):
+        wanted[status.stable_revision.pod_template_hash] = ("stable", ctx.spec.replicas)
+    return wanted
+
+
+def replica_set_actions(
+    ctx: RolloutContext,
+) -> tuple[tuple[ReplicaSetAction, ...], tuple[str, ...]]:
+    """The creates and resizes that reach the targets, and the wanted revisions whose
+    ReplicaSet is missing but cannot be built (not the spec's current revision)."""
+    actions: list[ReplicaSetAction] = []
+    not_rebuilt = []
+    for revision, (role, replicas) in sorted(targets(ctx).items()):
         current = ctx.observed.replica_set(revision)
         if current is None and replicas > 0:
-            actions.append(ScaleAction(revision, role, replicas, create=True))
+            create = _create(ctx, revision, role, replicas)
+            if create is None:
+                not_rebuilt.append(revision)
+            else:
+                actions.append(create)
         elif current is not None and current.replicas != replicas:
-            actions.append(ScaleAction(revision, role, replicas, name=current.name))
-    return tuple(actions)
+            seed = scale_up_seed(ctx.spec, ctx.observed.pods, current, replicas)
+            actions.append(ScaleAction(revision, role, replicas, current.name, seed))
+    return tuple(actions), tuple(not_rebuilt)
+
+
+def _create(
+    ctx: RolloutContext, revision: str, role: ReplicaSetRole, replicas: int
+) -> CreateReplicaSet | None:
+    """Only the spec's current revision has a template: spec.template, or the observed
+    workloadRef Deployment's. A canary whose weights are new to the stable waits for
+    nodes that staged them."""
+    desired = ctx.desired
+    template = spec_template(ctx)
+    if (
+        desired is None
+        or desired.pod_template_hash != revision
+        or desired.manifest_digest is None
+        or template is None
+    ):
+        return None
+    stable = ctx.status.stable_revision
+    staged_elsewhere = stable is not None and stable.manifest_digest == desired.manifest_digest
+    return CreateReplicaSet(
+        revision,
+        role,
+        replicas,
+        manifest_digest=desired.manifest_digest,
+        template_source="spec.template" if ctx.spec.template is not None else "workloadRef",
+        require_staged=ctx.spec.prefetch.enabled and not staged_elsewhere and role == "canary",
+        template=template,
+    )
 
 
 def traffic(ctx: RolloutContext) -> TrafficWeights | None:
@@ -59,7 +111,11 @@ def traffic(ctx: RolloutContext) -> TrafficWeights | None:
         stable=100 - weight,
         canary=weight,
         stable_hash=stable.pod_template_hash if stable else None,
-        canary_hash=canary.pod_template_hash if canary else None,
+        canary_hash=canary.pod_template_hash
+        if canary
+        else stable.pod_template_hash
+        if stable
+        else None,
     )
 
 
