@@ -75,6 +75,29 @@ class LoadReport:
         }
 
 
+# A server that refuses its weights may exit (vLLM does) rather than stay up to say why:
+# it writes this document as its container's termination message, which the kubelet
+# puts in the pod's status, where the verifier reads it.
+TERMINATION_KEY = "weightshipLoadReport"
+
+
+def termination_message(report: LoadReport) -> str:
+    return json.dumps({TERMINATION_KEY: report.to_json()}, sort_keys=True)
+
+
+def report_from_termination(message: str | None) -> LoadReport | None:
+    """The failed load a container reported on its way out, if it reported one."""
+    if not message or TERMINATION_KEY not in message:
+        return None
+    for line in reversed(message.splitlines()):
+        try:
+            report = LoadReport.from_json(json.loads(line)[TERMINATION_KEY])
+        except (ValueError, KeyError, TypeError):
+            continue
+        return report if report.state == "Failed" else None
+    return None
+
+
 def _opt_str(value: object) -> str | None:
     return str(value) if value not in (None, "") else None
 

@@ -1,0 +1,1 @@
+"""Plugins that put weightship inside inference servers nobody here wrote (vLLM)."""

@@ -1,0 +1,52 @@
+"""weightship inside vLLM (`pip install weightship[vllm]`), registered by entry points:
+
+- ``vllm.general_plugins: weightship = weightship.integrations.vllm:register`` registers
+  the load format ``weightship`` (``loader``) in every vLLM process;
+- ``vllm.endpoint_plugins: weightship = weightship.integrations.vllm.endpoint:endpoint_plugin``
+  adds GET /weightship/v1/loaded and the seed-root routes to vLLM's API server.
+
+Both load with ``VLLM_PLUGINS=weightship`` (endpoint plugins load only when named there).
+See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .settings import RUN_DIR_ENV, RUN_OWNER_ENV
+
+_registered = False
+
+
+def claim_run_dir(env: dict[str, str] | os._Environ[str]) -> Path:
+    """The first vLLM process (the API server) makes a fresh run directory and hands it
+    to the processes it starts through the environment; they find it set."""
+    if not env.get(RUN_OWNER_ENV):
+        folder = env.get(RUN_DIR_ENV)
+        if folder:
+            path = Path(folder)
+            path.mkdir(parents=True, exist_ok=True)
+            for stale in path.glob("*"):  # an earlier run's reports say nothing now
+                if stale.is_file():
+                    stale.unlink()
+        else:
+            path = Path(tempfile.mkdtemp(prefix="weightship-vllm-"))
+        env[RUN_DIR_ENV] = str(path)
+        env[RUN_OWNER_ENV] = str(os.getpid())
+    return Path(env[RUN_DIR_ENV])
+
+
+def register() -> None:
+    """vLLM calls this in every process; only the first call in each does anything."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    claim_run_dir(os.environ)
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .loader import LOAD_FORMAT, WeightshipModelLoader
+
+    register_model_loader(LOAD_FORMAT)(WeightshipModelLoader)

@@ -1,0 +1,76 @@
+"""The plugin's configuration: the environment the operator gives inference pods, then
+``--model-loader-extra-config`` (JSON) on top. No vLLM imports."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
+from weightship.seeding.config import BACKEND_ENV, TIMEOUT_ENV, SeedConfig
+
+RUN_DIR_ENV = "WEIGHTSHIP_VLLM_RUN_DIR"
+# Set by the API server process (the first to load the plugin) for its children, so a
+# restarted server never reads reports of an earlier run.
+RUN_OWNER_ENV = "WEIGHTSHIP_VLLM_RUN_OWNER"
+SEED_ROOT_ENV = "WEIGHTSHIP_VLLM_SEED_ROOT"
+TERMINATION_LOG_ENV = "WEIGHTSHIP_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+EXTRA_KEYS = frozenset({"cache_dir", "manifest_digest", "seed_root"})
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    cache_dir: Path | None  # WEIGHTSHIP_CACHE_DIR: the node cache, mounted read-only
+    manifest_digest: str | None  # WEIGHTSHIP_MANIFEST_DIGEST: what the rollout pins
+    run_dir: Path  # where ranks leave their reports for the endpoint
+    seed: SeedConfig | None = None  # WEIGHTSHIP_SEED_*: receive by broadcast
+    pod_ip: str | None = None  # WEIGHTSHIP_POD_IP: where receivers reach this root
+    pod_name: str = "local"  # WEIGHTSHIP_POD_NAME
+    seed_root: bool = True  # WEIGHTSHIP_VLLM_SEED_ROOT=0: keep no copy to seed others
+    seed_backend: str = "auto"
+    seed_timeout_s: float = 300.0
+    seed_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    termination_log: Path = Path(DEFAULT_TERMINATION_LOG)
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str], extra: Mapping[str, Any] | None = None
+    ) -> PluginSettings:
+        extra = dict(extra or {})
+        unknown = set(extra) - EXTRA_KEYS
+        if unknown:
+            raise SettingsError(
+                f"--model-loader-extra-config: unknown keys {sorted(unknown)}; "
+                f"known: {sorted(EXTRA_KEYS)}"
+            )
+
+        def opt(name: str) -> str | None:
+            return env.get(name) or None
+
+        cache = extra.get("cache_dir") or opt("WEIGHTSHIP_CACHE_DIR")
+        try:
+            seed = SeedConfig.from_env(env)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from exc
+        seed_root = extra.get("seed_root", env.get(SEED_ROOT_ENV, "1") not in ("0", "false"))
+        return cls(
+            cache_dir=Path(cache) if cache else None,
+            manifest_digest=extra.get("manifest_digest") or opt("WEIGHTSHIP_MANIFEST_DIGEST"),
+            run_dir=Path(env.get(RUN_DIR_ENV) or f"/tmp/weightship-vllm-{os.getpid()}"),
+            seed=seed,
+            pod_ip=opt("WEIGHTSHIP_POD_IP"),
+            pod_name=env.get("WEIGHTSHIP_POD_NAME") or env.get("POD_NAME") or "local",
+            seed_root=bool(seed_root),
+            seed_backend=env.get(BACKEND_ENV) or "auto",
+            seed_timeout_s=float(env.get(TIMEOUT_ENV) or 300),
+            seed_bucket_bytes=int(env.get("WEIGHTSHIP_SEED_BUCKET_BYTES") or DEFAULT_BUCKET_BYTES),
+            termination_log=Path(env.get(TERMINATION_LOG_ENV) or DEFAULT_TERMINATION_LOG),
+        )
