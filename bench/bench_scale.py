@@ -1,0 +1,542 @@
+"""The control plane at fleet scale, on the local cluster (it must be up).
+
+N KWOK GPU nodes, each with a WeightCache that a load generator updates at the agents'
+rate (a staging node writes at most once per 10 s; `--staging` of the nodes stage at any
+time). Then, for each design, one operator process:
+
+1. one rollout alone through a revision change (the reference time);
+2. R rollouts at once (2 KWOK replicas, no prefetch, nothing to verify, 50% -> 100%)
+   created, then all changed to a second revision;
+3. one rollout of `--big` replicas through a revision change;
+4. 30 s of steady state (everything Healthy).
+
+Figures: API requests by verb and resource (the API server's apiserver_request_total,
+before and after, minus the bench's own), per reconcile; operator RSS and threads (peak);
+reconcile p50/p99 (the operator's own histogram); time from spec change to all Healthy;
+how many finished. The baseline is the design before the work queue (commit 07fb27b, run
+from `git archive` in a temp dir with PYTHONPATH pointing at it), in the same run.
+
+    .venv/bin/python bench/bench_scale.py                      # 5,000 nodes, 100 rollouts
+    .venv/bin/python bench/bench_scale.py --nodes 200 --rollouts 20 --big 50   # quick
+
+The cluster is shared: the bench removes its nodes, WeightCaches and namespaces after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from benchlib import free_port, table
+from weightship.controller.builders import GROUP
+from weightship.controller.kube import VERSION
+from weightship.data.s3 import S3Location, S3Origin, publish
+from weightship.dev import cluster as local_cluster
+from weightship.dev import testkit
+from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
+from weightship.dev.nodes import admin_api, kwok_node_body
+from weightship.dev.scale import Fleet, healthy_on
+
+REPO = Path(__file__).resolve().parent.parent
+BASELINE_COMMIT = "07fb27b"
+NODE_START = 20000  # kwok-gpu-20000…: apart from the cluster's own and the e2e tests' nodes
+READS = ("LIST", "GET")
+RESOURCES = ("modelrollouts", "replicasets", "pods", "nodes", "weightcaches", "secrets")
+STEADY_S = 30.0
+
+
+# ---- the cluster's side ---------------------------------------------------------------
+class ApiCounts:
+    """apiserver_request_total by (verb, resource), read from the API server."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+
+    def read(self) -> Counter[tuple[str, str]]:
+        raw = self.api.rest_client.pool_manager.request(
+            "GET", self.api.configuration.host + "/metrics"
+        ).data.decode()
+        out: Counter[tuple[str, str]] = Counter()
+        for line in raw.splitlines():
+            if not line.startswith("apiserver_request_total{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels.get("resource") in RESOURCES and not labels.get("subresource"):
+                out[(labels["verb"], labels["resource"])] += int(float(line.rsplit(" ", 1)[1]))
+        return out
+
+
+def make_nodes(api: client.ApiClient, count: int) -> list[str]:
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+    def create(index: int) -> str:
+        body = kwok_node_body(index)
+        name = str(body["metadata"]["name"])
+        try:
+            node = core.create_node(body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            node = core.read_node(name)
+        cache = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "WeightCache",
+            "metadata": {
+                "name": name,
+                "labels": {"app.kubernetes.io/managed-by": "bench-scale"},
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node.metadata.uid}
+                ],
+            },
+            "spec": {"nodeName": name},
+        }
+        try:
+            custom.create_cluster_custom_object(GROUP, VERSION, "weightcaches", cache)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        write_cache(custom, name, "Staged", 1)
+        return name
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(create, range(NODE_START, NODE_START + count)))
+
+
+def write_cache(custom: client.CustomObjectsApi, node: str, state: str, done: int) -> None:
+    digest = "sha256:" + f"{hash(node) & 0xFFFFFFFF:08x}" * 8
+    entry = {"digest": digest, "state": state, "bytesDone": done, "bytesTotal": 100}
+    custom.patch_cluster_custom_object_status(
+        GROUP,
+        VERSION,
+        "weightcaches",
+        node,
+        {"status": {"peerEndpoint": "10.0.0.1:7000", "manifests": [entry]}},
+    )
+
+
+def delete_nodes(api: client.ApiClient, names: list[str]) -> None:
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+    def delete(name: str) -> None:
+        with suppress(ApiException):
+            custom.delete_cluster_custom_object(GROUP, VERSION, "weightcaches", name)
+        with suppress(ApiException):
+            core.delete_node(name)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(delete, names))
+
+
+class CacheLoad:
+    """WeightCache status writes at the agents' rate: each staging node once per 10 s."""
+
+    def __init__(self, api: client.ApiClient, nodes: list[str], staging: float) -> None:
+        self.custom = client.CustomObjectsApi(api)
+        self.nodes = nodes
+        self.rate = max(0.1, len(nodes) * staging / 10.0)
+        self.stop = threading.Event()
+        self.writes = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = random.Random(7)
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            while not self.stop.is_set():
+                due = started + self.writes / self.rate
+                if (wait := due - time.monotonic()) > 0:
+                    self.stop.wait(wait)
+                node = rng.choice(self.nodes)
+                pool.submit(self._write, node, rng.randrange(100))
+                self.writes += 1
+
+    def _write(self, node: str, done: int) -> None:
+        with suppress(ApiException):
+            write_cache(self.custom, node, "Staging", done)
+
+    def __enter__(self) -> CacheLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+# ---- the operator's side --------------------------------------------------------------
+class Operator:
+    """`weightship operator` from `ref`'s tree (git archive into a temp dir, on PYTHONPATH),
+    or from the working tree when ref is None."""
+
+    def __init__(
+        self, design: str, ref: str | None, kubeconfig: Path, glob: str, log: Path
+    ) -> None:
+        self.design, self.port = design, free_port()
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "WEIGHTSHIP_METRICS_PORT": str(self.port),
+        }
+        cwd = REPO
+        self.tree: Path | None = None
+        if ref is not None:
+            old = Path(tempfile.mkdtemp(prefix=f"ws-{design}-"))
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", ref, "operator"],
+                check=True,
+                capture_output=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+            env["PYTHONPATH"] = str(old / "operator")
+            cwd, self.tree = old, old
+        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "weightship",
+                "operator",
+                "--standalone",
+                "--liveness",
+                "",
+                f"--namespace={glob}",
+            ],
+            env=env,
+            cwd=cwd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.peak_rss_mb, self.peak_threads = 0.0, 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.5):
+            with suppress(OSError):
+                text = Path(f"/proc/{self.proc.pid}/status").read_text()
+                rss = int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024  # type: ignore[union-attr]
+                threads = int(re.search(r"Threads:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+                self.peak_rss_mb = max(self.peak_rss_mb, rss)
+                self.peak_threads = max(self.peak_threads, threads)
+
+    def metrics(self) -> dict[str, Any]:
+        """weightship_reconciles_total and the reconcile histogram's buckets."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                raw = r.read().decode()
+        except OSError:
+            return {"reconciles": 0.0, "buckets": {}}
+        buckets: dict[float, float] = {}
+        reconciles = 0.0
+        for line in raw.splitlines():
+            if line.startswith("weightship_reconciles_total "):
+                reconciles = float(line.split()[1])
+            m = re.match(
+                r'weightship_reconcile_duration_seconds_bucket\{le="([^"]+)"\} (\S+)', line
+            )
+            if m:
+                buckets[float(m.group(1))] = float(m.group(2))
+        return {"reconciles": reconciles, "buckets": buckets}
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        testkit.wait_until(
+            lambda: self.proc.poll() is None and self.metrics()["buckets"],
+            timeout=timeout,
+            what=f"the {self.design} operator's metrics",
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        if self.tree is not None:
+            shutil.rmtree(self.tree, ignore_errors=True)
+
+
+def quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """Upper bound of the histogram bucket holding quantile q of the observations between
+    two reads (cumulative buckets, as Prometheus keeps them)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    if total <= 0:
+        return None
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= q * total:
+            return bound
+    return bounds[-1]
+
+
+# ---- one design's run -----------------------------------------------------------------
+def publish_models(endpoint: str) -> tuple[str, dict[str, str]]:
+    s3 = testkit.local_s3(endpoint)
+    bucket = testkit.unique_name("bench-scale")
+    s3.create_bucket(Bucket=bucket)
+    uris = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in ("v1", "v2"):
+            folder = Path(tmp) / version
+            folder.mkdir()
+            (folder / "model.safetensors").write_bytes(os.urandom(4096))
+            uri = f"s3://{bucket}/models/{version}/"
+            publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
+            uris[version] = uri
+    return bucket, uris
+
+
+def namespace_with_secret(api: client.ApiClient, prefix: str) -> str:
+    namespace = testkit.create_namespace(api, prefix)
+    client.CoreV1Api(api).create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "s3-credentials"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            },
+        },
+    )
+    return namespace
+
+
+@contextmanager
+def phase(
+    name: str, op: Operator, counts: ApiCounts, out: dict[str, Any], fleets: list[Fleet]
+) -> Iterator[dict[str, Any]]:
+    """Figures between entering and leaving: API requests (the bench's own LISTs of
+    modelrollouts taken off), reconciles and their p50/p99."""
+    api_before, m_before, lists_before = counts.read(), op.metrics(), sum(f.lists for f in fleets)
+    started = time.monotonic()
+    result: dict[str, Any] = {}
+    yield result
+    api_after, m_after = counts.read(), op.metrics()
+    delta = api_after - api_before
+    delta[("LIST", "modelrollouts")] -= sum(f.lists for f in fleets) - lists_before
+    reconciles = m_after["reconciles"] - m_before["reconciles"]
+    reads = {f"{v} {r}": delta[(v, r)] for v in READS for r in RESOURCES if delta[(v, r)] > 0}
+    writes = {
+        f"{v} {r}": n for (v, r), n in sorted(delta.items()) if v not in (*READS, "WATCH") and n > 0
+    }
+    result.update(
+        seconds=time.monotonic() - started,
+        reconciles=reconciles,
+        reads=reads,
+        writes=writes,
+        reads_per_reconcile=sum(reads.values()) / reconciles if reconciles else None,
+        p50=quantile(m_before["buckets"], m_after["buckets"], 0.50),
+        p99=quantile(m_before["buckets"], m_after["buckets"], 0.99),
+    )
+    out[name] = result
+
+
+def run_design(
+    design: str,
+    args: argparse.Namespace,
+    api: client.ApiClient,
+    paths: ClusterPaths,
+    uris: dict[str, str],
+    endpoint: str,
+) -> dict[str, Any]:
+    counts = ApiCounts(api)
+    prefix = f"bsc-{design}-"
+    namespace = namespace_with_secret(api, prefix + "fleet")
+    log = paths.root / f"bench-scale-{design}.log"
+    ref = BASELINE_COMMIT if design == "old" else args.new_ref
+    op = Operator(
+        design, None if ref == "worktree" else ref, paths.admin_kubeconfig, f"{prefix}*", log
+    )
+    out: dict[str, Any] = {"design": design}
+    fleets: list[Fleet] = []
+
+    def wait(fleet: Fleet, revision: str, timeout: float) -> tuple[dict[str, float], int]:
+        if fleet not in fleets:
+            fleets.append(fleet)
+        done, _listing = fleet.wait(healthy_on(revision), timeout=timeout, interval=1.0)
+        return done, len(fleet.names)
+
+    try:
+        op.wait_serving()
+        solo = Fleet(api, namespace, "solo", 1)
+        solo.create(uris["v1"], "v1", endpoint)
+        wait(solo, "v1", args.timeout)
+        with phase("solo", op, counts, out, fleets) as r:
+            solo.set_model(uris["v2"], "v2")
+            done, total = wait(solo, "v2", args.timeout)
+            r.update(
+                finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
+            )
+
+        fleet = Fleet(api, namespace, "m", args.rollouts)
+        with phase("create", op, counts, out, fleets) as r:
+            fleet.create(uris["v1"], "v1", endpoint)
+            done, total = wait(fleet, "v1", args.timeout)
+            r.update(
+                finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
+            )
+        with phase("revision", op, counts, out, fleets) as r:
+            fleet.set_model(uris["v2"], "v2")
+            done, total = wait(fleet, "v2", args.timeout)
+            times = sorted(done.values())
+            r.update(
+                finished=len(done),
+                total=total,
+                all_healthy_s=times[-1] if len(done) == total and times else None,
+                median_s=times[len(times) // 2] if times else None,
+            )
+        if args.big:
+            big = Fleet(api, namespace, "big", 1)
+            big.create(uris["v1"], "v1", endpoint, replicas=args.big)
+            wait(big, "v1", args.timeout * 2)
+            with phase("big", op, counts, out, fleets) as r:
+                big.set_model(uris["v2"], "v2")
+                done, total = wait(big, "v2", args.timeout * 2)
+                r.update(
+                    finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
+                )
+        with phase("steady", op, counts, out, fleets):
+            time.sleep(STEADY_S)
+        out["rss_mb"], out["threads"] = op.peak_rss_mb, op.peak_threads
+    finally:
+        op.stop()
+        testkit.delete_namespace(api, namespace)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nodes", type=int, default=5000)
+    p.add_argument("--rollouts", type=int, default=100)
+    p.add_argument("--big", type=int, default=500, help="replicas of the big rollout (0: none)")
+    p.add_argument("--staging", type=float, default=0.1, help="share of nodes staging")
+    p.add_argument("--timeout", type=float, default=420, help="seconds per wait")
+    p.add_argument("--designs", default="new,old")
+    p.add_argument(
+        "--new-ref",
+        default="HEAD",
+        help="commit of the new design (worktree: the working tree as it is)",
+    )
+    args = p.parse_args(argv)
+    paths = ClusterPaths.default()
+    if not local_cluster.is_up(paths):
+        raise SystemExit("the local cluster is not up (weightship dev cluster up)")
+    api = admin_api(paths)
+    endpoint = local_cluster.s3_endpoint()
+    results: dict[str, Any] = {"args": vars(args), "load_before": os.getloadavg()[0]}
+    bucket, uris = publish_models(endpoint)
+    nodes: list[str] = []
+    try:
+        started = time.monotonic()
+        nodes = make_nodes(api, args.nodes)
+        results["nodes_s"] = time.monotonic() - started
+        print(f"{len(nodes)} KWOK nodes with a WeightCache each in {results['nodes_s']:.0f}s")
+        with CacheLoad(api, nodes, args.staging) as load:
+            print(f"WeightCache load: {load.rate:.0f} status writes/s")
+            for design in args.designs.split(","):
+                results[design] = run_design(design, args, api, paths, uris, endpoint)
+                report_design(results[design])
+            results["cache_writes"] = load.writes
+    finally:
+        print(f"removing {len(nodes)} nodes and their WeightCaches")
+        delete_nodes(api, nodes)
+        s3 = testkit.local_s3(endpoint)
+        testkit.empty_bucket(s3, bucket)
+        s3.delete_bucket(Bucket=bucket)
+    results["load_after"] = os.getloadavg()[0]
+    summarize(results)
+    return results
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}{unit}"
+    return f"{value}{unit}"
+
+
+def report_design(r: dict[str, Any]) -> None:
+    rows = []
+    for name in ("solo", "create", "revision", "big", "steady"):
+        if name not in r:
+            continue
+        f = r[name]
+        finished = f"{f['finished']}/{f['total']}" if "finished" in f else ""
+        rows.append(
+            [
+                name,
+                finished,
+                _fmt(f.get("all_healthy_s"), " s"),
+                _fmt(f["reconciles"], digits=0),
+                _fmt(f["reads_per_reconcile"], digits=2),
+                _fmt(f["p50"], " s", 3),
+                _fmt(f["p99"], " s", 3),
+                ", ".join(f"{k} {v}" for k, v in f["reads"].items()) or "none",
+            ]
+        )
+    print(f"\n{r['design']} design: peak RSS {r['rss_mb']:.0f} MB, {r['threads']} threads")
+    header = ["phase", "Healthy", "all Healthy", "reconciles", "reads/rec", "p50", "p99", "reads"]
+    print(table(header, rows))
+    for name in ("revision", "steady"):
+        if name in r:
+            print(f"{name} writes: {r[name]['writes']}")
+
+
+def summarize(results: dict[str, Any]) -> None:
+    new, old = results.get("new"), results.get("old")
+    print(
+        f"\nload average before/after: {results['load_before']:.2f} / {results['load_after']:.2f}"
+    )
+    if new is None:
+        return
+    rev, solo = new["revision"], new["solo"]
+    ratio = (
+        rev["all_healthy_s"] / solo["all_healthy_s"]
+        if rev.get("all_healthy_s") and solo.get("all_healthy_s")
+        else None
+    )
+    base = ""
+    if old is not None:
+        o = old["revision"]
+        base = (
+            f"; old: {o['finished']}/{o['total']} Healthy, "
+            f"{_fmt(o['reads_per_reconcile'], digits=1)} reads/reconcile, "
+            f"RSS {old['rss_mb']:.0f} MB, {old['threads']} threads"
+        )
+    print(
+        f"bench_scale: {results['args']['nodes']} nodes, {rev['finished']}/{rev['total']} "
+        f"rollouts Healthy on rev 2 in {_fmt(rev.get('all_healthy_s'), ' s')} "
+        f"({_fmt(ratio, 'x', 2)} one alone), steady reads/reconcile "
+        f"{_fmt(new['steady']['reads_per_reconcile'], digits=2)}, p99 "
+        f"{_fmt(rev['p99'], ' s', 3)}, RSS {new['rss_mb']:.0f} MB, {new['threads']} threads{base}"
+    )
+
+
+if __name__ == "__main__":
+    main()
