@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from weightship.api.models import ModelRollout
@@ -11,9 +12,17 @@ from weightship.controller.builders import (
     ROLLOUT_LABEL,
     VERIFIED_GATE,
     replicaset_body,
+    scale_patch,
     staged_node_label,
+    verified_condition,
 )
-from weightship.controller.snapshot import prefetch_observation, replica_set_observations
+from weightship.controller.snapshot import (
+    observed_pods,
+    prefetch_observation,
+    replica_set_observations,
+)
+from weightship.core.decision import EnvVar, OpenGate, SeedEnv
+from weightship.core.observed import ObservedPod
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -132,3 +141,85 @@ def test_prefetch_observation_sums_target_nodes_only() -> None:
     obs = prefetch_observation(DIGEST, ["n1", "n2", "n3"], caches)
     assert (obs.target_nodes, obs.staged_nodes, obs.bytes_staged) == (3, 1, 14)
     assert [n.state for n in obs.nodes] == ["Staged", "Staging", "Pending"]
+    assert not any(n.labelled for n in obs.nodes)
+    labels = {"n1": {staged_node_label(DIGEST): "true"}, "n2": {"other": "true"}}
+    labelled = prefetch_observation(DIGEST, ["n1", "n2", "n3"], caches, labels)
+    assert [n.labelled for n in labelled.nodes] == [True, False, False]
+
+
+def test_observed_pods_project_what_the_core_decides_on() -> None:
+    raw = {
+        "metadata": {
+            "name": "llm-abc-1",
+            "uid": "u-1",
+            "creationTimestamp": "2026-11-30T00:00:00Z",
+            "labels": {REVISION_LABEL: "abc"},
+        },
+        "spec": {"containers": [{"name": "server"}, {"name": "sidecar"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.4",
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "ContainersReady", "status": "True"},
+                {"type": VERIFIED_GATE, "status": "False", "reason": "Loading"},
+            ],
+            "containerStatuses": [{"restartCount": 2}, {"restartCount": 1}],
+        },
+    }
+    gone = {"metadata": {"name": "old", "deletionTimestamp": "2026-11-30T01:00:00Z"}}
+    assert observed_pods([raw, gone]) == (
+        ObservedPod(
+            name="llm-abc-1",
+            revision_hash="abc",
+            uid="u-1",
+            created="2026-11-30T00:00:00Z",
+            pod_ip="10.0.0.4",
+            phase="Running",
+            ready=True,
+            containers_ready=True,
+            weights_verified=False,
+            containers=("server", "sidecar"),
+            restarts=3,
+        ),
+        ObservedPod(name="old", deleting=True),
+    )
+
+
+def test_replica_set_observation_names_its_template_containers() -> None:
+    r = rollout()
+    assert r.spec.template is not None
+    names = tuple(c["name"] for c in r.spec.template.to_k8s()["spec"]["containers"])
+    (obs,) = replica_set_observations([build()], [])
+    assert obs.containers == names and names
+
+
+def test_scale_patch_sets_size_and_the_seed_env_on_named_containers() -> None:
+    assert scale_patch(3) == {"spec": {"replicas": 3}}
+    seed = SeedEnv(("server",), (EnvVar("WEIGHTSHIP_SEED_ROOT", "http://r:1"),))
+    assert scale_patch(3, seed) == {
+        "spec": {
+            "replicas": 3,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "server",
+                            "env": [{"name": "WEIGHTSHIP_SEED_ROOT", "value": "http://r:1"}],
+                        }
+                    ]
+                }
+            },
+        }
+    }
+
+
+def test_an_opened_gate_renders_as_a_true_condition_in_utc() -> None:
+    at = datetime(2026, 11, 30, 13, 0, tzinfo=timezone(timedelta(hours=1)))
+    assert verified_condition(OpenGate("p", "NothingToVerify", "nothing", at)) == {
+        "type": VERIFIED_GATE,
+        "status": "True",
+        "reason": "NothingToVerify",
+        "message": "nothing",
+        "lastTransitionTime": "2026-11-30T12:00:00Z",
+    }
