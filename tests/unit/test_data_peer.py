@@ -204,11 +204,15 @@ def test_client_reuses_one_connection_per_peer(server: PeerServer) -> None:
     client.close()
 
 
+PEERS = [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.1:7002")]
+
+
 def test_an_owner_grants_a_claim_only_on_a_chunk_it_has_not_started(
     server: PeerServer, store: ChunkStore
 ) -> None:
     client = PeerClient(timeout_s=5)
     free, started = "1" * 64, "2" * 64
+    store.claims.open([free, started, DIGEST], PEERS)
     store.claims.start(started)
     assert client.claim(server.address, free, "node-b") == (True, "node-b")
     assert client.claim(server.address, free, "node-b") == (True, "node-b")  # idempotent
@@ -241,3 +245,109 @@ def test_malformed_claims_are_refused(
     assert conn.getresponse().status == 400
     conn.close()
     assert store.claims.claimant("1" * 64) is None
+
+
+def claim_from(address: str, sha: str, node: str, source: str = "127.0.0.1") -> int:
+    """POST a claim from the loopback address ``source`` (all of 127/8 is this host)."""
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=5, source_address=(source, 0))
+    conn.request("POST", f"/claims/sha256/{sha}", headers={"X-Weightship-Node": node})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_claims_only_from_known_peers_at_their_own_address_for_wanted_chunks(
+    server: PeerServer, store: ChunkStore
+) -> None:
+    wanted, other = "1" * 64, "3" * 64
+    # No stage in progress: nothing is claimable, and nothing is kept.
+    assert claim_from(server.address, wanted, "node-b") == 403
+    store.claims.open([wanted], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
+    assert claim_from(server.address, wanted, "stranger") == 403  # not a peer of the stage
+    assert claim_from(server.address, wanted, "node-c") == 403  # node-c is at 127.0.0.2
+    assert claim_from(server.address, other, "node-b") == 403  # not a chunk it stages
+    assert store.claims.claimant(wanted) is None and store.claims.claimant(other) is None
+    assert claim_from(server.address, wanted, "node-c", source="127.0.0.2") == 200
+    assert store.claims.claimant(wanted) == "node-c"
+    store.claims.forget([wanted])
+    assert store.claims.entries() == 0
+    assert claim_from(server.address, wanted, "node-c", source="127.0.0.2") == 403
+
+
+def test_random_digests_never_grow_the_claim_table(server: PeerServer, store: ChunkStore) -> None:
+    store.claims.open(["1" * 64], PEERS)
+    before = store.claims.entries()
+    for i in range(200):
+        assert claim_from(server.address, f"{i:064x}", "node-b") == 403
+    assert store.claims.entries() == before
+
+
+def test_a_grant_expires_so_the_owner_fetches_it_itself(store: ChunkStore) -> None:
+    from weightship.data import claims
+
+    now = [0.0]
+    board = claims.ClaimBoard(clock=lambda: now[0])
+    board.open(["1" * 64], PEERS)
+    assert board.grant("1" * 64, "node-b") == "node-b"
+    now[0] += claims.GRANT_TTL_S + 1
+    assert board.claimant("1" * 64) is None
+    assert board.start("1" * 64) is None  # the owner fetches it now
+
+
+def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(
+    tmp_path: Path, store: ChunkStore
+) -> None:
+    from weightship.httpserver import BoundedHandler, Server
+
+    class Echo(BoundedHandler):
+        timeout = 5  # idle timeout per read: the trickle below never trips it
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = Server(("127.0.0.1", 0), Echo, request_deadline_s=1.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        s = socket.create_connection(("127.0.0.1", server.server_port), timeout=10)
+        started = time.monotonic()
+        cut = False
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                s.sendall(bytes([byte]))
+                time.sleep(0.1)
+            except OSError:
+                cut = True
+                break
+            if time.monotonic() - started > 8:
+                break
+        if not cut:  # the server shut its side: a read sees the end at once
+            s.settimeout(2)
+            cut = s.recv(100) == b""
+        assert cut and time.monotonic() - started < 4
+        s.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_connections_over_the_cap_are_refused_not_given_a_thread(
+    tmp_path: Path, store: ChunkStore, model: Manifest
+) -> None:
+    put_all(store, model, tmp_path / "src")
+    with PeerServer(store, "127.0.0.1", max_connections=3) as server:
+        host, port = server.address.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        time.sleep(0.2)  # the three have their handler threads
+        threads = threading.active_count()
+        extra = socket.create_connection((host, int(port)), timeout=5)
+        assert extra.recv(100).startswith(b"HTTP/1.1 503")
+        assert extra.recv(100) == b""
+        extra.close()
+        assert threading.active_count() == threads
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        assert PeerClient(timeout_s=5).fetch(server.address, DIGEST) == DATA

@@ -491,6 +491,8 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
             claims=claimant_store.claims,
         )
         fetcher.origin_idle.set()  # its own origin queue is done
+        # The owner stages the model with the claimant among its peers (stage() does this).
+        owner_store.claims.open([chunk.sha256], [("claimant", claimant_server.address)])
         assert fetcher.owner_of(chunk.sha256) == owner
         assert fetcher.fetch(chunk) == "origin"  # the owner never got it: claimed, fetched
         assert owner_store.claims.start(chunk.sha256) == "claimant"
@@ -522,6 +524,7 @@ def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) ->
         )
         queue = [c.sha256 for c in m.chunks if fetcher.owner_of(c.sha256) == "owner"]
         assert len(queue) == 4
+        owner_store.claims.open(queue, [("claimant", claimant_server.address)])
         owner_store.claims.start(queue[1])  # the owner is fetching its second chunk
         fetcher.claim_tails()
     # Its last two were claimed and fetched here, its second was refused (started), and

@@ -13,45 +13,110 @@ stage's fetcher consults it before each of its own origin fetches.
 
 from __future__ import annotations
 
+import ipaddress
 import threading
-from collections.abc import Iterable
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+# A grant the claimant has not made good on by then no longer holds: the owner fetches
+# the chunk itself rather than wait on a claimant that died or lied.
+GRANT_TTL_S = 120.0
+
+
+def peer_host(address: str) -> str | None:
+    """The IP of a ``host:port`` peer address, normalized (None when not an IP literal:
+    a claim's source is checked against it, and names are never resolved here)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
 
 
 class ClaimBoard:
     """This node's chunks that it started fetching from the origin, and the ones it gave
-    away to a claimant. Thread-safe; the check and the mark are one atomic step."""
+    away to a claimant. Thread-safe; the check and the mark are one atomic step.
 
-    def __init__(self) -> None:
+    Claims are taken only while this node stages the chunk's model (``open``), only for
+    that model's chunks, and only from the peers the stage was given, each from its own
+    peer address: so the table is bounded by the chunks being staged, and a stranger
+    cannot make an owner skip the origin."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._started: set[str] = set()
-        self._granted: dict[str, str] = {}  # sha256 -> the node fetching it instead
+        self._granted: dict[str, tuple[str, float]] = {}  # sha256 -> (claimant, granted at)
+        self._wanted: Counter[str] = Counter()  # chunks of the models being staged
+        self._peers: dict[str, str | None] = {}  # node -> the IP its claims must come from
+
+    def open(self, digests: Iterable[str], peers: Iterable[tuple[str, str]]) -> None:
+        """A stage of these chunks begins, with these (node, address) peers. Undone by
+        ``forget`` of the same digests."""
+        with self._lock:
+            self._wanted.update(set(digests))
+            self._peers.update({node: peer_host(address) for node, address in peers})
 
     def start(self, sha256: str) -> str | None:
         """This node is about to fetch ``sha256`` from the origin. Returns the node it was
         granted to instead (then this node must not fetch it), else marks it started."""
         with self._lock:
-            claimant = self._granted.get(sha256)
+            claimant = self._live_claimant(sha256)
             if claimant is None:
                 self._started.add(sha256)
             return claimant
 
+    def may_claim(self, sha256: str, node: str, source: str) -> bool:
+        """Whether ``node``, asking from IP ``source``, may claim ``sha256`` at all."""
+        with self._lock:
+            host = self._peers.get(node)
+            return sha256 in self._wanted and host is not None and host == peer_host(f"{source}:0")
+
     def grant(self, sha256: str, node: str) -> str | None:
         """``node`` asks to fetch ``sha256`` from the origin itself. Returns who fetches it:
         ``node`` when granted (again, if it asked before), or the node already granted.
-        None when this node started it (the claimant should keep waiting for it here)."""
+        None when this node started it (the claimant should keep waiting for it here), or
+        when the chunk is not one this node is staging."""
         with self._lock:
-            if sha256 in self._started:
+            if sha256 in self._started or sha256 not in self._wanted:
                 return None
-            return self._granted.setdefault(sha256, node)
+            holder = self._live_claimant(sha256)
+            if holder is None:
+                self._granted[sha256] = (node, self._clock())
+                holder = node
+            return holder
 
     def claimant(self, sha256: str) -> str | None:
         with self._lock:
-            return self._granted.get(sha256)
+            return self._live_claimant(sha256)
 
     def forget(self, digests: Iterable[str]) -> None:
         """Drop a finished stage's entries (the peer server refuses claims on chunks this
         node holds, so nothing is granted twice)."""
         with self._lock:
-            for sha in digests:
+            for sha in set(digests):
                 self._started.discard(sha)
                 self._granted.pop(sha, None)
+                self._wanted[sha] -= 1
+                if self._wanted[sha] <= 0:
+                    del self._wanted[sha]
+            if not self._wanted:
+                self._peers.clear()
+
+    def entries(self) -> int:
+        """Entries held (started, granted and wanted chunks). Not ``__len__``: an empty
+        board must stay truthy (``claims or ClaimBoard()``)."""
+        with self._lock:
+            return len(self._started) + len(self._granted) + len(self._wanted)
+
+    def _live_claimant(self, sha256: str) -> str | None:
+        granted = self._granted.get(sha256)
+        if granted is None:
+            return None
+        if self._clock() - granted[1] > GRANT_TTL_S:
+            del self._granted[sha256]
+            return None
+        return granted[0]

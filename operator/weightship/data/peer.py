@@ -17,17 +17,20 @@ import http.client
 import logging
 import re
 import threading
-from http.server import BaseHTTPRequestHandler
 from typing import BinaryIO
 
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.httpconn import ThreadConnections
-from weightship.httpserver import Server
+from weightship.httpserver import BoundedHandler, Server
 
 WAIT_HEADER = "X-Weightship-Wait"
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
+# Handler threads at once: every worker of a few hundred peers keeping its connection.
+MAX_CONNECTIONS = 512
+# A whole request, its answer included: a 64 MiB chunk at 10 Mbit/s takes under a minute.
+REQUEST_DEADLINE_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +79,20 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
 class _Server(Server):
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], store: ChunkStore, max_concurrent: int) -> None:
+    def __init__(
+        self, address: tuple[str, int], store: ChunkStore, max_concurrent: int, max_connections: int
+    ) -> None:
         self.store = store
         self.transfers = threading.BoundedSemaphore(max_concurrent)
-        super().__init__(address, _ChunkHandler)
+        super().__init__(
+            address,
+            _ChunkHandler,
+            max_connections=max_connections,
+            request_deadline_s=REQUEST_DEADLINE_S,
+        )
 
 
-class _ChunkHandler(BaseHTTPRequestHandler):
+class _ChunkHandler(BoundedHandler):
     protocol_version = "HTTP/1.1"
     timeout = 30  # seconds a stalled client may hold a handler thread
     server: _Server
@@ -96,7 +106,9 @@ class _ChunkHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         """``POST /claims/sha256/<hex>``: a peer asks to fetch one of this node's chunks
         from the origin itself (claims.py). 200 granted; 409 refused: this node has it or
-        started it, or it went to the node named in X-Weightship-Claimant."""
+        started it, or it went to the node named in X-Weightship-Claimant; 403: the
+        claimant is not a peer of the stage in progress, asks from another address than
+        its peer endpoint's, or the chunk is not one this node is staging."""
         if self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body we will not read: never reuse the stream
         m = CLAIM_PATH.fullmatch(self.path)
@@ -104,10 +116,13 @@ class _ChunkHandler(BaseHTTPRequestHandler):
         if not m or not NODE_NAME.fullmatch(node):
             self._reply(400, b"expected /claims/sha256/<64 lowercase hex> and a node name\n")
             return
-        sha = m.group(1)
-        holder = (
-            None if self.server.store.has_chunk(sha) else self.server.store.claims.grant(sha, node)
-        )
+        sha, board = m.group(1), self.server.store.claims
+        if not board.may_claim(sha, node, self.client_address[0]):
+            # Not a chunk this node is staging, or not one of its peers asking from its
+            # own address: no grant, and nothing kept.
+            self._reply(403, b"not a claim this node takes\n")
+            return
+        holder = None if self.server.store.has_chunk(sha) else board.grant(sha, node)
         headers = {CLAIMANT_HEADER: holder} if holder else None
         if holder == node:
             self._reply(200, b"granted\n", headers)
@@ -191,12 +206,18 @@ class PeerServer:
     """Serves this node's verified chunks to other agents.
 
     ``max_concurrent`` bounds the transfers in flight (a request held by the long-poll
-    takes no slot until its chunk lands); 32 covers every worker of a few dozen peers."""
+    takes no slot until its chunk lands); 32 covers every worker of a few dozen peers.
+    ``max_connections`` bounds the connections (so the threads) held at once."""
 
     def __init__(
-        self, store: ChunkStore, host: str, port: int = 0, max_concurrent: int = 32
+        self,
+        store: ChunkStore,
+        host: str,
+        port: int = 0,
+        max_concurrent: int = 32,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        self._server = _Server((host, port), store, max_concurrent)
+        self._server = _Server((host, port), store, max_concurrent, max_connections)
         self._thread: threading.Thread | None = None
 
     @property

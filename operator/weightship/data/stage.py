@@ -134,6 +134,10 @@ def stage(
                 claims=store.claims,
                 holders=holders,
             )
+            # Peers may claim this model's chunks while it stages, and only they (claims.py).
+            store.claims.open(
+                (c.sha256 for c in manifest.chunks), ((p.node, p.address) for p in peers)
+            )
             try:
                 _stage(staging, fetcher, tally, pinned, workers, per_owner, pace_intake)
             finally:
