@@ -28,8 +28,10 @@ class AgentConfig:
     reserve_bytes: int = 1 << 30  # always left free on the node's disk
     workers: int = 4  # parallel chunk fetches while staging
     resync_s: float = 30.0  # full re-evaluation even when no watch event arrives
-    # WeightCache status writes: see weightship.agent.status.
-    min_progress_interval_s: float = 2.0
+    # WeightCache status writes: see weightship.agent.status. State changes are written at
+    # once; progress while staging at most once per 10 s per node (every write wakes the
+    # operator's cache watch and every agent's peers).
+    min_progress_interval_s: float = 10.0
     cluster_write_budget_per_s: float = 100.0
     heartbeat_s: float = 60.0
 

@@ -23,7 +23,11 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.controller.cache import ClusterView, RolloutKey, RolloutObjects
 from weightship.controller.kube import Kube
-from weightship.controller.snapshot import prefetch_observation, replica_set_observations
+from weightship.controller.snapshot import (
+    observed_pods,
+    prefetch_observation,
+    replica_set_observations,
+)
 from weightship.core.analysis import AnalysisQuery, due_queries
 from weightship.core.observed import ManifestResolution, Observed, ObservedMeasurement
 from weightship.data.manifest import ManifestError
@@ -260,7 +264,9 @@ def observe(
     prefetch = None
     if rollout.spec.prefetch.enabled and manifest.digest:
         staging = view.staging(rollout.spec.prefetch.node_selector, manifest.digest)
-        prefetch = prefetch_observation(manifest.digest, staging.target_nodes, staging.caches)
+        prefetch = prefetch_observation(
+            manifest.digest, staging.target_nodes, staging.caches, staging.node_labels
+        )
     measured, waiting = measurements.take(key, due_queries(rollout, now))
     template = None
     if rollout.spec.workload_ref is not None:
@@ -269,6 +275,7 @@ def observe(
         Observed(
             manifest=manifest,
             replica_sets=replica_sets,
+            pods=observed_pods(objects.pods),
             prefetch=prefetch,
             measurements=tuple(measured),
             workload_template=template,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,7 +28,6 @@ from weightship.controller.observe import (
     observe,
     prometheus_measure,
 )
-from weightship.controller.snapshot import observed_pods
 from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
@@ -40,6 +39,7 @@ log = logging.getLogger(__name__)
 
 IDLE_RECHECK_SECONDS = 30.0
 VERIFY_RECHECK_SECONDS = 2.0  # while pods wait for a verdict (their server is loading)
+SLOW_RECONCILE_SECONDS = 1.0  # logged, to see which rollout a high p99 comes from
 LOOKUP_RECHECK_SECONDS = 1.0  # a measurement is running; its completion requeues sooner
 
 
@@ -80,8 +80,11 @@ class Reconciler:
             metrics.RECONCILE_ERRORS.inc()
             raise
         finally:
+            seconds = time.monotonic() - started
             metrics.RECONCILES.inc()
-            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            metrics.RECONCILE_SECONDS.observe(seconds)
+            if seconds >= SLOW_RECONCILE_SECONDS:
+                log.info("reconciling %s/%s took %.2f s", namespace, name, seconds)
 
     def _once(self, namespace: str, name: str) -> float | None:
         objects = self.view.rollout_objects(namespace, name)
@@ -106,8 +109,6 @@ class Reconciler:
         if observation is None:
             return None  # the manifest is being read; its completion requeues the rollout
         observed = observation.observed
-        if not observed.pods:  # the same snapshot's pods, for the seed root and trivial gates
-            observed = replace(observed, pods=observed_pods(pods))
         decision = decide(rollout, observed, now, self.gates)
         apply.carry_out(self.kube, rollout, decision)
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
