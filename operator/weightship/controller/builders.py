@@ -21,6 +21,15 @@ DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
 MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
 VERIFIED_GATE = f"{GROUP}/weights-verified"
 CACHE_VOLUME = "weightship-cache"
+# The pinned model's staged folder, for servers that read it themselves (`vllm serve
+# $(WEIGHTSHIP_MODEL_DIR)`): the path the node agent stages it at (data.chunkstore).
+MODEL_DIR_ENV = "WEIGHTSHIP_MODEL_DIR"
+
+
+def staged_model_dir(cache_path: str, manifest_digest: str) -> str | None:
+    if not manifest_digest:
+        return None
+    return f"{cache_path.rstrip('/')}/models/{manifest_digest.removeprefix('sha256:')}/files"
 
 
 def staged_node_label(manifest_digest: str) -> str:
@@ -39,6 +48,10 @@ def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, Any
         {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
         {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
         {"name": "WEIGHTSHIP_CACHE_DIR", "value": rollout.spec.prefetch.cache_path},
+        {
+            "name": MODEL_DIR_ENV,
+            "value": staged_model_dir(rollout.spec.prefetch.cache_path, manifest_digest) or "",
+        },
         # Who this replica is and where peers reach it, for broadcast seeding.
         {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
