@@ -186,12 +186,12 @@ def test_observed_pods_project_what_the_core_decides_on() -> None:
     )
 
 
-def test_replica_set_observation_names_its_template_containers() -> None:
-    r = rollout()
-    assert r.spec.template is not None
-    names = tuple(c["name"] for c in r.spec.template.to_k8s()["spec"]["containers"])
-    (obs,) = replica_set_observations([build()], [])
-    assert obs.containers == names and names
+def test_replica_set_observation_names_its_pods_containers() -> None:
+    rs = [{"metadata": {"name": "llm-a", "labels": {REVISION_LABEL: "a"}}, "spec": {}}]
+    member = {**pod("p1", "a", True, None), "spec": {"containers": [{"name": "server"}]}}
+    (with_pods,) = replica_set_observations(rs, [member])
+    (without,) = replica_set_observations(rs, [pod("other", "b", True, None)])
+    assert (with_pods.containers, without.containers) == (("server",), ())
 
 
 def test_scale_patch_sets_size_and_the_seed_env_on_named_containers() -> None:

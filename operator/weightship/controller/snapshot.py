@@ -62,10 +62,14 @@ def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
     return tuple(out)
 
 
-def _template_containers(replica_set: dict[str, Any]) -> tuple[str, ...]:
-    template = (replica_set.get("spec") or {}).get("template") or {}
-    containers = (template.get("spec") or {}).get("containers") or []
-    return tuple(str(c["name"]) for c in containers if c.get("name"))
+def _container_names(pods: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Container names of a revision's pods (its template's; the caches keep them)."""
+    for pod in pods:
+        containers = (pod.get("spec") or {}).get("containers") or []
+        names = tuple(str(c["name"]) for c in containers if c.get("name"))
+        if names:
+            return names
+    return ()
 
 
 def replica_set_observations(
@@ -134,7 +138,7 @@ def replica_set_observations(
                 verified=sum(is_true(p, VERIFIED_GATE) for p in members),
                 failed=tuple(failed),
                 loads=tuple(sorted(loads, key=lambda load: load.pod)),
-                containers=_template_containers(rs),
+                containers=_container_names(members),
             )
         )
     return tuple(out)

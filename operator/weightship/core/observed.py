@@ -46,7 +46,7 @@ class ReplicaSetObservation:
     failed: tuple[PodFailure, ...] = ()
     loads: tuple[PodLoad, ...] = ()
     containers: tuple[str, ...] = ()
-    """Container names of its pod template (where a scale-up's seed env goes)."""
+    """Container names of its pods (where a scale-up's seed env goes); () without pods."""
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def scale_up_seed(
     target: int,
 ) -> SeedEnv | None:
     """The seed env for growing `replica_set` to `target`; None when it does not grow.
-    It goes on the ReplicaSet's containers (the root's when the template's are unknown),
+    It goes on the containers of the ReplicaSet's pods (the root's when none is seen),
     so a root-less scale-up also clears the root an earlier scale-up set."""
     current = replica_set.replicas
     if target <= current:

@@ -1,6 +1,6 @@
 """The weights-verified gate of pods with nothing to verify (pure).
 
-With no checksum and no golden prompts in spec.validation, the gate opens once a pod's
+With no checksum (`checksum: none`) and no golden prompts in spec.validation, the gate opens once a pod's
 containers are ready. Anything to verify is the verifier's job (controller/verifier.py).
 """
 
@@ -20,7 +20,9 @@ def trivial_gates(
     spec: ModelRolloutSpec, pods: Sequence[ObservedPod], now: datetime
 ) -> tuple[OpenGate, ...]:
     validation = spec.validation
-    if validation.checksum or validation.golden_prompts:
+    # checksum is a mode ("none": no check); older specs said true / false.
+    checks_weights = validation.checksum not in (False, "none")
+    if checks_weights or validation.golden_prompts:
         return ()
     return tuple(
         OpenGate(
