@@ -163,6 +163,16 @@ install_apt() {
   fi
 }
 
+build_argocd_lua() {
+  # Keyed by the hash of the harness's sources, so an edit rebuilds it.
+  local key
+  key="$(cat "$REPO/hack/argocd-lua/"{go.mod,go.sum,main.go,build.sh} | sha256sum | cut -c1-16)"
+  have argocd-lua "$key" && return
+  log "building argocd-lua (Argo CD's Lua VM for the argocd/ tests)"
+  bash "$REPO/hack/argocd-lua/build.sh" "$BIN"
+  mark argocd-lua "$key"
+}
+
 main() {
   local what="${1:-all}"
   case "$what" in
@@ -174,10 +184,11 @@ main() {
     prometheus) build_prometheus ;;
     k8s) build_k8s ;;
     gateway-api) fetch_gateway_api ;;
+    argocd-lua) build_argocd_lua ;;
     vllm) build_vllm ;;
     all)
       install_apt
-      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm); (build_vllm)
+      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm); (build_argocd_lua); (build_vllm)
       ;;
     *) echo "unknown target $what" >&2; exit 2 ;;
   esac

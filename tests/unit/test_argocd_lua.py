@@ -1,8 +1,9 @@
 """The Argo CD health check and actions in argocd/, run the way Argo CD runs them.
 
 Argo CD runs custom Lua in gopher-lua (Lua 5.1) with only the base, table and package
-libraries plus a safe `os` (time, date), sets the object as the global `obj`, and encodes the
-returned table to JSON (util/lua/lua.go). lupa's Lua 5.1 runtime is put in the same sandbox.
+libraries and a safe `os` (time, date) reachable only through require("os"), sets the object
+as the global `obj`, and encodes the returned table to JSON (util/lua/lua.go). lupa's Lua 5.1
+runtime is put in the same sandbox; test_argocd_vm.py runs the scripts in Argo CD's own VM.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def os_date(now: datetime) -> Any:
 
 
 def to_lua(lua: Any, value: Any) -> Any:
-    """JSON-like Python value -> Lua value, as Argo CD's decodeValue does (null = absent)."""
+    """JSON-like Python value -> Lua value, as Argo CD's decodeValue does (null = absent,
+    null list entries dropped)."""
     if isinstance(value, dict):
         return lua.table_from({k: to_lua(lua, v) for k, v in value.items() if v is not None})
     if isinstance(value, list):
-        return lua.table_from([to_lua(lua, v) for v in value])
+        return lua.table_from([to_lua(lua, v) for v in value if v is not None])
     return value
 
 
@@ -82,7 +84,15 @@ def run(script: str, obj: dict[str, Any] | None, now: datetime = FROZEN) -> Any:
     g = lua.globals()
     for lib in ("string", "math", "io", "debug", "coroutine", "dofile", "loadfile"):
         g[lib] = None
-    g.os = lua.table_from({"date": os_date(now), "time": lambda *_: int(now.timestamp())})
+    # Argo CD has no global `os`: its safe os module (time, date) comes only through
+    # require("os") (util/lua/lua.go preloads it; OpenSafeOs registers it elsewhere).
+    g.os = None
+    safe_os = lua.table_from({"date": os_date(now), "time": lambda *_: int(now.timestamp())})
+    lua.execute(
+        "local safe_os = ...; package.loaded.os = nil;"
+        " package.preload.os = function() return safe_os end",
+        safe_os,
+    )
     if obj is not None:
         g.obj = to_lua(lua, obj)
     return from_lua(lua.execute(script))
@@ -105,7 +115,11 @@ def test_sandbox_is_as_strict_as_argocd() -> None:
         run('return ("abc"):sub(1, 1)', None)
     with pytest.raises(lua51.LuaError):
         run("return math.floor(1.5)", None)
-    assert run('return os.date("!%Y-%m-%dT%XZ")', None) == "2026-01-01T12:40:00Z"
+    with pytest.raises(lua51.LuaError):
+        run('return os.date("!%Y-%m-%dT%XZ")', None)
+    assert run('local os = require("os"); return os.date("!%Y-%m-%dT%XZ")', None) == (
+        "2026-01-01T12:40:00Z"
+    )
     assert run('return tonumber("10") > 9 and #{1, 2} == 2', None) is True
 
 

@@ -4,6 +4,8 @@
 -- Argo CD shows no drift; the controller acts once and sets acknowledged = requestedAt.
 -- requestedAt is the request's identity: a second click within the same second gets a suffix,
 -- or the controller would take it for the request it already acknowledged. See docs/api.md.
+-- Argo CD opens no global `os` for actions, only its safe module through require.
+local os = require("os")
 local now = os.date("!%Y-%m-%dT%XZ")
 if obj.status == nil then
   obj.status = {}
