@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import stage
+from weightship.seeding.protocol import JOIN_PATH
 from weightship.testing.tinyllm import GOLDEN_PROMPTS
 from weightship.testing.tinyllm.__main__ import main as cli
 from weightship.testing.tinyllm.build import BuiltModel, build, corrupt_one_shard, publish_variant
@@ -243,6 +245,27 @@ def test_bad_requests_get_400_and_unknown_paths_404(servers: dict[str, ServerPro
     assert server.complete("x", -1)[0] == 400
     assert server.request("/v1/completions", {"prompt": 3})[0] == 400
     assert server.request("/nope")[0] == 404
+
+
+def raw_post(url: str, path: str, length: str, body: bytes = b"") -> int:
+    """A POST with the Content-Length header as given, whatever it says."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode() + body
+        )
+        return int(s.recv(4096).split()[1])
+
+
+@pytest.mark.parametrize(
+    ("length", "status"), [("-1", 400), ("abc", 400), ("1e3", 400), (str(10**12), 413)]
+)
+def test_bad_content_lengths_are_refused_before_the_body_is_read(
+    servers: dict[str, ServerProcess], length: str, status: int
+) -> None:
+    for path in ("/v1/completions", JOIN_PATH):
+        assert raw_post(servers["cache"].url, path, length) == status
+    assert servers["cache"].complete("hello", 2)[0] == 200  # and it keeps serving
 
 
 def test_server_refuses_a_corrupted_cache_file_and_keeps_running(

@@ -16,6 +16,8 @@ from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 from weightship.seeding.root import SeedRoot, refusal
 
+MAX_JOIN_BYTES = 64 * 1024  # a join is a few short fields
+
 
 def handle_join(root: SeedRoot | None, body: bytes) -> tuple[int, dict[str, Any]]:
     """POST JOIN_PATH. 200 with the group's coordinates; 409 means "load from your node
@@ -53,8 +55,9 @@ def serve(root: SeedRoot | None, host: str, port: int = 0) -> ThreadingHTTPServe
             if self.path != JOIN_PATH:
                 self.send_json(404, {"error": f"no {self.path}"})
                 return
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self.send_json(*handle_join(root, body))
+            body = self.read_body(MAX_JOIN_BYTES)  # 400/413 answered for a bad length
+            if body is not None:
+                self.send_json(*handle_join(root, body))
 
         def do_GET(self) -> None:
             if self.path != STATUS_PATH:

@@ -219,8 +219,9 @@ def make_handler(app: App) -> type[BaseHTTPRequestHandler]:
                 self._json(404, _error(f"no route {path}", "not_found"))
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length)
+            raw = self.read_body()  # 400/413 answered for a bad or oversized length
+            if raw is None:
+                return
             if self.path.split("?", 1)[0] == JOIN_PATH:
                 self._json(*handle_join(app.seed_root, raw))
                 return
