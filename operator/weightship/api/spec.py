@@ -9,7 +9,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
 from weightship.api.base import (
     DNS_LABEL_PATTERN,
@@ -310,31 +316,111 @@ class GoldenPromptExpectation(ApiModel):
         return self
 
 
+MAX_STOP_SEQUENCES = 4
+
+
+class ChatMessage(ApiModel):
+    """One message of a chat golden prompt."""
+
+    role: Literal["system", "user", "assistant"] = Field(description="Who says it.")
+    content: str = Field(description="What is said.", min_length=1, max_length=16384)
+
+
 class GoldenPrompt(ApiModel):
     """A prompt with a known answer, sent greedily to every new replica before it may serve."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel("has(self.prompt) != has(self.messages)", "set exactly one of prompt or messages")
+        )
+    )
 
     name: str = Field(
         description="Unique name, shown when the prompt fails.",
         max_length=63,
         pattern=DNS_LABEL_PATTERN,
     )
-    prompt: str = Field(description="The prompt text.", min_length=1, max_length=16384)
+    prompt: str | None = Field(
+        None,
+        description="The prompt text (on a chat endpoint: one user message).",
+        min_length=1,
+        max_length=16384,
+    )
+    messages: list[ChatMessage] | None = Field(
+        None,
+        description="Chat messages (chat endpoints only), instead of prompt.",
+        min_length=1,
+        max_length=16,
+    )
     max_tokens: int = Field(16, description="Tokens to generate (1-4096).", ge=1, le=4096)
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list,
+        description="Stop sequences sent with the request (at most 4).",
+        max_length=MAX_STOP_SEQUENCES,
+    )
     expect: GoldenPromptExpectation = Field(description="What the completion must look like.")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> GoldenPrompt:
+        _exactly_one(self, ("prompt", "messages"), "set exactly one of prompt or messages")
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        if self.messages is not None:
+            return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": "user", "content": self.prompt or ""}]
+
+    def text(self) -> str:
+        """The prompt as status and notifications show it."""
+        if self.prompt is not None:
+            return self.prompt
+        return "\n".join(f"{m.role}: {m.content}" for m in self.messages or [])
 
 
 class ValidationEndpoint(ApiModel):
-    """The OpenAI-style completions endpoint of the inference container."""
+    """The OpenAI-style endpoint of the inference container that golden prompts go to."""
 
     port: int = Field(8000, description="Container port.", ge=1, le=65535)
-    path: str = Field("/v1/completions", description="HTTP path.", max_length=256, pattern=r"^/.*$")
+    path: str = Field(
+        "/v1/completions",
+        description="HTTP path: completions, or chat when it ends in /chat/completions.",
+        max_length=256,
+        pattern=r"^/.*$",
+    )
+    model: str | None = Field(
+        None,
+        description="The request's model field (vLLM checks it against --served-model-name).",
+        max_length=256,
+    )
+
+    @property
+    def chat(self) -> bool:
+        return self.path.rstrip("/").endswith("/chat/completions")
+
+
+ChecksumMode = Literal["auto", "loaded", "staged", "none"]
+CHECKSUM_MODES: tuple[ChecksumMode, ...] = ("auto", "loaded", "staged", "none")
 
 
 class ValidationSpec(ApiModel):
     """What the readiness gate weightship.io/weights-verified checks before a pod gets traffic."""
 
-    checksum: bool = Field(
-        True, description="Compare the digest of the loaded weights with the manifest's."
+    # A CRD schema cannot validate a field that is a boolean or a string (CEL does not see
+    # untyped fields), so the modes have a field of their own and checksum stays boolean.
+    checksum_mode: ChecksumMode | None = Field(
+        None,
+        description=(
+            "How the pod's weights are checked against the manifest. loaded: the server "
+            "reports what it loaded (GET /weightship/v1/loaded: the reference server, the "
+            "vLLM plugin). staged: the pod serves the model's folder in the node cache, "
+            "which its node agent verified chunk by chunk, mounted read-only. auto (the "
+            "default): loaded when the server answers that endpoint, else staged. none: "
+            "no check. Overrides checksum."
+        ),
+    )
+    checksum: bool | None = Field(
+        None,
+        description="Older form of checksumMode: true is loaded, false is none.",
     )
     golden_prompts: list[GoldenPrompt] = Field(
         default_factory=list,
@@ -354,6 +440,15 @@ class ValidationSpec(ApiModel):
         ge=1,
         le=1000,
     )
+
+    @property
+    def mode(self) -> ChecksumMode:
+        """checksumMode, else what checksum meant (true: loaded, false: none), else auto."""
+        if self.checksum_mode is not None:
+            return self.checksum_mode
+        if self.checksum is not None:
+            return "loaded" if self.checksum else "none"
+        return "auto"
 
 
 # --- canary strategy -------------------------------------------------------------------------

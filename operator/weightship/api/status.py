@@ -135,6 +135,11 @@ class PodLoad(ApiModel):
         None, description="The pod that broadcast the weights.", max_length=MAX_NAME
     )
     seconds: float | None = Field(None, description="Time to loaded and verified.", ge=0)
+    mode: Literal["loaded", "staged", "none"] | None = Field(
+        None,
+        description="How the verifier checked the weights (spec.validation.checksum; auto "
+        "resolves to loaded or staged per pod).",
+    )
 
 
 class PodVerificationFailure(ApiModel):

@@ -120,6 +120,9 @@ def replica_set_observations(
                         source if source in ("cache", "origin", "broadcast") else None,
                         _opt_str(loaded.get("seededFrom")),
                         float(seconds) if isinstance(seconds, int | float) else None,
+                        mode
+                        if (mode := loaded.get("mode")) in ("loaded", "staged", "none")
+                        else None,
                     )
                 )
         ready = sum(is_true(p, "Ready") for p in members)

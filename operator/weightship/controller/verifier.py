@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,9 +22,17 @@ import urllib3
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from weightship.api.models import ModelRollout
-from weightship.api.spec import GoldenPrompt
+from weightship.api.spec import ChecksumMode, GoldenPrompt
 from weightship.controller import metrics
-from weightship.controller.builders import DIGEST_ANNOTATION, GROUP, VERIFIED_GATE
+from weightship.controller.builders import (
+    CACHE_VOLUME,
+    DIGEST_ANNOTATION,
+    GROUP,
+    MODEL_DIR_ENV,
+    VERIFIED_GATE,
+    staged_model_dir,
+    staged_node_label,
+)
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
 from weightship.core.verification import (
@@ -33,10 +41,14 @@ from weightship.core.verification import (
     GateVerdict,
     LoadReport,
     PromptOutcome,
+    StagedEvidence,
+    VerifyMode,
     gate_changed,
     judge_prompt,
     load_verdict,
     prompts_verdict,
+    report_from_termination,
+    staged_verdict,
 )
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,10 @@ PROMPT_ATTEMPTS = 4
 
 class ServerError(Exception):
     """The server did not answer usefully (connection, timeout, 5xx): not a verdict."""
+
+
+class NotFound(ServerError):
+    """HTTP 404: the server has no such route (a server without the weightship plugin)."""
 
 
 def restarts(pod: dict[str, Any]) -> str:
@@ -77,14 +93,17 @@ def needs_check(pod: dict[str, Any]) -> bool:
 
 
 def verdict_annotations(report: LoadReport | None, verdict: GateVerdict) -> dict[str, str | None]:
-    """What the rollout status is built from: how the weights arrived, and the failing prompt."""
+    """What the rollout status is built from: how the weights arrived and which mode
+    verified them, and the failing prompt."""
     out: dict[str, str | None] = {}
-    if report is not None and report.state == "Loaded":
+    loaded = report is not None and report.state == "Loaded"
+    if loaded or (verdict.mode is not None and verdict.final):
         out[LOADED_ANNOTATION] = json.dumps(
             {
-                "source": report.source,
-                "seededFrom": report.seeded_from,
-                "seconds": report.load_seconds,
+                "source": report.source if report and loaded else None,
+                "seededFrom": report.seeded_from if report and loaded else None,
+                "seconds": report.load_seconds if report and loaded else None,
+                "mode": verdict.mode,
             },
             sort_keys=True,
         )
@@ -97,6 +116,52 @@ def verdict_annotations(report: LoadReport | None, verdict: GateVerdict) -> dict
     return out
 
 
+def completion_request(prompt: GoldenPrompt, *, chat: bool, model: str | None) -> dict[str, Any]:
+    """The request body of a golden prompt: greedy, on the completions or the chat API."""
+    body: dict[str, Any] = {"max_tokens": prompt.max_tokens, "temperature": 0}
+    if chat:
+        body["messages"] = prompt.chat_messages()
+    else:
+        body["prompt"] = prompt.text()
+    if model:
+        body["model"] = model
+    if prompt.stop:
+        body["stop"] = list(prompt.stop)
+    return body
+
+
+def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidence:
+    """Pure: what the pod object says for checksum staged (the node's label is read later)."""
+    spec = pod.get("spec") or {}
+    containers = spec.get("containers") or []
+    mounts = [
+        m for c in containers for m in c.get("volumeMounts") or [] if m.get("name") == CACHE_VOLUME
+    ]
+    words = [
+        str(w) for c in containers for w in [*(c.get("command") or []), *(c.get("args") or [])]
+    ]
+    serves = any(
+        f"$({MODEL_DIR_ENV})" in w or (model_dir is not None and model_dir in w) for w in words
+    )
+    return StagedEvidence(
+        node=spec.get("nodeName"),
+        cache_read_only=bool(mounts) and all(m.get("readOnly") for m in mounts),
+        node_staged=False,
+        serves_model_dir=serves,
+    )
+
+
+def termination_messages(pod: dict[str, Any]) -> tuple[str, ...]:
+    """The termination messages of the pod's containers, this run's and the last one's."""
+    out = []
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (status.get("state") or {}, status.get("lastState") or {}):
+            message = (state.get("terminated") or {}).get("message")
+            if message:
+                out.append(str(message))
+    return tuple(out)
+
+
 @dataclass
 class _Check:
     namespace: str
@@ -104,13 +169,17 @@ class _Check:
     uid: str
     base_url: str
     want_digest: str
-    checksum: bool
+    mode: ChecksumMode
     prompts: list[GoldenPrompt]
     path: str
     timeout_s: float
     current: dict[str, Any] | None
     restarts: str
     restarted: bool
+    chat: bool = False
+    model: str | None = None
+    evidence: StagedEvidence | None = None  # node_staged filled in by the check
+    terminations: tuple[str, ...] = ()  # containers' termination messages
 
 
 class Verifier:
@@ -124,7 +193,7 @@ class Verifier:
     def submit(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> bool:
         """Start checks for pods without a verdict; True while any pod still waits for one."""
         validation = rollout.spec.validation
-        if not (validation.checksum or validation.golden_prompts):
+        if validation.mode == "none" and not validation.golden_prompts:
             return False  # nothing to verify: apply.open_trivial_gates opens the gate
         waiting = False
         for pod in pods:
@@ -142,13 +211,14 @@ class Verifier:
     def _plan(self, rollout: ModelRollout, pod: dict[str, Any]) -> _Check:
         validation = rollout.spec.validation
         meta = pod["metadata"]
+        digest = (meta.get("annotations") or {}).get(DIGEST_ANNOTATION, "")
         return _Check(
             namespace=meta["namespace"],
             name=meta["name"],
             uid=meta.get("uid") or meta["name"],
             base_url=f"http://{pod['status']['podIP']}:{validation.endpoint.port}",
-            want_digest=(meta.get("annotations") or {}).get(DIGEST_ANNOTATION, ""),
-            checksum=validation.checksum,
+            want_digest=digest,
+            mode=validation.mode,
             prompts=list(validation.golden_prompts),
             path=validation.endpoint.path,
             timeout_s=float(validation.timeout_seconds),
@@ -156,6 +226,12 @@ class Verifier:
             restarts=restarts(pod),
             restarted=(meta.get("annotations") or {}).get(RESTARTS_ANNOTATION, restarts(pod))
             != restarts(pod),
+            chat=validation.endpoint.chat,
+            model=validation.endpoint.model,
+            evidence=staged_evidence(
+                pod, staged_model_dir(rollout.spec.prefetch.cache_path, digest)
+            ),
+            terminations=termination_messages(pod),
         )
 
     def _run(self, check: _Check) -> None:
@@ -182,14 +258,45 @@ class Verifier:
                 self.in_flight.discard(check.uid)
 
     def _verify(self, check: _Check) -> tuple[LoadReport | None, GateVerdict]:
-        try:
-            loaded = self._request("GET", check.base_url + LOADED_PATH, None, check.timeout_s)
-            report = LoadReport.from_json(loaded)
-        except (ServerError, ValueError) as e:
-            return None, GateVerdict("False", PENDING, f"waiting for the server: {e}")
-        verdict = load_verdict(report, check.want_digest, check.checksum)
-        if verdict is not None:
-            return report, verdict
+        mode: VerifyMode
+        report: LoadReport | None = None
+        if check.mode in ("auto", "loaded"):
+            try:
+                loaded = self._request("GET", check.base_url + LOADED_PATH, None, check.timeout_s)
+                report = LoadReport.from_json(loaded)
+            except NotFound:
+                if check.mode == "loaded":
+                    return None, GateVerdict(
+                        "False",
+                        "NoLoadReport",
+                        f"checksum loaded: the server has no {LOADED_PATH}; use checksum "
+                        "staged (or auto) for a server without the weightship plugin",
+                        mode="loaded",
+                    )
+            except (ServerError, ValueError) as e:
+                refused = next(filter(None, map(report_from_termination, check.terminations)), None)
+                if refused is not None:  # the server exited, saying why (vLLM does)
+                    return refused, GateVerdict(
+                        "False",
+                        refused.reason or "LoadFailed",
+                        refused.message or "the server refused its weights",
+                        mode="loaded",
+                    )
+                return None, GateVerdict("False", PENDING, f"waiting for the server: {e}")
+        if report is not None:
+            mode = "loaded"
+            verdict = load_verdict(report, check.want_digest, True)
+            if verdict is not None:
+                return report, replace(verdict, mode=mode)
+        elif check.mode in ("auto", "staged"):
+            mode = "staged"
+            assert check.evidence is not None
+            check.evidence = replace(check.evidence, node_staged=self._node_staged(check))
+            verdict = staged_verdict(check.evidence, check.want_digest)
+            if verdict is not None:
+                return None, verdict
+        else:
+            mode = "none"
         outcomes: list[PromptOutcome] = []
         for prompt in check.prompts:
             try:
@@ -200,7 +307,17 @@ class Verifier:
             outcomes.append(outcome)
             if not outcome.passed:
                 break
-        return report, prompts_verdict(report, outcomes, check.checksum)
+        return report, prompts_verdict(report, outcomes, mode, check.evidence, check.want_digest)
+
+    def _node_staged(self, check: _Check) -> bool:
+        node = check.evidence.node if check.evidence else None
+        if not node or not check.want_digest:
+            return False
+        try:
+            labels = self.kube.core.read_node(node).metadata.labels or {}
+        except Exception as e:
+            raise ServerError(f"reading node {node}: {type(e).__name__}") from None
+        return bool(labels.get(staged_node_label(check.want_digest)) == "true")
 
     @retry(
         retry=retry_if_exception_type(ServerError),
@@ -209,10 +326,11 @@ class Verifier:
         reraise=True,
     )
     def _complete(self, check: _Check, prompt: GoldenPrompt) -> str:
-        body = {"prompt": prompt.prompt, "max_tokens": prompt.max_tokens, "temperature": 0}
+        body = completion_request(prompt, chat=check.chat, model=check.model)
         answer = self._request("POST", check.base_url + check.path, body, check.timeout_s)
         try:
-            return str(answer["choices"][0]["text"])
+            choice = answer["choices"][0]
+            return str(choice["message"]["content"] if check.chat else choice["text"])
         except (KeyError, IndexError, TypeError) as e:
             raise ServerError(f"unexpected completion shape: {e!r}") from None
 
@@ -229,6 +347,8 @@ class Verifier:
             )
         except urllib3.exceptions.HTTPError as e:
             raise ServerError(f"{method} {url}: {type(e).__name__}") from None
+        if response.status == 404:
+            raise NotFound(f"{method} {url}: HTTP 404")
         if response.status >= 300:
             raise ServerError(f"{method} {url}: HTTP {response.status}")
         try:

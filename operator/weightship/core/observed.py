@@ -28,6 +28,7 @@ class PodLoad:
     source: Literal["cache", "origin", "broadcast"] | None = None
     seeded_from: str | None = None
     seconds: float | None = None
+    mode: Literal["loaded", "staged", "none"] | None = None  # how the verifier checked it
 
 
 @dataclass(frozen=True)

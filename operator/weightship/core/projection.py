@@ -67,6 +67,7 @@ def _project_verification(ctx: RolloutContext) -> None:
                 source=load.source,
                 seeded_from=load.seeded_from,
                 seconds=load.seconds,
+                mode=load.mode,
             )
     status.verification = VerificationStatus(
         pod_template_hash=canary.pod_template_hash,

@@ -1,7 +1,8 @@
 """The weights-verified gate of pods with nothing to verify (pure).
 
-With no checksum (`checksum: none`) and no golden prompts in spec.validation, the gate opens once a pod's
-containers are ready. Anything to verify is the verifier's job (controller/verifier.py).
+With no checksum (checksumMode none, or checksum false) and no golden prompts in
+spec.validation, the gate opens once a pod's containers are ready. Anything to verify is
+the verifier's job (controller/verifier.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ def trivial_gates(
     spec: ModelRolloutSpec, pods: Sequence[ObservedPod], now: datetime
 ) -> tuple[OpenGate, ...]:
     validation = spec.validation
-    # checksum is a mode ("none": no check); older specs said true / false.
-    checks_weights = validation.checksum not in (False, "none")
-    if checks_weights or validation.golden_prompts:
+    if validation.mode != "none" or validation.golden_prompts:
         return ()
     return tuple(
         OpenGate(

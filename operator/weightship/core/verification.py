@@ -18,6 +18,8 @@ from weightship.api.spec import GoldenPrompt, GoldenPromptExpectation
 
 LoadState = Literal["Loading", "Loaded", "Failed"]
 LoadSource = Literal["cache", "origin", "broadcast"]
+# How a pod's weights were checked (spec.validation.checksum, "auto" resolved per pod).
+VerifyMode = Literal["loaded", "staged", "none"]
 
 # Reasons of a gate still being worked on (the rollout waits); every other False reason is
 # a verdict that counts against spec.validation.failureThreshold.
@@ -152,6 +154,7 @@ class GateVerdict:
     reason: str
     message: str
     failed_prompt: PromptOutcome | None = None
+    mode: VerifyMode | None = None
 
     @property
     def final(self) -> bool:
@@ -180,20 +183,67 @@ def load_verdict(report: LoadReport, want_digest: str, checksum: bool) -> GateVe
     return None
 
 
+@dataclass(frozen=True)
+class StagedEvidence:
+    """What the pod object and its node say about the files the pod reads (mode staged)."""
+
+    node: str | None
+    cache_read_only: bool  # every container mounts the node cache read-only
+    node_staged: bool  # the node is labelled staged (its agent verified every chunk)
+    serves_model_dir: bool  # the container serves the pinned model's folder
+
+
+def staged_verdict(evidence: StagedEvidence, want_digest: str) -> GateVerdict | None:
+    """A final verdict when the staged evidence falls short; None when it holds."""
+    problem = None
+    if not want_digest:
+        problem = ("NoDigest", "the pod carries no manifest digest")
+    elif not evidence.cache_read_only:
+        problem = ("CacheNotReadOnly", "the pod does not mount the node cache read-only")
+    elif not evidence.node_staged:
+        problem = (
+            "NotStaged",
+            f"node {evidence.node or '?'} does not report {want_digest} staged and verified",
+        )
+    elif not evidence.serves_model_dir:
+        problem = (
+            "ModelDirNotUsed",
+            "no container serves $(WEIGHTSHIP_MODEL_DIR), the pinned model's staged folder",
+        )
+    if problem is None:
+        return None
+    return GateVerdict("False", problem[0], f"checksum staged: {problem[1]}", mode="staged")
+
+
 def prompts_verdict(
-    report: LoadReport, outcomes: Sequence[PromptOutcome], checksum: bool
+    report: LoadReport | None,
+    outcomes: Sequence[PromptOutcome],
+    mode: VerifyMode | bool,
+    evidence: StagedEvidence | None = None,
+    want_digest: str | None = None,
 ) -> GateVerdict:
-    """Every prompt was answered: fail on the first wrong answer, else verified."""
+    """Every prompt was answered: fail on the first wrong answer, else verified. The
+    message says which mode verified the pod."""
+    if isinstance(mode, bool):  # the older call: checksum on or off
+        mode = "loaded" if mode else "none"
     failed = next((o for o in outcomes if not o.passed), None)
     if failed is not None:
-        return GateVerdict("False", "GoldenPromptFailed", failed.diff(), failed_prompt=failed)
-    parts = []
-    if checksum:
+        return GateVerdict(
+            "False", "GoldenPromptFailed", failed.diff(), failed_prompt=failed, mode=mode
+        )
+    parts = [f"checksum {mode}"]
+    if mode == "loaded" and report is not None:
         parts.append(f"digest {report.manifest_digest} verified")
-    parts.append(describe_load(report))
+    if mode == "staged":
+        node = evidence.node if evidence else None
+        parts.append(
+            f"digest {want_digest} staged and verified on node {node or '?'}, mounted read-only"
+        )
+    if report is not None:
+        parts.append(describe_load(report))
     if outcomes:
         parts.append(f"{len(outcomes)}/{len(outcomes)} golden prompts passed")
-    return GateVerdict("True", "Verified", "; ".join(p for p in parts if p))
+    return GateVerdict("True", "Verified", "; ".join(p for p in parts if p), mode=mode)
 
 
 def describe_load(report: LoadReport) -> str:

@@ -118,5 +118,5 @@ def judge_golden(
     outcomes = []
     for doc in prompts:
         prompt = GoldenPrompt.model_validate(doc)
-        outcomes.append(judge_prompt(prompt, generate(prompt.prompt, prompt.max_tokens)))
+        outcomes.append(judge_prompt(prompt, generate(prompt.text(), prompt.max_tokens)))
     return outcomes
