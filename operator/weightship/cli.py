@@ -89,6 +89,12 @@ def _api() -> Any:
 namespace_option = click.option("-n", "--namespace", default="default", show_default=True)
 
 
+def _errors(api: Any, namespace: str, name: str) -> Any:
+    from weightship.clierrors import api_errors
+
+    return api_errors(f"modelrollout {namespace}/{name}", api.configuration.host)
+
+
 @main.command("status")
 @click.argument("name")
 @namespace_option
@@ -103,19 +109,19 @@ def status_command(name: str, namespace: str, watch: bool, output: str) -> None:
     from weightship import rollouts, statusview
 
     api = _api()
-    if output == "json":
-        click.echo(
-            json.dumps(statusview.summary(rollouts.get_rollout(api, namespace, name)), indent=2)
-        )
-        return
-    console = Console()
-    if not watch:
-        console.print(statusview.render(rollouts.get_rollout(api, namespace, name)))
-        return
-    with Live(console=console, refresh_per_second=2) as live:
-        while True:
-            live.update(statusview.render(rollouts.get_rollout(api, namespace, name)))
-            time.sleep(1)
+    with _errors(api, namespace, name):
+        if output == "json":
+            summary = statusview.summary(rollouts.get_rollout(api, namespace, name))
+            click.echo(json.dumps(summary, indent=2))
+            return
+        console = Console()
+        if not watch:
+            console.print(statusview.render(rollouts.get_rollout(api, namespace, name)))
+            return
+        with Live(console=console, refresh_per_second=2) as live:
+            while True:
+                live.update(statusview.render(rollouts.get_rollout(api, namespace, name)))
+                time.sleep(1)
 
 
 def _send(action: str, name: str, namespace: str, wait: bool, **fields: Any) -> None:
@@ -124,17 +130,18 @@ def _send(action: str, name: str, namespace: str, wait: bool, **fields: Any) -> 
     from weightship import rollouts
 
     api = _api()
-    body = getattr(rollouts, action)(api, namespace, name, **fields)
-    click.echo(f"{action} requested for {namespace}/{name} ({body['requestedAt']})")
-    if not wait:
-        return
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        rollout = rollouts.get_rollout(api, namespace, name)
-        if rollouts.acknowledged(rollout, action, body["requestedAt"]):
-            click.echo(f"acknowledged: {(rollout.get('status') or {}).get('message', '')}")
+    with _errors(api, namespace, name):
+        body = getattr(rollouts, action)(api, namespace, name, **fields)
+        click.echo(f"{action} requested for {namespace}/{name} ({body['requestedAt']})")
+        if not wait:
             return
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rollout = rollouts.get_rollout(api, namespace, name)
+            if rollouts.acknowledged(rollout, action, body["requestedAt"]):
+                click.echo(f"acknowledged: {(rollout.get('status') or {}).get('message', '')}")
+                return
+            time.sleep(0.5)
     raise click.ClickException("the controller did not acknowledge within 60s: is it running?")
 
 
