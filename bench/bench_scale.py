@@ -10,8 +10,10 @@ time). Then, for each design, one operator process:
 3. one rollout of `--big` replicas through a revision change;
 4. 30 s of steady state (everything Healthy).
 
-Figures: API requests by verb and resource (the API server's apiserver_request_total,
-before and after, minus the bench's own), per reconcile; operator RSS and threads (peak);
+Figures: API requests by verb and resource, per reconcile: the operator's own (its
+kubernetes-client requests, counted in the process by scale_hook/sitecustomize.py) and
+the API server's apiserver_request_total before and after (the whole shared cluster,
+other tests included; minus the bench's own LISTs); operator RSS and threads (peak);
 reconcile p50/p99 (the operator's own histogram); time from spec change to all Healthy;
 how many finished. The baseline is the design before the work queue (commit 07fb27b, run
 from `git archive` in a temp dir with PYTHONPATH pointing at it), in the same run.
@@ -57,6 +59,7 @@ from weightship.dev.nodes import admin_api, kwok_node_body
 from weightship.dev.scale import Fleet, healthy_on
 
 REPO = Path(__file__).resolve().parent.parent
+HOOK = Path(__file__).resolve().parent / "scale_hook"  # counts the operator's own requests
 BASELINE_COMMIT = "07fb27b"
 NODE_START = 20000  # kwok-gpu-20000…: apart from the cluster's own and the e2e tests' nodes
 READS = ("LIST", "GET")
@@ -195,6 +198,7 @@ class Operator:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "WEIGHTSHIP_METRICS_PORT": str(self.port),
+            "PYTHONPATH": str(HOOK),
         }
         cwd = REPO
         self.tree: Path | None = None
@@ -206,7 +210,7 @@ class Operator:
                 capture_output=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-            env["PYTHONPATH"] = str(old / "operator")
+            env["PYTHONPATH"] = f"{HOOK}:{old / 'operator'}"
             cwd, self.tree = old, old
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -246,8 +250,9 @@ class Operator:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
                 raw = r.read().decode()
         except OSError:
-            return {"reconciles": 0.0, "buckets": {}}
+            return {"reconciles": 0.0, "buckets": {}, "requests": Counter()}
         buckets: dict[float, float] = {}
+        requests: Counter[tuple[str, str]] = Counter()
         reconciles = 0.0
         for line in raw.splitlines():
             if line.startswith("weightship_reconciles_total "):
@@ -257,7 +262,10 @@ class Operator:
             )
             if m:
                 buckets[float(m.group(1))] = float(m.group(2))
-        return {"reconciles": reconciles, "buckets": buckets}
+            if line.startswith("bench_client_requests_total{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                requests[(labels["verb"], labels["resource"])] += int(float(line.split()[-1]))
+        return {"reconciles": reconciles, "buckets": buckets, "requests": requests}
 
     def wait_serving(self, timeout: float = 60) -> None:
         testkit.wait_until(
@@ -340,6 +348,9 @@ def phase(
     delta = api_after - api_before
     delta[("LIST", "modelrollouts")] -= sum(f.lists for f in fleets) - lists_before
     reconciles = m_after["reconciles"] - m_before["reconciles"]
+    mine = m_after["requests"] - m_before["requests"]
+    own_reads = {f"{v} {r}": n for (v, r), n in sorted(mine.items()) if v in READS and n > 0}
+    own_writes = {f"{v} {r}": n for (v, r), n in sorted(mine.items()) if v not in READS and n > 0}
     reads = {f"{v} {r}": delta[(v, r)] for v in READS for r in RESOURCES if delta[(v, r)] > 0}
     writes = {
         f"{v} {r}": n for (v, r), n in sorted(delta.items()) if v not in (*READS, "WATCH") and n > 0
@@ -347,9 +358,11 @@ def phase(
     result.update(
         seconds=time.monotonic() - started,
         reconciles=reconciles,
-        reads=reads,
-        writes=writes,
-        reads_per_reconcile=sum(reads.values()) / reconciles if reconciles else None,
+        cluster_reads=reads,
+        cluster_writes=writes,
+        reads=own_reads,
+        writes=own_writes,
+        reads_per_reconcile=sum(own_reads.values()) / reconciles if reconciles else None,
         p50=quantile(m_before["buckets"], m_after["buckets"], 0.50),
         p99=quantile(m_before["buckets"], m_after["buckets"], 0.99),
     )
@@ -378,7 +391,8 @@ def run_design(
     def wait(fleet: Fleet, revision: str, timeout: float) -> tuple[dict[str, float], int]:
         if fleet not in fleets:
             fleets.append(fleet)
-        done, _listing = fleet.wait(healthy_on(revision), timeout=timeout, interval=1.0)
+        interval = 0.25 if len(fleet.names) == 1 else 0.5  # one LIST per interval
+        done, _listing = fleet.wait(healthy_on(revision), timeout=timeout, interval=interval)
         return done, len(fleet.names)
 
     try:
@@ -410,7 +424,9 @@ def run_design(
                 all_healthy_s=times[-1] if len(done) == total and times else None,
                 median_s=times[len(times) // 2] if times else None,
             )
-        if args.big:
+        if args.big and out["revision"]["finished"] < args.rollouts:
+            out["big_skipped"] = "the fleet never finished: its rollouts hold every thread"
+        elif args.big:
             big = Fleet(api, namespace, "big", 1)
             big.create(uris["v1"], "v1", endpoint, replicas=args.big)
             wait(big, "v1", args.timeout * 2)
@@ -498,14 +514,26 @@ def report_design(r: dict[str, Any]) -> None:
                 _fmt(f["p50"], " s", 3),
                 _fmt(f["p99"], " s", 3),
                 ", ".join(f"{k} {v}" for k, v in f["reads"].items()) or "none",
+                _fmt(sum(f["cluster_reads"].values())),
             ]
         )
     print(f"\n{r['design']} design: peak RSS {r['rss_mb']:.0f} MB, {r['threads']} threads")
-    header = ["phase", "Healthy", "all Healthy", "reconciles", "reads/rec", "p50", "p99", "reads"]
+    header = [
+        "phase",
+        "Healthy",
+        "all Healthy",
+        "reconciles",
+        "reads/rec",
+        "p50",
+        "p99",
+        "operator's LIST/GET",
+        "cluster LIST/GET",
+    ]
     print(table(header, rows))
     for name in ("revision", "steady"):
         if name in r:
-            print(f"{name} writes: {r[name]['writes']}")
+            print(f"{name}: operator's writes {r[name]['writes']}")
+            print(f"{name}: cluster-wide LIST/GET {r[name]['cluster_reads']}")
 
 
 def summarize(results: dict[str, Any]) -> None:

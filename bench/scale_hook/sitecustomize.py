@@ -1,0 +1,44 @@
+"""Loaded by bench_scale's operator processes (PYTHONPATH): counts the operator's own
+kubernetes-client requests by verb and resource, exported on its /metrics as
+bench_client_requests_total. The API server's counts cover the whole shared cluster;
+these are this one process's, in both designs alike."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from kubernetes.client import rest
+from prometheus_client import Counter
+
+REQUESTS = Counter(
+    "bench_client_requests", "kubernetes-client requests of this process", ["verb", "resource"]
+)
+
+
+def classify(method: str, url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    segments = [s for s in parts.path.split("/") if s]
+    # /api/v1/... or /apis/<group>/<version>/...
+    rest_of = segments[2:] if segments[:1] == ["api"] else segments[3:]
+    if rest_of[:1] == ["namespaces"] and len(rest_of) >= 3:
+        rest_of = rest_of[2:]
+    resource = rest_of[0] if rest_of else "?"
+    named = len(rest_of) >= 2
+    if len(rest_of) >= 3:
+        resource = f"{resource}/{rest_of[2]}"
+    verb = method.upper()
+    if verb == "GET" and not named:
+        verb = "WATCH" if parse_qs(parts.query).get("watch") == ["true"] else "LIST"
+    return verb, resource
+
+
+_request = rest.RESTClientObject.request
+
+
+def _counted(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+    REQUESTS.labels(*classify(method, url)).inc()
+    return _request(self, method, url, *args, **kwargs)
+
+
+rest.RESTClientObject.request = _counted
