@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
+from weightship.data.s3 import S3Location, S3Origin, publish
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
 
 Variant = Literal["good", "subtly-bad"]
 VARIANTS: tuple[Variant, ...] = ("good", "subtly-bad")
@@ -205,3 +211,26 @@ def build(
 
 def shape_dict(shape: Shape) -> dict[str, int]:
     return asdict(shape)
+
+
+def publish_versions(
+    s3: S3Client,
+    bucket: str,
+    prefix: str,
+    versions: Iterable[tuple[str, Variant, int]],
+    *,
+    shape: Shape | None = None,
+    chunk_size: int = 1 << 20,
+) -> dict[str, str]:
+    """Build and publish named versions (name, variant, seed) under
+    s3://bucket/prefix/<name>/; return {name: uri}. Same variant and seed: same digest."""
+    uris = {}
+    for name, variant, seed in versions:
+        uri = f"s3://{bucket}/{prefix}/{name}/"
+        with tempfile.TemporaryDirectory(prefix="tinyvllm-") as tmp:
+            folder = Path(tmp)
+            build(folder, variant, seed=seed, shape=shape, chunk_size=chunk_size)
+            (folder / MANIFEST_NAME).unlink()  # publish writes the manifest it computes
+            publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=chunk_size)
+        uris[name] = uri
+    return uris

