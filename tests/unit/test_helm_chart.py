@@ -281,3 +281,82 @@ def test_chart_metadata_and_crds() -> None:
 
 def chart() -> dict[str, Any]:
     return yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+
+def policy_pairs(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+    """Each ValidatingAdmissionPolicy by name, checked to have a Deny binding."""
+    policies = {p["metadata"]["name"]: p for p in of_kind(docs, "ValidatingAdmissionPolicy")}
+    bindings = of_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert {b["spec"]["policyName"] for b in bindings} == set(policies)
+    for binding in bindings:
+        assert binding["spec"]["validationActions"] == ["Deny"]
+    for policy in policies.values():
+        assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert policy["spec"]["failurePolicy"] == "Fail"
+    return policies
+
+
+def matched(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, op)
+        for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for op in rule["operations"]
+    }
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_admission_policies_fence_the_agents_and_the_operators_writes(scenario: str) -> None:
+    docs = render(SCENARIOS[scenario])
+    policies = policy_pairs(docs)
+    agent = policies["ws-weightship-agent-own-weightcache"]
+    assert agent["spec"]["matchConditions"][0]["expression"] == (
+        'request.userInfo.username == "system:serviceaccount:weightship-system:ws-weightship-agent"'
+    )
+    assert "authentication.kubernetes.io/node-name" in agent["spec"]["variables"][0]["expression"]
+    # Every WeightCache write the agent's RBAC allows is under the node-claim policy.
+    for rule in rules(docs, "ClusterRole", "-agent"):
+        for resource in rule["resources"]:
+            if resource.startswith("weightcaches"):
+                for verb in set(rule["verbs"]) & {"create", "patch", "update", "delete"}:
+                    op = {"patch": "UPDATE", "update": "UPDATE"}.get(verb, verb.upper())
+                    assert ("weightship.io", resource, op) in matched(agent), (resource, verb)
+    # Every cluster-wide patch the operator has on core objects is narrowed by a policy
+    # that matches the operator's own service account.
+    operator_user = "system:serviceaccount:weightship-system:ws-weightship-operator"
+    narrowed = {
+        key
+        for p in policies.values()
+        if operator_user in p["spec"]["matchConditions"][0]["expression"]
+        for key in matched(p)
+    }
+    for rule in rules(docs, "ClusterRole", "-operator"):
+        if "" in rule["apiGroups"] and {"patch", "update"} & set(rule["verbs"]):
+            for resource in set(rule["resources"]) - {"events"}:  # its own Events' counts
+                assert ("", resource, "UPDATE") in narrowed, resource
+    assert not policy_pairs(render(("admissionPolicies.enabled=false",)))
+
+
+def test_network_policy_fences_the_peer_port_to_agents() -> None:
+    docs = render(DEFAULT)
+    agent_pods = one(docs, "DaemonSet", "-agent")["spec"]["selector"]["matchLabels"]
+    policy = one(docs, "NetworkPolicy", "-agent")
+    assert policy["spec"]["podSelector"]["matchLabels"] == agent_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peer, metrics = policy["spec"]["ingress"]
+    assert peer["ports"] == [{"port": 8479, "protocol": "TCP"}]
+    assert peer["from"] == [{"podSelector": {"matchLabels": agent_pods}}]
+    assert metrics == {"ports": [{"port": 9101, "protocol": "TCP"}]}
+    # No rollout namespaces named: no policy in tenants' namespaces.
+    assert len(of_kind(docs, "NetworkPolicy")) == 1
+    scoped = render(("networkPolicy.rolloutNamespaces={serving}", "agent.peerPort=9000"))
+    seeding = one(scoped, "NetworkPolicy", "-rollout-seeding")
+    assert seeding["metadata"]["namespace"] == "serving"
+    rollout_pods = {"matchExpressions": [{"key": "weightship.io/rollout", "operator": "Exists"}]}
+    assert seeding["spec"]["podSelector"] == rollout_pods
+    serving, peers = seeding["spec"]["ingress"]
+    assert serving == {"ports": [{"port": 8000, "protocol": "TCP"}]}
+    assert peers == {"from": [{"podSelector": rollout_pods}]}
+    assert one(scoped, "NetworkPolicy", "-agent")["spec"]["ingress"][0]["ports"][0]["port"] == 9000
+    assert not of_kind(render(("networkPolicy.enabled=false",)), "NetworkPolicy")
