@@ -158,7 +158,13 @@ def prefetch_observation(
     the core labels only the others; without it every staged node is labelled."""
     label = staged_node_label(digest)
     labels = node_labels or {}
-    by_node = {(c.get("spec") or {}).get("nodeName") or c["metadata"]["name"]: c for c in caches}
+    # A WeightCache speaks for the node it is named after (the admission policy lets an
+    # agent write only that one); one whose spec.nodeName names another node is ignored.
+    by_node = {
+        c["metadata"]["name"]: c
+        for c in caches
+        if (c.get("spec") or {}).get("nodeName") in (None, c["metadata"]["name"])
+    }
     nodes = []
     for node in sorted(target_nodes):
         entry = next(
