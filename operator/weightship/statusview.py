@@ -111,17 +111,28 @@ def render(rollout: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+# status.verification.loads[].mode: how the verifier checked the pod's weights.
+VERIFIED_BY = {
+    "loaded": "server's load report",
+    "staged": "verified node cache",
+    "none": "no checksum",
+}
+
+
 def _verification_tables(verification: dict[str, Any]) -> list[Table]:
     """Canary pods: how each got its weights (who seeded whom), and why any failed."""
     tables = []
     loads = verification.get("loads") or []
     if loads:
-        table = Table("pod", "loaded from", "seeded by", "seconds", title="Canary pods")
+        table = Table(
+            "pod", "verified by", "loaded from", "seeded by", "seconds", title="Canary pods"
+        )
         table.title_justify = "left"
         for load in loads:
             seconds = load.get("seconds")
             table.add_row(
                 load["pod"],
+                VERIFIED_BY.get(load.get("mode") or "", "-"),
                 load.get("source") or "-",
                 load.get("seededFrom") or "",
                 f"{seconds:.2f}" if seconds is not None else "-",

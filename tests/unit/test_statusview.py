@@ -42,3 +42,25 @@ def test_status_shows_pod_loads_and_the_failing_prompt() -> None:
     assert "llm-abc-2" in text and "broadcast" in text and "1.25" in text
     assert "llm-abc-1" in text  # the seeding root, named on its receiver's row
     assert "capital-france" in text and "Lyon." in text and "Paris." in text
+
+
+def test_status_says_which_mode_verified_each_pod() -> None:
+    rollout = {
+        "metadata": {"name": "llm", "namespace": "serving"},
+        "spec": {"replicas": 2, "strategy": {"canary": {"steps": [{"setWeight": 100}]}}},
+        "status": {
+            "phase": "Healthy",
+            "verification": {
+                "podTemplateHash": "abc",
+                "loads": [
+                    {"pod": "vllm-abc-1", "source": "cache", "mode": "loaded"},
+                    {"pod": "plain-abc-2", "mode": "staged"},
+                ],
+            },
+        },
+    }
+    console = Console(width=200, record=True)
+    console.print(render(rollout))
+    lines = console.export_text().splitlines()
+    assert "server's load report" in next(line for line in lines if "vllm-abc-1" in line)
+    assert "verified node cache" in next(line for line in lines if "plain-abc-2" in line)

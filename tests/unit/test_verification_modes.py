@@ -1,0 +1,303 @@
+"""validation.checksumMode (loaded, staged, auto, none), chat golden prompts and failed
+loads told by a termination message: the verifier against real local HTTP servers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from weightship.api.models import ModelRollout
+from weightship.api.samples import VALID_MANIFEST
+from weightship.api.spec import GoldenPrompt, ValidationSpec
+from weightship.controller.builders import (
+    CACHE_VOLUME,
+    DIGEST_ANNOTATION,
+    staged_model_dir,
+    staged_node_label,
+)
+from weightship.controller.verifier import (
+    LOADED_ANNOTATION,
+    Verifier,
+    completion_request,
+    staged_evidence,
+    termination_messages,
+)
+from weightship.core.verification import LoadReport, StagedEvidence, termination_message
+
+DIGEST = "sha256:" + "cd" * 32
+CACHE = "/var/cache/weightship"
+
+
+def test_checksum_modes_and_the_older_boolean() -> None:
+    assert ValidationSpec.model_validate({}).mode == "auto"
+    assert ValidationSpec.model_validate({"checksum": True}).mode == "loaded"
+    assert ValidationSpec.model_validate({"checksum": False}).mode == "none"
+    both = {"checksum": True, "checksumMode": "staged"}
+    assert ValidationSpec.model_validate(both).mode == "staged"
+    with pytest.raises(ValidationError, match="checksumMode"):
+        ValidationSpec.model_validate({"checksumMode": "sometimes"})
+
+
+def test_a_golden_prompt_is_a_prompt_or_messages() -> None:
+    expect = {"equals": "Paris."}
+    with pytest.raises(ValidationError, match="exactly one of prompt or messages"):
+        GoldenPrompt.model_validate({"name": "x", "expect": expect})
+    with pytest.raises(ValidationError, match="exactly one of prompt or messages"):
+        GoldenPrompt.model_validate(
+            {
+                "name": "x",
+                "prompt": "p",
+                "messages": [{"role": "user", "content": "q"}],
+                "expect": expect,
+            }
+        )
+    with pytest.raises(ValidationError, match="stop"):
+        GoldenPrompt.model_validate(
+            {"name": "x", "prompt": "p", "stop": ["a", "b", "c", "d", "e"], "expect": expect}
+        )
+
+
+def test_completion_and_chat_requests() -> None:
+    plain = GoldenPrompt.model_validate(
+        {"name": "c", "prompt": "The capital is", "maxTokens": 4, "expect": {"prefix": " P"}}
+    )
+    assert completion_request(plain, chat=False, model=None) == {
+        "prompt": "The capital is",
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    assert completion_request(plain, chat=True, model="tiny") == {
+        "messages": [{"role": "user", "content": "The capital is"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "model": "tiny",
+    }
+    chat = GoldenPrompt.model_validate(
+        {
+            "name": "c",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Q"},
+            ],
+            "stop": ["\n"],
+            "expect": {"equals": "A"},
+        }
+    )
+    body = completion_request(chat, chat=True, model=None)
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert body["stop"] == ["\n"] and "model" not in body
+
+
+def vllm_pod(*, read_only: bool = True, args: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "p1",
+            "namespace": "ns",
+            "uid": "uid-p1",
+            "annotations": {DIGEST_ANNOTATION: DIGEST},
+        },
+        "spec": {
+            "nodeName": "gpu-1",
+            "containers": [
+                {
+                    "name": "vllm",
+                    "args": args
+                    if args is not None
+                    else ["$(WEIGHTSHIP_MODEL_DIR)", "--port", "8000"],
+                    "volumeMounts": [
+                        {"name": CACHE_VOLUME, "mountPath": CACHE, "readOnly": read_only}
+                    ],
+                }
+            ],
+        },
+        "status": {"phase": "Running", "podIP": "127.0.0.1"},
+    }
+
+
+def test_staged_evidence_from_the_pod_object() -> None:
+    model_dir = staged_model_dir(CACHE, DIGEST)
+    assert model_dir == f"{CACHE}/models/{'cd' * 32}/files"
+    good = staged_evidence(vllm_pod(), model_dir)
+    assert good == StagedEvidence("gpu-1", True, False, True)
+    assert staged_evidence(vllm_pod(args=[str(model_dir)]), model_dir).serves_model_dir
+    assert not staged_evidence(vllm_pod(args=["/models/elsewhere"]), model_dir).serves_model_dir
+    assert not staged_evidence(vllm_pod(read_only=False), model_dir).cache_read_only
+
+
+def test_termination_messages_of_this_run_and_the_last() -> None:
+    pod = vllm_pod()
+    pod["status"]["containerStatuses"] = [
+        {"state": {"running": {}}, "lastState": {"terminated": {"message": "last"}}},
+        {"state": {"terminated": {"message": "now"}}, "lastState": {}},
+    ]
+    assert termination_messages(pod) == ("last", "now")
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.loaded: dict[str, Any] | None = None  # None: no /weightship/v1/loaded (404)
+        self.answer = "Paris."
+        self.requests: list[dict[str, Any]] = []
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[int, ServerState]]:
+    state = ServerState()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _json(self, code: int, doc: dict[str, Any]) -> None:
+            data = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if state.loaded is None:
+                self._json(404, {"detail": "Not Found"})  # what vLLM without the plugin says
+            else:
+                self._json(200, state.loaded)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.requests.append(body)
+            if self.path != "/v1/chat/completions":
+                self._json(404, {"detail": "Not Found"})
+                return
+            message = {"role": "assistant", "content": state.answer}
+            self._json(200, {"choices": [{"message": message}]})
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1], state
+    httpd.shutdown()
+
+
+class NodeKube:
+    """The verifier's kube: nodes to read (labels) and pod condition writes recorded."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.writes: list[tuple[dict[str, Any], dict[str, str | None] | None]] = []
+        self.done = threading.Event()
+        self.core = SimpleNamespace(
+            read_node=lambda name: SimpleNamespace(metadata=SimpleNamespace(labels=self.labels))
+        )
+
+    def patch_pod_condition(
+        self,
+        namespace: str,
+        name: str,
+        condition: dict[str, Any],
+        annotations: dict[str, str | None] | None = None,
+    ) -> None:
+        self.writes.append((condition, annotations))
+        self.done.set()
+
+
+def verify(
+    port: int, mode: str, pod: dict[str, Any], labels: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = json.loads(json.dumps(VALID_MANIFEST))
+    body["spec"]["validation"] = {
+        "checksumMode": mode,
+        "goldenPrompts": [
+            {
+                "name": "capital",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "expect": {"equals": "Paris."},
+            }
+        ],
+        "endpoint": {"port": port, "path": "/v1/chat/completions", "model": "tiny"},
+        "timeoutSeconds": 5,
+    }
+    body["spec"]["prefetch"] = {"cachePath": CACHE}
+    kube = NodeKube(labels if labels is not None else {staged_node_label(DIGEST): "true"})
+    verifier = Verifier(kube, workers=1)  # type: ignore[arg-type]
+    assert verifier.submit(ModelRollout.model_validate(body), [pod]) is True
+    assert kube.done.wait(30)
+    verifier.pool.shutdown(wait=True)
+    ((condition, annotations),) = kube.writes
+    return condition, json.loads((annotations or {}).get(LOADED_ANNOTATION) or "{}")
+
+
+def test_auto_on_plain_vllm_verifies_the_staged_cache(server: tuple[int, ServerState]) -> None:
+    port, state = server
+    condition, loaded = verify(port, "auto", vllm_pod())
+    assert (condition["status"], condition["reason"]) == ("True", "Verified"), condition
+    assert condition["message"].startswith("checksum staged")
+    assert "on node gpu-1, mounted read-only" in condition["message"]
+    assert loaded["mode"] == "staged"
+    assert state.requests[0]["model"] == "tiny" and state.requests[0]["temperature"] == 0
+
+
+def test_staged_needs_the_node_to_have_verified_the_model(server: tuple[int, ServerState]) -> None:
+    port, _ = server
+    condition, loaded = verify(port, "staged", vllm_pod(), labels={})
+    assert (condition["status"], condition["reason"]) == ("False", "NotStaged"), condition
+    assert loaded["mode"] == "staged"
+    condition, _ = verify(port, "staged", vllm_pod(read_only=False))
+    assert condition["reason"] == "CacheNotReadOnly"
+    condition, _ = verify(port, "staged", vllm_pod(args=["/models/other"]))
+    assert condition["reason"] == "ModelDirNotUsed"
+
+
+def test_loaded_on_a_server_without_the_plugin_is_a_clear_failure(
+    server: tuple[int, ServerState],
+) -> None:
+    port, _ = server
+    condition, _ = verify(port, "loaded", vllm_pod())
+    assert (condition["status"], condition["reason"]) == ("False", "NoLoadReport")
+    assert "checksumMode" in condition["message"] or "staged" in condition["message"]
+
+
+def test_auto_with_the_plugin_reads_the_load_report(server: tuple[int, ServerState]) -> None:
+    port, state = server
+    state.loaded = {
+        "state": "Loaded",
+        "manifestDigest": DIGEST,
+        "verified": True,
+        "source": "broadcast",
+        "seededFrom": "p0",
+        "loadSeconds": 0.2,
+    }
+    condition, loaded = verify(port, "auto", vllm_pod())
+    assert condition["status"] == "True", condition
+    assert condition["message"].startswith(f"checksum loaded; digest {DIGEST} verified")
+    assert "seeded by p0" in condition["message"]
+    assert loaded == {"mode": "loaded", "seededFrom": "p0", "seconds": 0.2, "source": "broadcast"}
+
+
+def test_a_wrong_chat_answer_fails_with_the_diff(server: tuple[int, ServerState]) -> None:
+    port, state = server
+    state.answer = "Lyon."
+    condition, _ = verify(port, "none", vllm_pod())
+    assert (condition["status"], condition["reason"]) == ("False", "GoldenPromptFailed")
+    assert 'expected equals "Paris.", got "Lyon."' in condition["message"]
+
+
+def test_a_server_that_exited_refusing_its_weights_fails_the_gate() -> None:
+    pod = vllm_pod()
+    refused = LoadReport(
+        state="Failed", reason="ChecksumMismatch", message="model.safetensors chunk 0"
+    )
+    pod["status"]["containerStatuses"] = [
+        {
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1, "message": termination_message(refused)}},
+        }
+    ]
+    condition, loaded = verify(9, "auto", pod)  # nothing listens on port 9
+    assert (condition["status"], condition["reason"]) == ("False", "ChecksumMismatch"), condition
+    assert "model.safetensors" in condition["message"] and loaded["mode"] == "loaded"
