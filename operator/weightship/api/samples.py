@@ -190,6 +190,23 @@ INVALID_MANIFESTS: list[tuple[str, Manifest, str]] = [
         "expect must set exactly one of equals, prefix, contains or regex",
     ),
     (
+        "checksumMode is not a mode",
+        _mutated(_set("validation.checksumMode", "sometimes")),
+        "spec.validation.checksumMode",
+    ),
+    (
+        "golden prompt with both prompt and messages",
+        _mutated(
+            _set("validation.goldenPrompts[0].messages", [{"role": "user", "content": "Hi"}])
+        ),
+        "set exactly one of prompt or messages",
+    ),
+    (
+        "golden prompt with five stop sequences",
+        _mutated(_set("validation.goldenPrompts[0].stop", ["a", "b", "c", "d", "e"])),
+        "spec.validation.goldenPrompts[0].stop",
+    ),
+    (
         "golden prompt maxTokens out of range",
         _mutated(_set("validation.goldenPrompts[0].maxTokens", 5000)),
         "spec.validation.goldenPrompts[0].maxTokens",
