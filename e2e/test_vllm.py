@@ -26,7 +26,7 @@ from weightship.testing.tinyvllm import deploy
 from weightship.testing.tinyvllm.build import publish_versions
 
 NAMESPACE_PREFIX = "vl-"
-VLLM_START_S = 300  # a vLLM replica starts in about 40 s on an idle 2-core machine
+VLLM_START_S = 420  # a vLLM replica starts in about 40 s on an idle 2-core machine
 
 
 @pytest.fixture(scope="module")
