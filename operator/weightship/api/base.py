@@ -26,7 +26,9 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-URL_PATTERN = r"^https?://[^\s]+$"
+# Printable ASCII only: `\s` means ASCII space in the API server (RE2) and Unicode space
+# in Python, so `[^\s]` let U+00A0 or U+2028 through one and not the other.
+URL_PATTERN = r"^https?://[!-~]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 # Bounds keep CEL cost estimates small: the apiserver multiplies a rule's cost by the

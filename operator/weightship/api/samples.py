@@ -196,9 +196,7 @@ INVALID_MANIFESTS: list[tuple[str, Manifest, str]] = [
     ),
     (
         "golden prompt with both prompt and messages",
-        _mutated(
-            _set("validation.goldenPrompts[0].messages", [{"role": "user", "content": "Hi"}])
-        ),
+        _mutated(_set("validation.goldenPrompts[0].messages", [{"role": "user", "content": "Hi"}])),
         "set exactly one of prompt or messages",
     ),
     (
@@ -261,5 +259,70 @@ INVALID_MANIFESTS: list[tuple[str, Manifest, str]] = [
         "missing model revision",
         _mutated(_delete("model.revision")),
         "spec.model.revision",
+    ),
+]
+
+# Manifests the API server once admitted and the controller then refused or crashed on
+# (issue 12): both sides must refuse them now.
+INVALID_MANIFESTS += [
+    (
+        "pause longer than a year (overflowed the core's datetime arithmetic)",
+        _mutated(_set("strategy.canary.steps[1]", {"pause": {"duration": "70000000h"}})),
+        "spec.strategy.canary.steps[1].pause.duration",
+    ),
+    (
+        "metric interval beyond 24h",
+        _mutated(_set("strategy.canary.analysis.metrics[0].interval", "70000000h")),
+        "spec.strategy.canary.analysis.metrics[0].interval",
+    ),
+    (
+        "metric interval of zero",
+        _mutated(_set("strategy.canary.analysis.metrics[0].interval", "0s")),
+        "spec.strategy.canary.analysis.metrics[0].interval",
+    ),
+    (
+        "integer bandwidthLimit of zero",
+        _mutated(_set("prefetch.bandwidthLimit", 0)),
+        "spec.prefetch.bandwidthLimit",
+    ),
+    (
+        "negative bandwidthLimit quantity",
+        _mutated(_set("prefetch.bandwidthLimit", "-1")),
+        "spec.prefetch.bandwidthLimit",
+    ),
+    (
+        "milli bandwidthLimit quantity",
+        _mutated(_set("prefetch.bandwidthLimit", "1m")),
+        "spec.prefetch.bandwidthLimit",
+    ),
+    (
+        "selector label key that is no qualified name",
+        _mutated(
+            lambda m: (
+                _set("selector.matchLabels", {"a b!": "llm"})(m),
+                _set("template.metadata.labels", {"a b!": "llm"})(m),
+            )
+        ),
+        "spec.selector.matchLabels",
+    ),
+    (
+        "template label value that is no label value",
+        _mutated(_set("template.metadata.labels", {"app": "llm", "tier": "x y"})),
+        "spec.template.metadata.labels",
+    ),
+    (
+        "golden-prompt regex that is no RE2 (lookahead)",
+        _mutated(_set("validation.goldenPrompts[0].expect", {"regex": "(?=Paris)"})),
+        "spec.validation.goldenPrompts[0].expect.regex",
+    ),
+    (
+        "metric query naming an unknown variable",
+        _mutated(_set("strategy.canary.analysis.metrics[0].query", 'up{x="{{ bogus }}"}')),
+        "spec.strategy.canary.analysis.metrics[0].query",
+    ),
+    (
+        "Prometheus address with a Unicode space",
+        _mutated(_set("strategy.canary.analysis.prometheus.address", "http://prom\u00a0x:9090")),
+        "spec.strategy.canary.analysis.prometheus.address",
     ),
 ]

@@ -7,6 +7,7 @@ analysis, failureLimit, abortScaleDownDelaySeconds...), so its users feel at hom
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -31,6 +32,8 @@ from weightship.api.base import (
     matches,
     validations,
 )
+from weightship.api.regex import RE2_VALID_RULE, check_re2
+from weightship.core.durations import parse_duration
 from weightship.core.promql import placeholders
 
 MiB = 1024 * 1024
@@ -53,13 +56,42 @@ QUERY_VARIABLES = (
 )
 
 
+_QUANTITY_SUFFIX = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(10) ** (3 * i - 9) for i, s in enumerate(("n", "u", "m", "", "k", "M"))},
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+}
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+)
+_QUANTITY_MESSAGE = (
+    "must be a quantity of at least 1 (such as 100Mi): 0, negative and milli values "
+    "mean nothing here"
+)
+
+
+def quantity_value(text: str) -> Decimal:
+    """A Kubernetes quantity's value (100Mi -> 104857600); ValueError when it is none."""
+    m = _QUANTITY.fullmatch(text) if len(text) <= 64 else None
+    if m is None:
+        raise ValueError(f"{text[:64]!r} is not a Kubernetes quantity such as 100Mi")
+    number, suffix = Decimal(m.group(1)), m.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        exponent = int(suffix[1:])
+        if abs(exponent) > 30:
+            raise ValueError(f"{text!r}: exponent out of range")
+        return number * Decimal(10) ** exponent
+    return number * _QUANTITY_SUFFIX[suffix]
+
+
 def _check_quantity(value: int | str) -> int | str:
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("must be a positive quantity")
-        return value
-    if not matches(QUANTITY_PATTERN, value):
-        raise ValueError(f"{value!r} is not a Kubernetes quantity such as 100Mi")
+    """At least 1 (a byte per second): "-1", "0" or "1m" would read as "no limit"."""
+    amount = Decimal(value) if isinstance(value, int) else quantity_value(value)
+    if amount < 1:
+        raise ValueError(_QUANTITY_MESSAGE)
     return value
 
 
@@ -71,6 +103,13 @@ Quantity = Annotated[
             "anyOf": [{"type": "integer"}, {"type": "string"}],
             "pattern": QUANTITY_PATTERN,
             "x-kubernetes-int-or-string": True,
+            **validations(
+                cel(
+                    "type(self) == int ? self >= 1 : "
+                    "quantity(string(self)).compareTo(quantity('1')) >= 0",
+                    _QUANTITY_MESSAGE,
+                )
+            ),
         }
     ),
 ]
@@ -79,6 +118,85 @@ StringMap = Annotated[
     dict[str, Annotated[str, Field(max_length=MAX_SHORT_TEXT)]],
     Field(json_schema_extra={"maxProperties": 64}),
 ]
+
+# Label keys and values as Kubernetes checks them (a qualified name: an optional DNS
+# subdomain prefix and a name of at most 63 characters; values at most 63, alphanumeric
+# at both ends). The API server refused such keys only when the ReplicaSet was made.
+_NAME_PART = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+_PREFIX_PART = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+LABEL_KEY_PATTERN = rf"^({_PREFIX_PART}/)?{_NAME_PART}$"
+LABEL_VALUE_PATTERN = rf"^({_NAME_PART})?$"
+_LABEL_KEY_MESSAGE = (
+    "keys must be qualified names (an optional DNS prefix and '/', then at most 63 "
+    "alphanumeric, '-', '_' or '.' characters, alphanumeric at both ends)"
+)
+_LABEL_VALUE_MESSAGE = (
+    "label values must be at most 63 alphanumeric, '-', '_' or '.' characters, "
+    "alphanumeric at both ends"
+)
+
+
+def _check_keys(value: dict[str, str], *, values_too: bool) -> dict[str, str]:
+    for key, item in value.items():
+        prefix = key.split("/")[0] if "/" in key else ""
+        if len(prefix) > MAX_NAME or not matches(LABEL_KEY_PATTERN, key):
+            raise ValueError(f"{key[:80]!r}: {_LABEL_KEY_MESSAGE}")
+        if values_too and not matches(LABEL_VALUE_PATTERN, item):
+            raise ValueError(f"{key[:80]}={item[:80]!r}: {_LABEL_VALUE_MESSAGE}")
+    return value
+
+
+def _key_rules(*, values_too: bool) -> dict[str, Any]:
+    key_rule = f"self.all(k, k.matches(r'{LABEL_KEY_PATTERN}') && k.indexOf('/') <= {MAX_NAME})"
+    rules = [cel(key_rule, _LABEL_KEY_MESSAGE)]
+    if values_too:
+        rules.append(
+            cel(f"self.all(k, self[k].matches(r'{LABEL_VALUE_PATTERN}'))", _LABEL_VALUE_MESSAGE)
+        )
+    return {"maxProperties": 64, **validations(*rules)}
+
+
+LabelMap = Annotated[
+    dict[str, Annotated[str, Field(max_length=MAX_LABEL_VALUE)]],
+    AfterValidator(lambda v: _check_keys(v, values_too=True)),
+    Field(json_schema_extra=_key_rules(values_too=True)),
+]
+AnnotationMap = Annotated[
+    dict[str, Annotated[str, Field(max_length=MAX_SHORT_TEXT)]],
+    AfterValidator(lambda v: _check_keys(v, values_too=False)),
+    Field(json_schema_extra=_key_rules(values_too=False)),
+]
+
+# Durations the core's datetime arithmetic survives (a timedelta tops out near 2.7
+# million years; 70,000,000 h admitted before raised OverflowError in every reconcile).
+MAX_PAUSE = "8760h"  # a year
+MIN_INTERVAL, MAX_INTERVAL = "1s", "24h"
+
+
+def _duration_within(low: str | None, high: str) -> AfterValidator:
+    def check(value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            amount = parse_duration(value)
+        except OverflowError:
+            amount = None
+        if (
+            amount is None
+            or amount > parse_duration(high)
+            or (low is not None and amount < parse_duration(low))
+        ):
+            raise ValueError(f"{value[:64]!r} must be between {low or '0s'} and {high}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _duration_rule(low: str | None, high: str) -> dict[str, Any]:
+    rule = f"duration(self) <= duration('{high}')"
+    if low is not None:
+        rule = f"duration(self) >= duration('{low}') && {rule}"
+    return validations(cel(rule, f"must be a duration between {low or '0s'} and {high}"))
 
 
 def _exactly_one(model: ApiModel, fields: tuple[str, ...], message: str) -> None:
@@ -92,7 +210,7 @@ def _exactly_one(model: ApiModel, fields: tuple[str, ...], message: str) -> None
 class LabelSelector(ApiModel):
     """Selects the inference pods this rollout owns (a subset of a Kubernetes LabelSelector)."""
 
-    match_labels: StringMap = Field(
+    match_labels: LabelMap = Field(
         description="Labels every pod of this rollout carries. Must match "
         "spec.template.metadata.labels.",
         min_length=1,
@@ -102,8 +220,8 @@ class LabelSelector(ApiModel):
 class PodTemplateMetadata(ApiModel):
     """Labels and annotations for the inference pods."""
 
-    labels: StringMap = Field(default_factory=dict, description="Labels of each pod.")
-    annotations: StringMap = Field(default_factory=dict, description="Annotations of each pod.")
+    labels: LabelMap = Field(default_factory=dict, description="Labels of each pod.")
+    annotations: AnnotationMap = Field(default_factory=dict, description="Annotations of each pod.")
 
 
 class PodTemplate(ApiModel):
@@ -214,7 +332,7 @@ class PrefetchSpec(ApiModel):
     """How node agents stage the weights onto nodes before any pod needs them."""
 
     enabled: bool = Field(True, description="Stage weights onto nodes before scaling the canary.")
-    node_selector: StringMap = Field(
+    node_selector: LabelMap = Field(
         default_factory=dict,
         description="Nodes to stage onto. Empty means the nodes the pod template selects.",
     )
@@ -301,18 +419,18 @@ class GoldenPromptExpectation(ApiModel):
     contains: str | None = Field(
         None, description="The completion contains this text.", max_length=4096
     )
-    regex: str | None = Field(
-        None, description="The completion matches this RE2 regular expression.", max_length=4096
+    regex: Annotated[str | None, AfterValidator(lambda v: v if v is None else check_re2(v))] = (
+        Field(
+            None,
+            description="The completion matches this RE2 regular expression.",
+            max_length=4096,
+            json_schema_extra=validations(cel(RE2_VALID_RULE, "must be a valid RE2 expression")),
+        )
     )
 
     @model_validator(mode="after")
     def _exactly_one_expectation(self) -> GoldenPromptExpectation:
         _exactly_one(self, EXPECT_FIELDS, _EXPECT_MESSAGE)
-        if self.regex is not None:
-            try:
-                re.compile(self.regex)
-            except re.error as exc:
-                raise ValueError(f"expect.regex is not a valid regular expression: {exc}") from None
         return self
 
 
@@ -458,11 +576,13 @@ class PauseStep(ApiModel):
     """Wait. With a duration the rollout resumes by itself; without one it waits for
     `weightship promote`."""
 
-    duration: str | None = Field(
+    duration: Annotated[str | None, _duration_within(None, MAX_PAUSE)] = Field(
         None,
-        description="Go-style duration such as 30s, 5m or 1h30m. Empty waits for promote.",
+        description="Go-style duration such as 30s, 5m or 1h30m, at most "
+        f"{MAX_PAUSE}. Empty waits for promote.",
         max_length=64,
         pattern=DURATION_PATTERN,
+        json_schema_extra=_duration_rule(None, MAX_PAUSE),
     )
 
 
@@ -518,6 +638,21 @@ class PrometheusProvider(ApiModel):
 
 
 _BOUNDS_MESSAGE = "metric must set min, max or both"
+# Every {{ of a query opens a known variable: one regex over the query (a findAll over
+# its placeholders costs the API server's CEL budget 100 times over). Stricter than
+# core.promql, never looser: a {{ that is no variable is refused too. The space class is
+# Python's str \s (core.promql's placeholder), spelled out: RE2's \s is ASCII only.
+_SPACE = (
+    r"[\t\n\x{0b}\f\r \x{1c}-\x{1f}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}"
+    r"\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]*"
+)
+QUERY_PATTERN = (
+    r"^([^{]|\{[^{]|\{\{" + _SPACE + "(" + "|".join(QUERY_VARIABLES) + ")" + _SPACE + r"\}\})*\{?$"
+)
+_QUERY_VARIABLES_RULE = f"self.matches(r'{QUERY_PATTERN}')"
+_QUERY_VARIABLES_MESSAGE = "every {{ }} of the query must name a variable: " + ", ".join(
+    QUERY_VARIABLES
+)
 _ORDER_MESSAGE = "metric min must not exceed max"
 
 
@@ -538,11 +673,16 @@ class Metric(ApiModel):
         "{{ interval }}.",
         min_length=1,
         max_length=8192,
+        json_schema_extra=validations(cel(_QUERY_VARIABLES_RULE, _QUERY_VARIABLES_MESSAGE)),
     )
     min: float | None = Field(None, description="Lowest passing value (inclusive).")
     max: float | None = Field(None, description="Highest passing value (inclusive).")
-    interval: str = Field(
-        "30s", description="Time between measurements.", max_length=64, pattern=DURATION_PATTERN
+    interval: Annotated[str, _duration_within(MIN_INTERVAL, MAX_INTERVAL)] = Field(
+        "30s",
+        description=f"Time between measurements ({MIN_INTERVAL} to {MAX_INTERVAL}).",
+        max_length=64,
+        pattern=DURATION_PATTERN,
+        json_schema_extra=_duration_rule(MIN_INTERVAL, MAX_INTERVAL),
     )
     count: int = Field(
         1, description="Measurements to take before the metric passes.", ge=1, le=1000
