@@ -262,6 +262,15 @@ INVALID_MANIFESTS: list[tuple[str, Manifest, str]] = [
     ),
 ]
 
+
+def _set_both_labels(labels: dict[str, str]) -> Callable[[Manifest], None]:
+    def change(spec: Manifest) -> None:
+        _set("selector.matchLabels", labels)(spec)
+        _set("template.metadata.labels", labels)(spec)
+
+    return change
+
+
 # Manifests the API server once admitted and the controller then refused or crashed on
 # (issue 12): both sides must refuse them now.
 INVALID_MANIFESTS += [
@@ -297,12 +306,7 @@ INVALID_MANIFESTS += [
     ),
     (
         "selector label key that is no qualified name",
-        _mutated(
-            lambda m: (
-                _set("selector.matchLabels", {"a b!": "llm"})(m),
-                _set("template.metadata.labels", {"a b!": "llm"})(m),
-            )
-        ),
+        _mutated(_set_both_labels({"a b!": "llm"})),
         "spec.selector.matchLabels",
     ),
     (
