@@ -21,7 +21,7 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from weightship.core.verification import LoadReport, termination_message
+from weightship.core.loadreport import LoadReport, termination_message
 from weightship.seeding.endpoints import serve
 from weightship.seeding.root import SeedRoot
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightship.core.verification import LoadReport
+from weightship.core.loadreport import LoadReport
 
 REPORT_GLOB = "rank-*.json"
 MAX_REPORT_BYTES = 64 * 1024

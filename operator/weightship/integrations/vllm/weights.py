@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from weightship.core.verification import LoadSource
+from weightship.core.loadreport import LoadSource
 from weightship.data.manifest import Manifest, ManifestError
 from weightship.loader.checksum import checksum_tensor
 from weightship.loader.load import (

@@ -34,7 +34,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from weightship.core.verification import LoadReport
+from weightship.core.loadreport import LoadReport
 from weightship.data.manifest import Manifest
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
