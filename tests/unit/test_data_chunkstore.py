@@ -140,7 +140,9 @@ def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> No
         assert staging.journaled() == {0}
 
 
-@pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63])
+@pytest.mark.parametrize(
+    "bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63, "0" * 64 + "\n", "0" * 65]
+)
 def test_chunk_lookups_accept_only_hex_digests(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="not a sha256 digest"):
         ChunkStore(tmp_path).has_chunk(bad)

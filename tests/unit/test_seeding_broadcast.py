@@ -337,3 +337,27 @@ def test_a_receiver_that_never_shows_up_fails_only_that_broadcast(
     finally:
         server.shutdown()
         seed_root.close()
+
+
+def _post_join(url: str, body: bytes, length: str | None = None) -> int:
+    import socket
+    from urllib.parse import urlsplit
+
+    from weightship.seeding.protocol import JOIN_PATH
+
+    where = urlsplit(url)
+    head = f"POST {JOIN_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {length or len(body)}\r\n\r\n"
+    with socket.create_connection((where.hostname, where.port), timeout=10) as s:
+        s.sendall(head.encode() + body)
+        return int(s.recv(4096).split()[1])
+
+
+def test_joins_with_a_bad_group_or_body_are_refused(root: tuple[SeedRoot, str]) -> None:
+    import json
+
+    _, url = root
+    join = {"group": "g\n", "worldSize": 2, "member": "m"}  # a trailing newline: no group id
+    assert _post_join(url, json.dumps(join).encode()) == 400
+    assert _post_join(url, b"", length="-5") == 400
+    assert _post_join(url, b"", length="1e9") == 400
+    assert _post_join(url, b"", length=str(10**9)) == 413

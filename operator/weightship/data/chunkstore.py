@@ -79,7 +79,7 @@ def verify_chunk(data: Buffer, sha256: str) -> bool:
 def digest_hex(digest: str) -> str:
     """'sha256:<hex>' or '<hex>' -> '<hex>', rejecting anything else."""
     hex_part = digest.removeprefix("sha256:")
-    if not SHA256_HEX.match(hex_part):
+    if not SHA256_HEX.fullmatch(hex_part):
         raise ValueError(f"not a sha256 digest: {digest!r}")
     return hex_part
 

@@ -146,7 +146,7 @@ class SeedRoot:
         ``world_size`` counts the root: 3 means the root and two receivers. An answer with
         ``accepted`` false means "load from your node cache".
         """
-        if not GROUP_ID.match(group_id):
+        if not GROUP_ID.fullmatch(group_id):
             return refusal("BadRequest", f"invalid group id {group_id!r}")
         if world_size < 2 or not member:
             return refusal("BadRequest", "worldSize must be at least 2 and member non-empty")
