@@ -40,7 +40,8 @@ def apply_replica_sets(kube: Kube, rollout: ModelRollout, decision: Decision) ->
     namespace = rollout.metadata.namespace or "default"
     for revision in decision.not_rebuilt:
         log.warning(
-            "cannot rebuild ReplicaSet %s: only the spec's current revision has a template",
+            "cannot rebuild ReplicaSet %s/%s: only the spec's current revision has a template",
+            namespace,
             replicaset_name(rollout.metadata.name, revision),
         )
     for action in decision.scales:
