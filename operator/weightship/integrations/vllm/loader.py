@@ -78,7 +78,7 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
             message=f"{got.manifest.total_size} bytes verified, from {_from(got)}",
         )
         write_rank_report(settings.run_dir, RankReport(rank, world, report))
-        log.info("rank %d/%d: %s", rank, world, report.message)
+        log.info("rank %d/%d: %s in %.2f s", rank, world, report.message, got.seconds)
         if rank == 0 and world == 1:
             self._become_root(settings, got)
 
