@@ -163,13 +163,18 @@ class CacheLoad:
     def _run(self) -> None:
         rng = random.Random(7)
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        in_flight = threading.Semaphore(8)  # a slow API server slows the load, not the bench
+        with ThreadPoolExecutor(max_workers=8) as pool:
             while not self.stop.is_set():
                 due = started + self.writes / self.rate
                 if (wait := due - time.monotonic()) > 0:
                     self.stop.wait(wait)
+                if not in_flight.acquire(timeout=1.0):
+                    continue
                 node = rng.choice(self.nodes)
-                pool.submit(self._write, node, rng.randrange(100))
+                pool.submit(self._write, node, rng.randrange(100)).add_done_callback(
+                    lambda _f: in_flight.release()
+                )
                 self.writes += 1
 
     def _write(self, node: str, done: int) -> None:

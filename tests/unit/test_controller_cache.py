@@ -11,9 +11,11 @@ from weightship.controller.cache import (
     ClusterView,
     WriteOverlay,
     index_cache_entries,
+    index_node_labels,
     index_pod,
     index_replicaset,
 )
+from weightship.controller.informer import Informer
 from weightship.controller.snapshot import prefetch_observation, replica_set_observations
 
 OWNER = ("ns", "llm")
@@ -95,6 +97,10 @@ def test_trimmed_pods_and_replica_sets_project_like_the_full_objects() -> None:
     assert index_pod(pod)["status"]["containerStatuses"] == [{"name": "server", "restartCount": 2}]
 
 
+def list_nothing(**_: Any) -> Any:
+    raise AssertionError("the informer's thread is not started here")
+
+
 def weight_cache(node: str, *entries: dict[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"name": node},
@@ -109,26 +115,33 @@ def test_the_view_reads_a_selector_and_a_digest_on_the_event_loop() -> None:
         weight_cache("n2", {"digest": "sha256:a", "state": "Staging", "bytesDone": 4}),
         weight_cache("n3", {"digest": "sha256:b", "state": "Staged"}),
     ]
-    by_digest: dict[str, list[dict[str, Any]]] = {}
-    for c in caches:
-        for digest, entry in index_cache_entries(c).items():
-            by_digest.setdefault(digest, []).append(entry)
+    nodes = Informer("nodes", list_nothing, index_node_labels)
+    cache_informer = Informer("weightcaches", list_nothing, index_cache_entries)
     indexes: dict[str, dict[Any, list[Any]]] = {
         "rollouts": {OWNER: [{"metadata": {"name": "llm", "namespace": "ns"}}]},
         "rollout_replicasets": {OWNER: [rs("llm-aaa", "1")]},
         "rollout_pods": {},
-        "node_labels": {
-            "n1": [{"gpu": "h100", "pool": "a"}],
-            "n2": [{"gpu": "h100", "pool": "b"}],
-            "n3": [{"gpu": "a100"}],
-        },
-        "cache_entries": by_digest,
     }
+    view = ClusterView(indexes, nodes, cache_informer)
+    assert not view.staging({"gpu": "h100"}, "sha256:a").synced  # nothing listed yet
+    nodes.replace_all(
+        [
+            {"metadata": {"name": "n1", "labels": {"gpu": "h100", "pool": "a"}}},
+            {"metadata": {"name": "n2", "labels": {"gpu": "h100", "pool": "b"}}},
+            {"metadata": {"name": "n3", "labels": {"gpu": "a100"}}},
+        ]
+    )
+    cache_informer.replace_all(caches)
+    nodes.synced.set()
+    cache_informer.synced.set()
+    # A watch event moves an entry, a deleted cache takes its entries with it.
+    cache_informer.put(weight_cache("n3", {"digest": "sha256:b", "state": "Staging"}))
+    cache_informer.delete(weight_cache("n4"))
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
     loop_thread.start()
     try:
-        view = ClusterView(indexes, loop)
+        view.loop = loop
         staging = view.staging({"gpu": "h100"}, "sha256:a")
         objects = view.rollout_objects("ns", "llm")
         gone = view.rollout_objects("ns", "other")
@@ -143,3 +156,4 @@ def test_the_view_reads_a_selector_and_a_digest_on_the_event_loop() -> None:
     assert objects is not None and len(objects.replica_sets) == 1 and objects.pods == []
     assert gone is None
     assert view.node_has_label("n1", "gpu", "h100") and not view.node_has_label("n3", "gpu", "x")
+    assert [e["state"] for e in cache_informer.values("sha256:b")] == ["Staging"]

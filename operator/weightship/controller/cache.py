@@ -1,12 +1,15 @@
 """Watch-fed reads for the reconcile workers: no LIST and no GET in a steady state.
 
 kopf keeps in-memory indexes (`@kopf.index` in handlers.py) filled from its watches: the
-ModelRollouts by namespace/name, their ReplicaSets and pods by rollout, node labels by node,
-and WeightCache entries by manifest digest. The functions `index_*` below make the values
-those indexes hold (trimmed to what the reconcile reads, so 5,000 nodes cost a few MB).
+ModelRollouts by namespace/name, their ReplicaSets and pods by rollout. The kinds a fleet
+has thousands of, node labels by node and WeightCache entries by manifest digest, come
+from two `informer.Informer`s (why not kopf there: informer.py). The functions `index_*`
+below make the values they hold (trimmed to what the reconcile reads, so 5,000 nodes
+cost a few MB).
 
 Workers run in threads; kopf mutates its indexes on the event loop. `ClusterView` reads
-them on the loop (one short callback per read), so a read is an atomic snapshot.
+them on the loop (one short callback per read), so a read is an atomic snapshot; the
+informers have their own lock.
 
 A watch delivers the operator's own writes a little later than the write returns. The
 `WriteOverlay` bridges that: each write's answer is kept and used instead of the cached
@@ -23,11 +26,12 @@ import concurrent.futures
 import copy
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from weightship.controller.builders import ROLLOUT_LABEL
+from weightship.controller.informer import Informer
 
 T = TypeVar("T")
 RolloutKey = tuple[str, str]  # (namespace, name)
@@ -88,10 +92,15 @@ def index_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def index_cache_entries(body: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def index_node_labels(body: Mapping[str, Any]) -> dict[Hashable, Any]:
+    meta = body.get("metadata") or {}
+    return {meta["name"]: dict(meta.get("labels") or {})}
+
+
+def index_cache_entries(body: Mapping[str, Any]) -> dict[Hashable, Any]:
     """One WeightCache's manifest entries by digest, each with its node."""
     node = (body.get("spec") or {}).get("nodeName") or (body.get("metadata") or {})["name"]
-    out = {}
+    out: dict[Hashable, Any] = {}
     for entry in (body.get("status") or {}).get("manifests") or []:
         digest = entry.get("digest")
         if digest:
@@ -198,27 +207,34 @@ class RolloutObjects:
 
 @dataclass(frozen=True)
 class Staging:
-    """Prefetch inputs: the nodes a rollout targets and their WeightCache entries."""
+    """Prefetch inputs: the nodes a rollout targets and their WeightCache entries. Empty
+    and not `synced` until both informers have their first listing."""
 
     target_nodes: list[str]
     caches: list[dict[str, Any]]
     node_labels: dict[str, dict[str, str]]
+    synced: bool = True
 
 
 Index = Mapping[Any, Iterable[Any]]
 
 
 class ClusterView:
-    """Reads of kopf's indexes for worker threads. `indexes` maps index names (handler ids
-    in handlers.py) to kopf.Index objects (or plain mappings of lists, in tests)."""
+    """Reads for worker threads: of kopf's indexes (`indexes` maps index names, the handler
+    ids in handlers.py, to kopf.Index objects, or plain mappings of lists in tests) and of
+    the node and WeightCache informers."""
 
     def __init__(
         self,
         indexes: Mapping[str, Index],
+        nodes: Informer,
+        caches: Informer,
         loop: asyncio.AbstractEventLoop | None = None,
         overlay: WriteOverlay | None = None,
     ) -> None:
         self.indexes = indexes
+        self.nodes = nodes
+        self.caches = caches
         self.loop = loop
         self.overlay = overlay or WriteOverlay()
         self._labels_lock = threading.Lock()
@@ -265,19 +281,18 @@ class ClusterView:
         )
 
     def staging(self, selector: Mapping[str, str], digest: str) -> Staging:
-        def read() -> Staging:
-            labels = {}
-            for name, store in self.indexes["node_labels"].items():
-                node_labels = next(iter(store), None)
-                if node_labels is not None and selects(selector, node_labels):
-                    labels[str(name)] = dict(node_labels)
-            return Staging(
-                target_nodes=sorted(labels),
-                caches=caches_for(self._values("cache_entries", digest)),
-                node_labels=labels,
-            )
-
-        staging = self._on_loop(read)
+        if not (self.nodes.synced.is_set() and self.caches.synced.is_set()):
+            return Staging([], [], {}, synced=False)
+        labels = {
+            str(name): dict(values[0])
+            for name, values in self.nodes.items()
+            if values and selects(selector, values[0])
+        }
+        staging = Staging(
+            target_nodes=sorted(labels),
+            caches=caches_for(self.caches.values(digest)),
+            node_labels=labels,
+        )
         with self._labels_lock:
             self._labels.update(staging.node_labels)
         return staging

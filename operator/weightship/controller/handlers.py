@@ -1,6 +1,7 @@
 """kopf handlers: thin shells around the work queue, the watch caches and `Reconciler`.
 
-- `@kopf.index` handlers keep what reconciles read, fed by kopf's watches (cache.py).
+- `@kopf.index` handlers keep what reconciles read, fed by kopf's watches (cache.py);
+  nodes and WeightCaches, thousands in a fleet, are kept by two informers (informer.py).
 - `@kopf.on.event` handlers only enqueue the rollout an event concerns. They are async and
   never block: the event loop is what dispatches every rollout.
 - A fixed pool of worker threads (`WEIGHTSHIP_RECONCILE_WORKERS`, default 8) takes rollouts
@@ -15,16 +16,19 @@ restarted operator reconciles every rollout again, from complete caches.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from kubernetes import client
 from prometheus_client import start_http_server
 
 from weightship.controller import cache, metrics
 from weightship.controller.builders import GROUP, ROLLOUT_LABEL
+from weightship.controller.informer import Informer
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
 from weightship.controller.verifier import Verifier
@@ -34,7 +38,7 @@ from weightship.notify.slack import SlackSender
 log = logging.getLogger(__name__)
 
 FINALIZER = f"{GROUP}/finalizer"
-INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods", "node_labels", "cache_entries")
+INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods")
 # A WeightCache changes up to once per node per 10 s while it stages: a rollout that
 # waits for staging reconciles at most once a second for all of its nodes together.
 STAGING_WAKE_DELAY_S = 1.0
@@ -65,7 +69,20 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     api = await asyncio.to_thread(load_client)
     kube = Kube(api)
     queue: WorkQueue[cache.RolloutKey] = WorkQueue()
-    view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    by_digest: kopf.Index[Any, Any] = kwargs["rollouts_by_digest"]
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    nodes = Informer("nodes", core.list_node, cache.index_node_labels)
+    caches = Informer(
+        "weightcaches",
+        functools.partial(custom.list_cluster_custom_object, GROUP, VERSION, "weightcaches"),
+        cache.index_cache_entries,
+        # Called on the informer's thread: the kopf index is read on the loop.
+        on_event=lambda body: loop.call_soon_threadsafe(
+            _enqueue_for_cache, queue, by_digest, body.get("status") or {}
+        ),
+    )
+    view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, nodes, caches, loop)
     reconciler = Reconciler(
         kube,
         view,
@@ -85,6 +102,9 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         requeue_now=(Conflict,),
     )
     memo.queue, memo.workers, memo.reconciler = queue, workers, reconciler
+    memo.informers = (nodes, caches)
+    nodes.start()
+    caches.start()
     metrics.QUEUE_DEPTH.set_function(lambda: len(queue))
     metrics.QUEUE_WAITING.set_function(queue.waiting)
     workers.start()
@@ -99,6 +119,8 @@ async def stop_workers(memo: Any, **_: Any) -> None:
     if workers is not None:
         await asyncio.to_thread(workers.stop)
         memo.reconciler.close()
+    for informer in getattr(memo, "informers", ()):
+        await asyncio.to_thread(informer.stop)
 
 
 def _enqueue(memo: Any, namespace: str | None, name: str | None) -> None:
@@ -150,16 +172,6 @@ async def rollout_pods(
     return {(namespace, labels[ROLLOUT_LABEL]): cache.index_pod(body)}
 
 
-@kopf.index("", "v1", "nodes", id="node_labels")
-async def node_labels(name: str | None, labels: Mapping[str, str], **_: Any) -> dict[Any, Any]:
-    return {name: dict(labels)}
-
-
-@kopf.index(GROUP, VERSION, "weightcaches", id="cache_entries")
-async def cache_entries(body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return cache.index_cache_entries(body)
-
-
 # ---- events only enqueue --------------------------------------------------------------
 @kopf.on.event(GROUP, VERSION, "modelrollouts", id="enqueue-rollout")
 async def enqueue_rollout(name: str | None, namespace: str | None, memo: Any, **_: Any) -> None:
@@ -182,14 +194,13 @@ async def enqueue_pod(
     _enqueue(memo, namespace, labels.get(ROLLOUT_LABEL))
 
 
-@kopf.on.event(GROUP, VERSION, "weightcaches", id="enqueue-weightcache")
-async def enqueue_weightcache(status: kopf.Status, memo: Any, **kwargs: Any) -> None:
-    rollouts_by_digest: kopf.Index[Any, Any] = kwargs["rollouts_by_digest"]
-    queue: WorkQueue[cache.RolloutKey] | None = getattr(memo, "queue", None)
-    if queue is None:
-        return
+def _enqueue_for_cache(
+    queue: WorkQueue[cache.RolloutKey], by_digest: kopf.Index[Any, Any], status: Mapping[str, Any]
+) -> None:
+    """A WeightCache changed (on the loop): wake the rollouts that pin or prefetch its
+    digests, in a second (one reconcile per second for any number of nodes' progress)."""
     for manifest in status.get("manifests") or []:
-        wanted = set(rollouts_by_digest.get(manifest.get("digest"), ()))
+        wanted = set(by_digest.get(manifest.get("digest"), ()))
         for pin in manifest.get("pinnedBy") or []:
             namespace, _sep, name = str(pin).partition("/")
             if namespace and name:

@@ -86,6 +86,8 @@ class Kube:
         except ApiException as e:
             if e.status == 409:
                 raise Conflict(f"{namespace}/{name} changed; re-reading") from e
+            if e.status == 404:
+                return  # deleted meanwhile: its delete event ends its reconciles
             raise
         self._wrote("ModelRollout", dict(answer))
 

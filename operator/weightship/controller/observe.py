@@ -242,7 +242,7 @@ class Templates:
 @dataclass(frozen=True)
 class Observation:
     observed: Observed
-    waiting: bool  # a lookup (measurement) is still running: its completion requeues
+    waiting: bool  # a measurement still runs, or the node caches are still listing
 
 
 def observe(
@@ -262,11 +262,14 @@ def observe(
         return None
     replica_sets = replica_set_observations(objects.replica_sets, objects.pods)
     prefetch = None
+    staging_synced = True
     if rollout.spec.prefetch.enabled and manifest.digest:
         staging = view.staging(rollout.spec.prefetch.node_selector, manifest.digest)
-        prefetch = prefetch_observation(
-            manifest.digest, staging.target_nodes, staging.caches, staging.node_labels
-        )
+        staging_synced = staging.synced
+        if staging.synced:  # else: no observation yet (the prefetch gate waits)
+            prefetch = prefetch_observation(
+                manifest.digest, staging.target_nodes, staging.caches, staging.node_labels
+            )
     measured, waiting = measurements.take(key, due_queries(rollout, now))
     template = None
     if rollout.spec.workload_ref is not None:
@@ -280,5 +283,5 @@ def observe(
             measurements=tuple(measured),
             workload_template=template,
         ),
-        waiting,
+        waiting or not staging_synced,
     )
