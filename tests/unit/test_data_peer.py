@@ -261,25 +261,27 @@ def test_claims_only_from_known_peers_at_their_own_address_for_wanted_chunks(
     server: PeerServer, store: ChunkStore
 ) -> None:
     wanted, other = "1" * 64, "3" * 64
-    # No stage in progress: nothing is claimable, and nothing is kept.
-    assert claim_from(server.address, wanted, "node-b") == 403
+    # No stage in progress: this node fetches nothing, so any claim is granted, unkept.
+    assert claim_from(server.address, wanted, "node-b") == 200
+    assert store.claims.entries() == 0
     store.claims.open([wanted], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
     assert claim_from(server.address, wanted, "stranger") == 403  # not a peer of the stage
     assert claim_from(server.address, wanted, "node-c") == 403  # node-c is at 127.0.0.2
-    assert claim_from(server.address, other, "node-b") == 403  # not a chunk it stages
+    assert claim_from(server.address, other, "node-b") == 200  # not a chunk it stages
     assert store.claims.claimant(wanted) is None and store.claims.claimant(other) is None
+    assert store.claims.start(other) is None  # an unkept grant binds nothing
     assert claim_from(server.address, wanted, "node-c", source="127.0.0.2") == 200
     assert store.claims.claimant(wanted) == "node-c"
-    store.claims.forget([wanted])
+    assert claim_from(server.address, wanted, "node-b") == 409  # taken by node-c
+    store.claims.forget([wanted, other])
     assert store.claims.entries() == 0
-    assert claim_from(server.address, wanted, "node-c", source="127.0.0.2") == 403
 
 
 def test_random_digests_never_grow_the_claim_table(server: PeerServer, store: ChunkStore) -> None:
     store.claims.open(["1" * 64], PEERS)
     before = store.claims.entries()
     for i in range(200):
-        assert claim_from(server.address, f"{i:064x}", "node-b") == 403
+        assert claim_from(server.address, f"{i + 2:064x}", "stranger") == 200  # unkept
     assert store.claims.entries() == before
 
 

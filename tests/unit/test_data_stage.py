@@ -493,6 +493,7 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
         fetcher.origin_idle.set()  # its own origin queue is done
         # The owner stages the model with the claimant among its peers (stage() does this).
         owner_store.claims.open([chunk.sha256], [("claimant", claimant_server.address)])
+        claimant_store.claims.open([chunk.sha256], [("third", "127.0.0.1:1")])
         assert fetcher.owner_of(chunk.sha256) == owner
         assert fetcher.fetch(chunk) == "origin"  # the owner never got it: claimed, fetched
         assert owner_store.claims.start(chunk.sha256) == "claimant"

@@ -40,10 +40,11 @@ class ClaimBoard:
     """This node's chunks that it started fetching from the origin, and the ones it gave
     away to a claimant. Thread-safe; the check and the mark are one atomic step.
 
-    Claims are taken only while this node stages the chunk's model (``open``), only for
-    that model's chunks, and only from the peers the stage was given, each from its own
-    peer address: so the table is bounded by the chunks being staged, and a stranger
-    cannot make an owner skip the origin."""
+    Claims on the chunks of a model this node is staging (``open``) are taken only from
+    the peers that stage was given, each asking from its own peer address, so a stranger
+    cannot make an owner skip the origin. A claim on any other chunk is granted without
+    being kept (this node is not fetching it, so nothing needs remembering): the table
+    stays bounded by the chunks being staged, whatever digests are sent."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
@@ -69,11 +70,17 @@ class ClaimBoard:
                 self._started.add(sha256)
             return claimant
 
-    def may_claim(self, sha256: str, node: str, source: str) -> bool:
-        """Whether ``node``, asking from IP ``source``, may claim ``sha256`` at all."""
+    def wants(self, sha256: str) -> bool:
+        """Whether ``sha256`` is a chunk of a model this node is staging."""
+        with self._lock:
+            return sha256 in self._wanted
+
+    def is_peer(self, node: str, source: str) -> bool:
+        """Whether ``node`` is a peer of a stage in progress asking from IP ``source``,
+        its peer endpoint's address."""
         with self._lock:
             host = self._peers.get(node)
-            return sha256 in self._wanted and host is not None and host == peer_host(f"{source}:0")
+            return host is not None and host == peer_host(f"{source}:0")
 
     def grant(self, sha256: str, node: str) -> str | None:
         """``node`` asks to fetch ``sha256`` from the origin itself. Returns who fetches it:

@@ -106,9 +106,10 @@ class _ChunkHandler(BoundedHandler):
     def do_POST(self) -> None:
         """``POST /claims/sha256/<hex>``: a peer asks to fetch one of this node's chunks
         from the origin itself (claims.py). 200 granted; 409 refused: this node has it or
-        started it, or it went to the node named in X-Weightship-Claimant; 403: the
-        claimant is not a peer of the stage in progress, asks from another address than
-        its peer endpoint's, or the chunk is not one this node is staging."""
+        started it, or it went to the node named in X-Weightship-Claimant; 403: a claim on
+        a chunk this node is staging from a node that is not a peer of that stage, or
+        from another address than its peer endpoint's. A claim on a chunk this node is
+        not staging is granted, and nothing is kept."""
         if self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body we will not read: never reuse the stream
         m = CLAIM_PATH.fullmatch(self.path)
@@ -116,13 +117,18 @@ class _ChunkHandler(BoundedHandler):
         if not m or not NODE_NAME.fullmatch(node):
             self._reply(400, b"expected /claims/sha256/<64 lowercase hex> and a node name\n")
             return
-        sha, board = m.group(1), self.server.store.claims
-        if not board.may_claim(sha, node, self.client_address[0]):
-            # Not a chunk this node is staging, or not one of its peers asking from its
-            # own address: no grant, and nothing kept.
-            self._reply(403, b"not a claim this node takes\n")
+        sha, board, store = m.group(1), self.server.store.claims, self.server.store
+        if store.has_chunk(sha):
+            self._reply(409, b"refused\n")  # take it from here
             return
-        holder = None if self.server.store.has_chunk(sha) else board.grant(sha, node)
+        if not board.wants(sha):
+            # Not a chunk this node will fetch: the claimant may, and nothing is kept.
+            self._reply(200, b"granted\n", {CLAIMANT_HEADER: node})
+            return
+        if not board.is_peer(node, self.client_address[0]):
+            self._reply(403, b"not a peer of this stage, or not from its peer address\n")
+            return
+        holder = board.grant(sha, node)
         headers = {CLAIMANT_HEADER: holder} if holder else None
         if holder == node:
             self._reply(200, b"granted\n", headers)
