@@ -95,7 +95,7 @@ def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
     # The old revision's pod goes, then the scale-up: its new replica takes the weights by
     # broadcast from the verified vLLM replica.
     testkit.wait_until(
-        lambda: len(cluster.core.list_namespaced_pod(ns).items) == 1,
+        lambda: len(cluster.core.list_namespaced_pod(ns, label_selector="app=llm").items) == 1,
         timeout=120,
         what="v1's pod gone",
     )
