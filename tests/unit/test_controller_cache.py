@@ -6,7 +6,7 @@ import asyncio
 import threading
 from typing import Any
 
-from weightship.controller.builders import ROLLOUT_LABEL
+from weightship.controller.builders import CACHE_VOLUME, ROLLOUT_LABEL
 from weightship.controller.cache import (
     ClusterView,
     WriteOverlay,
@@ -17,6 +17,7 @@ from weightship.controller.cache import (
 )
 from weightship.controller.informer import Informer
 from weightship.controller.snapshot import prefetch_observation, replica_set_observations
+from weightship.controller.verifier import staged_evidence, termination_messages
 
 OWNER = ("ns", "llm")
 
@@ -94,7 +95,50 @@ def test_trimmed_pods_and_replica_sets_project_like_the_full_objects() -> None:
     trimmed = replica_set_observations([index_replicaset(replica_set)], [index_pod(pod)])
     assert full == trimmed and trimmed[0].verified == 1 and trimmed[0].loads[0].seconds == 1.5
     assert "managedFields" not in index_pod(pod)["metadata"]
-    assert index_pod(pod)["status"]["containerStatuses"] == [{"name": "server", "restartCount": 2}]
+    assert index_pod(pod)["status"]["containerStatuses"] == [
+        {"name": "server", "restartCount": 2, "state": {}, "lastState": {}}
+    ]
+
+
+def test_trimmed_pods_keep_what_the_verifier_reads() -> None:
+    """checksumMode staged reads the containers' args and cache mount; a refused load is
+    read from the termination message (both from the trimmed pod the cache holds)."""
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+        "spec": {
+            "nodeName": "n1",
+            "containers": [
+                {
+                    "name": "vllm",
+                    "image": "vllm/vllm-openai:v0.32.0",
+                    "args": ["$(WEIGHTSHIP_MODEL_DIR)"],
+                    "volumeMounts": [
+                        {
+                            "name": CACHE_VOLUME,
+                            "mountPath": "/var/cache/weightship",
+                            "readOnly": True,
+                        }
+                    ],
+                }
+            ],
+        },
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "vllm",
+                    "restartCount": 1,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "message": "refused " * 1000}},
+                }
+            ],
+        },
+    }
+    trimmed = index_pod(pod)
+    evidence = staged_evidence(trimmed, None)
+    assert evidence.serves_model_dir and evidence.cache_read_only and evidence.node == "n1"
+    (message,) = termination_messages(trimmed)
+    assert message.startswith("refused") and len(message) == 4096
 
 
 def list_nothing(**_: Any) -> Any:

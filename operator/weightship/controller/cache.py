@@ -78,18 +78,41 @@ def index_pod(body: Mapping[str, Any]) -> dict[str, Any]:
         ),
         "spec": {
             "nodeName": spec.get("nodeName"),
-            "containers": [{"name": c.get("name")} for c in spec.get("containers") or []],
+            # command/args and the node-cache mount: the verifier's checksumMode staged.
+            "containers": [
+                {
+                    "name": c.get("name"),
+                    "command": list(c.get("command") or []),
+                    "args": list(c.get("args") or []),
+                    "volumeMounts": [
+                        {"name": m.get("name"), "readOnly": bool(m.get("readOnly"))}
+                        for m in c.get("volumeMounts") or []
+                    ],
+                }
+                for c in spec.get("containers") or []
+            ],
         },
         "status": {
             "phase": status.get("phase"),
             "podIP": status.get("podIP"),
             "conditions": copy.deepcopy(status.get("conditions") or []),
             "containerStatuses": [
-                {"name": c.get("name"), "restartCount": c.get("restartCount", 0)}
+                {
+                    "name": c.get("name"),
+                    "restartCount": c.get("restartCount", 0),
+                    # A server that exited refusing its weights says why here (vLLM).
+                    "state": _terminated_message(c.get("state")),
+                    "lastState": _terminated_message(c.get("lastState")),
+                }
                 for c in status.get("containerStatuses") or []
             ],
         },
     }
+
+
+def _terminated_message(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    message = ((state or {}).get("terminated") or {}).get("message")
+    return {"terminated": {"message": str(message)[:4096]}} if message else {}
 
 
 def index_node_labels(body: Mapping[str, Any]) -> dict[Hashable, Any]:
