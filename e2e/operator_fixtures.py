@@ -113,7 +113,7 @@ def s3_secret(core: client.CoreV1Api, namespace: str) -> None:
     core.create_namespaced_secret(
         namespace,
         {
-            "metadata": {"name": "s3-credentials"},
+            "metadata": {"name": testkit.S3_SECRET_NAME},
             "stringData": {
                 "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
@@ -163,15 +163,7 @@ def rollout_body(
                     ],
                 },
             },
-            "model": {
-                "source": {
-                    "uri": uri,
-                    "endpoint": endpoint,
-                    "region": "us-east-1",
-                    "credentialsSecretRef": {"name": "s3-credentials"},
-                },
-                "revision": revision,
-            },
+            "model": testkit.local_model(uri, endpoint, revision),
             "prefetch": {"enabled": False},
             "validation": {"checksum": False},
             "strategy": {"canary": {"steps": steps, **canary}},

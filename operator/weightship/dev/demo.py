@@ -67,15 +67,7 @@ def rollout_spec(uri: str, revision: str, endpoint: str) -> dict[str, Any]:
         "replicas": 3,
         "selector": {"matchLabels": {"app": "llm"}},
         "template": tinyllm.pod_template("llm", node_selector=PROCESS),
-        "model": {
-            "source": {
-                "uri": uri,
-                "endpoint": endpoint,
-                "region": "us-east-1",
-                "credentialsSecretRef": {"name": "s3-credentials"},
-            },
-            "revision": revision,
-        },
+        "model": testkit.local_model(uri, endpoint, revision),
         # Node agents stage the weights on every process node before any canary pod runs.
         "prefetch": {
             "enabled": True,
@@ -174,7 +166,7 @@ class Demo:
         core.create_namespaced_secret(
             NAMESPACE,
             {
-                "metadata": {"name": "s3-credentials"},
+                "metadata": {"name": testkit.S3_SECRET_NAME},
                 "stringData": {
                     "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
                     "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,

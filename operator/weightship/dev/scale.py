@@ -14,6 +14,7 @@ from kubernetes import client
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
+from weightship.dev import testkit
 from weightship.dev.nodes import GPU_TAINT, NODE_KIND_LABEL
 
 STEPS = [{"setWeight": 50}, {"setWeight": 100}]
@@ -39,15 +40,7 @@ def kwok_rollout_body(
                     "containers": [{"name": "server", "image": "pause"}],
                 },
             },
-            "model": {
-                "source": {
-                    "uri": uri,
-                    "endpoint": endpoint,
-                    "region": "us-east-1",
-                    "credentialsSecretRef": {"name": "s3-credentials"},
-                },
-                "revision": revision,
-            },
+            "model": testkit.local_model(uri, endpoint, revision),
             "prefetch": {"enabled": False},
             "validation": {"checksum": False},
             "strategy": {"canary": {"steps": STEPS}},

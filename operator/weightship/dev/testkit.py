@@ -20,6 +20,23 @@ class WaitTimeout(AssertionError):
     pass
 
 
+# The Secret e2e tests and the demo put in each namespace (a name, not a password).
+S3_SECRET_NAME = "s3-credentials"  # noqa: S105
+
+
+def local_model(uri: str, endpoint: str, revision: str) -> dict[str, Any]:
+    """spec.model for weights on the local S3 server, read with that namespace's Secret."""
+    return {
+        "source": {
+            "uri": uri,
+            "endpoint": endpoint,
+            "region": "us-east-1",
+            "credentialsSecretRef": {"name": S3_SECRET_NAME},
+        },
+        "revision": revision,
+    }
+
+
 def wait_until(
     check: Callable[[], T | None],
     *,
