@@ -4,6 +4,7 @@ import random
 from datetime import UTC, datetime
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,6 +15,7 @@ from weightship.data.manifest import (
     Manifest,
     ManifestError,
     build_manifest,
+    build_manifest_with_pieces,
     validate_relative_path,
 )
 from weightship.loader.checksum import checksum_tensor
@@ -53,7 +55,9 @@ def test_build_lists_files_and_tiles_chunks(tmp_path: Path) -> None:
         (3, 3 * CHUNK, 123),
     ]
     data = files["model-00001.safetensors"]
-    assert big[3].sha256 == hashlib.sha256(data[3 * CHUNK :]).hexdigest()
+    assert m.version == 2 and big[3].algorithm == "blake3" and big[3].sha256 is None
+    assert big[3].hexdigest == blake3.blake3(data[3 * CHUNK :]).hexdigest()
+    assert big[3].key == "blake3:" + big[3].hexdigest
     assert m.chunks_of("empty.txt") == []
     assert m.total_size == sum(len(d) for d in files.values())
 
@@ -386,3 +390,139 @@ def test_paths_with_control_characters_or_too_long_are_refused(path: str, reason
     with pytest.raises(ManifestError):
         Manifest.parse(json.dumps(doc))
     assert validate_relative_path("d/" + "x" * 255) == "d/" + "x" * 255
+
+
+# An old (version 1, sha256 chunks) manifest keeps its identity: its digest is pinned to
+# the value the code before version 2 computed for this very document.
+OLD_DOC = {
+    "chunkSize": 4,
+    "createdAt": "2026-01-01T00:00:00Z",
+    "files": [
+        {"path": "w.bin", "size": 6, "sha256": "b" * 64},
+        {"path": "model.safetensors", "size": 4, "sha256": "c" * 64},
+    ],
+    "chunks": [
+        {"file": "w.bin", "index": 0, "offset": 0, "size": 4, "sha256": "a" * 64},
+        {"file": "w.bin", "index": 1, "offset": 4, "size": 2, "sha256": "d" * 64},
+        {"file": "model.safetensors", "index": 0, "offset": 0, "size": 4, "sha256": "e" * 64},
+    ],
+    "version": 1,
+}
+OLD_DIGEST = "sha256:b5f93c7fcddcb69ae843fe9cb97bcde5e65ba57f3e67e9564b1cd3f5ec4c9721"
+
+
+def test_an_old_manifest_keeps_its_digest() -> None:
+    m = Manifest.parse(json.dumps(OLD_DOC))
+    assert m.version == 1 and m.digest == OLD_DIGEST
+    assert all(c.algorithm == "sha256" and c.blake3 is None for c in m.chunks)
+    assert b"blake3" not in m.canonical_bytes() and b"piece" not in m.canonical_bytes()
+    assert m.piece_layer_path is None and m.piece_count == 0
+
+
+def test_version_1_built_from_bytes_is_what_it_was(tmp_path: Path) -> None:
+    files = write_model(tmp_path)
+    m = build_manifest(LocalFolder(tmp_path), chunk_size=CHUNK, version=1)
+    assert m.version == 1 and "pieceSize" not in m.canonical_bytes().decode()
+    big = m.chunks_of("model-00001.safetensors")
+    data = files["model-00001.safetensors"]
+    assert big[3].sha256 == hashlib.sha256(data[3 * CHUNK :]).hexdigest()
+    assert big[3].key == "sha256:" + big[3].hexdigest
+
+
+def test_version_2_has_a_piece_layer_of_every_piece(tmp_path: Path) -> None:
+    files = write_model(tmp_path)
+    piece = 16 * 1024
+    m, layer = build_manifest_with_pieces(LocalFolder(tmp_path), chunk_size=CHUNK, piece_size=piece)
+    assert (m.version, m.piece_size) == (2, piece)
+    assert m.piece_layer == blake3.blake3(layer).hexdigest()
+    assert m.piece_layer_path == f"weightship-pieces/{m.piece_layer}.bin"
+    want = b""
+    for c in m.chunks:
+        data = files[c.file][c.offset : c.offset + c.size]
+        want += b"".join(
+            blake3.blake3(data[s : s + piece]).digest() for s in range(0, c.size, piece)
+        )
+    assert layer == want and len(layer) == 32 * m.piece_count
+    again = Manifest.parse(m.canonical_bytes())
+    assert again == m and again.digest == m.digest
+    # the piece layer in the folder is not a model file
+    (tmp_path / "weightship-pieces").mkdir()
+    (tmp_path / m.piece_layer_path).write_bytes(layer)
+    assert build_manifest(LocalFolder(tmp_path), chunk_size=CHUNK, piece_size=piece) == m
+
+
+def _v2_doc(**extra: object) -> dict[str, object]:
+    return {
+        "chunkSize": 4,
+        "files": [{"path": "w.bin", "size": 6, "sha256": "b" * 64}],
+        "chunks": [
+            {"file": "w.bin", "index": 0, "offset": 0, "size": 4, "blake3": "a" * 64},
+            {"file": "w.bin", "index": 1, "offset": 4, "size": 2, "blake3": "d" * 64},
+        ],
+        "version": 2,
+        "pieceSize": 2,
+        "pieceLayer": "f" * 64,
+        **extra,
+    }
+
+
+def test_a_version_2_document_parses() -> None:
+    m = Manifest.parse(json.dumps(_v2_doc()))
+    assert m.piece_count == 3 and [c.algorithm for c in m.chunks] == ["blake3", "blake3"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 1}, "version 1 manifest has sha256 chunks"),
+        ({"pieceLayer": None}, "pieceSize and pieceLayer go together"),
+        ({"pieceSize": 8}, "larger than chunkSize"),
+        ({"pieceSize": 0}, "pieceSize"),
+        ({"pieceLayer": "F" * 64}, "blake3 must be 64 lowercase hex"),
+    ],
+)
+def test_bad_version_2_documents_are_refused(change: dict[str, object], message: str) -> None:
+    doc = _v2_doc(**change)
+    doc = {k: v for k, v in doc.items() if v is not None}
+    with pytest.raises(ManifestError, match=message):
+        Manifest.parse(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "digests",
+    [{}, {"sha256": "a" * 64, "blake3": "a" * 64}],
+)
+def test_a_chunk_has_exactly_one_digest(digests: dict[str, str]) -> None:
+    doc = _v2_doc()
+    chunks = doc["chunks"]
+    assert isinstance(chunks, list)
+    chunk = {k: v for k, v in chunks[0].items() if k not in ("sha256", "blake3")}
+    chunks[0] = {**chunk, **digests}
+    with pytest.raises(ManifestError, match="exactly one of sha256 and blake3"):
+        Manifest.parse(json.dumps(doc))
+
+
+def test_a_version_1_chunk_in_a_version_2_manifest_is_refused() -> None:
+    doc = _v2_doc()
+    chunks = doc["chunks"]
+    assert isinstance(chunks, list)
+    chunks[1] = {**{k: v for k, v in chunks[1].items() if k != "blake3"}, "sha256": "d" * 64}
+    with pytest.raises(ManifestError, match="version 2 manifest has blake3 chunks"):
+        Manifest.parse(json.dumps(doc))
+
+
+def test_a_hostile_piece_count_is_refused_from_the_document_alone() -> None:
+    size = 2**40  # 1 TiB in 1-byte pieces: the count is refused before anything is built
+    doc = {
+        "chunkSize": 2**32,
+        "files": [{"path": "w.bin", "size": size, "sha256": "b" * 64}],
+        "chunks": [
+            {"file": "w.bin", "index": i, "offset": i * 2**32, "size": 2**32, "blake3": "a" * 64}
+            for i in range(size // 2**32)
+        ],
+        "version": 2,
+        "pieceSize": 1,
+        "pieceLayer": "f" * 64,
+    }
+    with pytest.raises(ManifestError, match="pieces, over"):
+        Manifest.parse(json.dumps(doc))
