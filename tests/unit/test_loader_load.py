@@ -3,10 +3,12 @@ import json
 import struct
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import save_file
 
+import weightship.loader.load as load_module
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.load import (
@@ -76,13 +78,40 @@ def test_loads_verified_tensors_as_views_into_one_buffer_per_file(
     assert loaded.tensors["embed.weight"].untyped_storage().nbytes() == size
 
 
-def test_a_flipped_bit_is_named_and_nothing_is_returned(
+def test_a_version_2_manifest_is_verified_with_blake3(
     model: tuple[Path, Manifest, dict[str, torch.Tensor]],
 ) -> None:
     root, manifest, want = model
+    assert manifest.version == 2
+    assert {c.algorithm for c in manifest.chunks} == {"blake3"}
+    for hash_threads in (1, 2):
+        loaded = load_model(root, manifest, workers=2, hash_threads=hash_threads)
+        assert loaded.verified and loaded.digest == manifest.digest
+        assert_same_tensors(loaded.tensors, want)
+
+
+@pytest.mark.parametrize("piece", [4096, 5000])
+def test_chunks_read_in_pieces_are_hashed_whole(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    piece: int,
+) -> None:
+    # Pieces smaller than a chunk, one of them not dividing it: every byte of every chunk
+    # is hashed once, in order (a skipped or repeated piece would change the digest).
+    root, manifest, want = model
+    monkeypatch.setattr(load_module, "READ_PIECE", piece)
+    assert_same_tensors(load_model(root, manifest, workers=2).tensors, want)
+
+
+def test_a_flipped_bit_is_named_and_nothing_is_returned(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root, manifest, want = model
+    monkeypatch.setattr(load_module, "READ_PIECE", 4096)  # caught inside a later piece
     path = root / "model-1-of-2.safetensors"
     data = bytearray(path.read_bytes())
-    at = CHUNK + 100  # inside embed.weight, in chunk 1
+    at = CHUNK + 10_000  # inside embed.weight, in chunk 1
     data[at] ^= 0x01
     path.write_bytes(data)
 
@@ -90,15 +119,43 @@ def test_a_flipped_bit_is_named_and_nothing_is_returned(
         load_model(root, manifest, workers=2)
     err = caught.value
     chunk = manifest.chunks_of("model-1-of-2.safetensors")[1]
-    assert (err.path, err.chunk_index, err.expected) == (path.name, 1, chunk.sha256)
-    assert err.got == hashlib.sha256(data[CHUNK : 2 * CHUNK]).hexdigest()
-    assert "chunk 1" in str(err) and chunk.sha256 in str(err) and err.got in str(err)
+    assert chunk.blake3 is not None
+    assert (err.path, err.chunk_index, err.algorithm) == (path.name, 1, "blake3")
+    assert err.expected == chunk.blake3
+    assert err.got == blake3.blake3(data[CHUNK : 2 * CHUNK]).hexdigest()
+    assert str(err) == (
+        f"{path.name}: chunk 1 does not match the manifest: expected blake3 {chunk.blake3}, "
+        f"got blake3 {err.got}"
+    )
 
     # Without verification (the caller's explicit choice) the corrupt bytes come through.
     unverified = load_model(root, manifest, verify=False)
     assert not unverified.verified
     assert not torch.equal(unverified.tensors["embed.weight"], want["embed.weight"])
     assert torch.equal(unverified.tensors["layers.1.weight"], want["layers.1.weight"])
+
+
+def test_a_version_1_manifest_still_loads_verified_with_sha256(tmp_path: Path) -> None:
+    root = tmp_path / "model"
+    root.mkdir()
+    want = write_model(root)
+    manifest = build_manifest(LocalFolder(root), chunk_size=CHUNK, workers=2, version=1)
+    assert {c.algorithm for c in manifest.chunks} == {"sha256"}
+    loaded = load_model(root, manifest, workers=2)
+    assert loaded.verified and loaded.digest == manifest.digest
+    assert_same_tensors(loaded.tensors, want)
+
+    path = root / "model-2-of-2.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80  # the last byte of the last chunk
+    path.write_bytes(data)
+    last = manifest.chunks_of(path.name)[-1]
+    with pytest.raises(WeightsVerificationError) as caught:
+        load_model(root, manifest)
+    err = caught.value
+    assert (err.path, err.chunk_index, err.algorithm) == (path.name, last.index, "sha256")
+    assert (err.expected, err.got) == (last.sha256, hashlib.sha256(data[last.offset :]).hexdigest())
+    assert f"expected sha256 {last.sha256}" in str(err)
 
 
 def test_a_file_of_the_wrong_size_is_rejected(

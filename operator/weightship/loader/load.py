@@ -1,8 +1,11 @@
 """Load a staged model into memory, every byte checked against the manifest on the way in.
 
-Each file is read once, chunk by chunk, by a pool of threads: ``os.preadv`` straight into
-the file's destination (no intermediate copy), then sha256 of that chunk while it is hot
-in cache. hashlib and preadv release the GIL, so reads and hashes run on every core.
+Each file is read once, chunk by chunk, by a pool of threads. A chunk is read in pieces
+(``READ_PIECE``) with ``os.preadv`` straight into the file's destination (no
+intermediate copy), and each piece is fed to the chunk's hasher (BLAKE3 for a version 2
+manifest, sha256 for a version 1 one) right after it lands, while it is still in the
+core's cache, so the hash costs no second trip through memory. preadv, blake3 and
+hashlib release the GIL, so reads and hashes of different chunks run on every core.
 Nothing is returned until every chunk matched, so no tensor is ever built on bytes that
 were not verified.
 
@@ -16,7 +19,6 @@ chunks however large the model. Tensors are views into the device buffers.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import os
 import queue
 import time
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from weightship.data.chunkhash import ChunkHasher, new_chunk_hasher
 from weightship.data.chunkstore import STAGED_MARKER, digest_hex
 from weightship.data.manifest import (
     SAFETENSORS_SUFFIX,
@@ -69,6 +72,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 # Pinned slots per worker: one being filled while the previous one's copy is in flight.
 _SLOTS_PER_WORKER = 2
+# Bytes read (and then hashed) at a time: small enough to still be in the core's L2 cache
+# (1 MiB here) when the hasher reads them, large enough that a syscall per piece is noise.
+READ_PIECE = 512 * 1024
 
 
 class LoaderError(RuntimeError):
@@ -78,15 +84,26 @@ class LoaderError(RuntimeError):
 class WeightsVerificationError(LoaderError):
     """Bytes on disk do not match the manifest; nothing built from them was returned."""
 
-    def __init__(self, path: str, chunk_index: int | None, expected: str, got: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        chunk_index: int | None,
+        expected: str,
+        got: str,
+        algorithm: str | None = None,
+    ) -> None:
         where = f"chunk {chunk_index}" if chunk_index is not None else "size"
+        named = f"{algorithm} " if algorithm else ""
         super().__init__(
-            f"{path}: {where} does not match the manifest: expected {expected}, got {got}"
+            f"{path}: {where} does not match the manifest: expected {named}{expected}, "
+            f"got {named}{got}"
         )
         self.path = path
         self.chunk_index = chunk_index
         self.expected = expected
         self.got = got
+        # The chunk digest's algorithm ("blake3", "sha256"); None for a size mismatch.
+        self.algorithm = algorithm
 
 
 @dataclass
@@ -138,15 +155,19 @@ def load_model(
     device: str | torch.device = "cpu",
     verify: bool = True,
     workers: int = 4,
+    hash_threads: int = 1,
     expected_digest: str | None = None,
     paths: Collection[str] | None = None,
 ) -> LoadedModel:
     """Load the manifest's files from ``model_dir``: tensors of ``*.safetensors`` files
     onto ``device``, other files as bytes.
 
-    With ``verify`` every chunk's sha256 must match (WeightsVerificationError names the
-    file, chunk, expected and actual digests). ``expected_digest`` (the digest a rollout
-    pins) must equal the manifest's. ``paths`` limits the load to some of its files.
+    With ``verify`` every chunk's digest (BLAKE3 or sha256, as the manifest says) must
+    match (WeightsVerificationError names the file, chunk, algorithm, expected and actual
+    digests). ``workers`` threads read and hash chunks; ``hash_threads`` > 1 also lets
+    BLAKE3 split each piece across threads of its own (1 was fastest on 2 cores, see
+    docs/loader.md). ``expected_digest`` (the digest a rollout pins) must equal the
+    manifest's. ``paths`` limits the load to some of its files.
     """
     started = time.perf_counter()
     if expected_digest is not None and expected_digest != manifest.digest:
@@ -163,10 +184,11 @@ def load_model(
         opened = {f.path: stack.enter_context(_open_checked(model_dir, f)) for f in entries}
         buffers = {f.path: _destination(f, target) for f in entries}
         jobs = [(c, opened[c.file], buffers[c.file]) for c in manifest.chunks if c.file in opened]
+        hashing = _Hashing(verify, max(1, hash_threads))
         if target.type == "cuda":
-            _read_to_device(jobs, target, manifest.chunk_size, verify, workers)
+            _read_to_device(jobs, target, manifest.chunk_size, hashing, workers)
         else:
-            _run(jobs, lambda job: _read_chunk(*job, verify=verify), workers)
+            _run(jobs, lambda job: _read_chunk(*job, hashing=hashing), workers)
 
     tensors: dict[str, torch.Tensor] = {}
     other_files: dict[str, bytes] = {}
@@ -223,35 +245,46 @@ def _run(jobs: list[Job], work: Callable[[Job], None], workers: int) -> None:
             raise failed[0].exception()  # type: ignore[misc]
 
 
-def _read_chunk(chunk: ChunkEntry, fd: int, dest: torch.Tensor, *, verify: bool) -> None:
-    """Read a chunk into its place in a host buffer and check its digest there."""
+@dataclass(frozen=True)
+class _Hashing:
+    verify: bool
+    threads: int
+
+    def hasher(self, chunk: ChunkEntry) -> ChunkHasher | None:
+        return new_chunk_hasher(chunk, max_threads=self.threads) if self.verify else None
+
+
+def _read_chunk(chunk: ChunkEntry, fd: int, dest: torch.Tensor, *, hashing: _Hashing) -> None:
+    """Read a chunk into its place in a host buffer, hashing it there as it lands."""
     view = dest.numpy().data[chunk.offset : chunk.offset + chunk.size]
-    _read_exact(fd, view, chunk)
-    if verify:
-        _check(chunk, view)
+    _read_verified(fd, view, chunk, hashing.hasher(chunk))
 
 
-def _read_exact(fd: int, view: memoryview, chunk: ChunkEntry) -> None:
-    """Fill ``view`` with the chunk's bytes from the file."""
+def _read_verified(
+    fd: int, view: memoryview, chunk: ChunkEntry, hasher: ChunkHasher | None
+) -> None:
+    """Fill ``view`` with the chunk's bytes from the file, piece by piece, each piece fed
+    to ``hasher`` while it is hot in cache; then the digest must be the manifest's."""
     done = 0
     while done < chunk.size:
-        n = os.preadv(fd, [view[done:]], chunk.offset + done)
+        n = os.preadv(fd, [view[done : min(chunk.size, done + READ_PIECE)]], chunk.offset + done)
         if n == 0:  # the file shrank since its size was checked
             got = f"{done} bytes"
             raise WeightsVerificationError(chunk.file, chunk.index, f"{chunk.size} bytes", got)
+        if hasher is not None:
+            hasher.update(view[done : done + n])
         done += n
-
-
-def _check(chunk: ChunkEntry, data: memoryview) -> None:
-    got = hashlib.sha256(data).hexdigest()
-    if got != chunk.sha256:
-        raise WeightsVerificationError(chunk.file, chunk.index, chunk.sha256, got)
+    if hasher is not None and (got := hasher.hexdigest()) != chunk.hexdigest:
+        raise WeightsVerificationError(
+            chunk.file, chunk.index, chunk.hexdigest, got, algorithm=chunk.algorithm
+        )
 
 
 def _read_to_device(
-    jobs: list[Job], device: torch.device, chunk_size: int, verify: bool, workers: int
+    jobs: list[Job], device: torch.device, chunk_size: int, hashing: _Hashing, workers: int
 ) -> None:
-    """Pinned slot -> sha256 -> async copy into the device buffer, for every chunk."""
+    """Pinned slot -> hashed as it is read -> async copy into the device buffer, for
+    every chunk."""
     workers = max(1, workers)
     side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     # The destination buffers were allocated on the current stream, possibly in memory
@@ -268,9 +301,7 @@ def _read_to_device(
         try:
             copied.synchronize()  # the slot's previous copy has left it
             view = pinned.numpy().data[: chunk.size]
-            _read_exact(fd, view, chunk)
-            if verify:
-                _check(chunk, view)
+            _read_verified(fd, view, chunk, hashing.hasher(chunk))
             with torch.cuda.stream(side):
                 end = chunk.offset + chunk.size
                 dest[chunk.offset : end].copy_(pinned[: chunk.size], non_blocking=True)
