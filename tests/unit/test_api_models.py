@@ -21,7 +21,7 @@ def test_valid_manifest_parses_with_defaults() -> None:
     rollout = ModelRollout.model_validate(VALID_MANIFEST)
     spec = rollout.spec
     assert spec.prefetch.chunk_size_bytes == 16 * 1024 * 1024
-    assert spec.prefetch.cache_path == "/var/cache/weightship"
+    assert spec.prefetch.cache_path is None  # removed: install-time agent.cacheDir
     assert spec.prefetch.peer_to_peer is True
     assert spec.seeding.backend == "auto"
     assert spec.seeding.timeout_seconds == 300

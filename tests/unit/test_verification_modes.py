@@ -222,9 +222,8 @@ def verify(
         "endpoint": {"port": port, "path": "/v1/chat/completions", "model": "tiny"},
         "timeoutSeconds": 5,
     }
-    body["spec"]["prefetch"] = {"cachePath": CACHE}
     kube = NodeKube(labels if labels is not None else {staged_node_label(DIGEST): "true"})
-    verifier = Verifier(kube, workers=1)  # type: ignore[arg-type]
+    verifier = Verifier(kube, workers=1, cache_dir=CACHE)  # type: ignore[arg-type]
     assert verifier.submit(ModelRollout.model_validate(body), [pod]) is True
     assert kube.done.wait(30)
     verifier.pool.shutdown(wait=True)

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
@@ -328,6 +329,13 @@ class ModelSpec(ApiModel):
 # --- prefetch, seeding, validation --------------------------------------------------------
 
 
+CACHE_PATH_REMOVED = (
+    "spec.prefetch.cachePath is no longer supported: the node cache directory is install-time "
+    "configuration (the Helm value agent.cacheDir, given to the agents and the operator), "
+    "and pods mount only their model's files; remove the field"
+)
+
+
 class PrefetchSpec(ApiModel):
     """How node agents stage the weights onto nodes before any pod needs them."""
 
@@ -345,11 +353,16 @@ class PrefetchSpec(ApiModel):
         description="core/v1 Tolerations, so that staging reaches tainted GPU nodes.",
         max_length=32,
     )
-    cache_path: str = Field(
-        "/var/cache/weightship",
-        description="Absolute host path of the node cache.",
+    # A rollout once chose the hostPath its pods mounted (`cachePath: /` mounted the node's
+    # root). Kept in the schema only so admission refuses it by name rather than pruning it.
+    cache_path: str | None = Field(
+        None,
+        description="Removed: the node cache directory is install-time configuration (Helm "
+        "value agent.cacheDir, given to the agents and the operator). Setting it is refused.",
         max_length=MAX_SHORT_TEXT,
-        pattern=r"^/.*$",
+        json_schema_extra=validations(
+            cel("false", CACHE_PATH_REMOVED, reason="FieldValueForbidden")
+        ),
     )
     chunk_size_bytes: int = Field(
         16 * MiB,
@@ -372,6 +385,13 @@ class PrefetchSpec(ApiModel):
         ge=0,
         le=100,
     )
+
+    @field_validator("cache_path")
+    @classmethod
+    def _cache_path_removed(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(CACHE_PATH_REMOVED)
+        return value
 
 
 class SeedingSpec(ApiModel):

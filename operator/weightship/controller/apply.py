@@ -12,6 +12,7 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import (
+    DEFAULT_CACHE_DIR,
     REVISION_LABEL,
     replicaset_body,
     replicaset_name,
@@ -25,9 +26,12 @@ from weightship.core.decision import CreateReplicaSet, Decision
 log = logging.getLogger(__name__)
 
 
-def carry_out(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:
-    """Everything but the status patch and the events, in order."""
-    apply_replica_sets(kube, rollout, decision)
+def carry_out(
+    kube: Kube, rollout: ModelRollout, decision: Decision, *, cache_dir: str = DEFAULT_CACHE_DIR
+) -> None:
+    """Everything but the status patch and the events, in order. ``cache_dir`` is the node
+    cache the pods' model mounts are under (the operator's install-time setting)."""
+    apply_replica_sets(kube, rollout, decision, cache_dir=cache_dir)
     apply_traffic(kube, rollout, decision)
     for label in decision.node_labels:
         kube.label_node(label.node, staged_node_label(label.manifest_digest), "true")
@@ -36,7 +40,9 @@ def carry_out(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:
         kube.patch_pod_condition(namespace, gate.pod, verified_condition(gate))
 
 
-def apply_replica_sets(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:
+def apply_replica_sets(
+    kube: Kube, rollout: ModelRollout, decision: Decision, *, cache_dir: str = DEFAULT_CACHE_DIR
+) -> None:
     namespace = rollout.metadata.namespace or "default"
     for revision in decision.not_rebuilt:
         log.warning(
@@ -54,6 +60,7 @@ def apply_replica_sets(kube: Kube, rollout: ModelRollout, decision: Decision) ->
                     manifest_digest=action.manifest_digest,
                     replicas=action.replicas,
                     require_staged=action.require_staged,
+                    cache_dir=cache_dir,
                 )
             )
         else:

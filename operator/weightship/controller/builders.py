@@ -7,6 +7,7 @@ shapes are unit-tested without a cluster.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from datetime import UTC
 from typing import Any
@@ -20,16 +21,43 @@ REVISION_LABEL = f"{GROUP}/revision-hash"
 DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
 MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
 VERIFIED_GATE = f"{GROUP}/weights-verified"
+# The node cache is install-time configuration (the chart's agent.cacheDir, the operator's
+# WEIGHTSHIP_CACHE_DIR), never a rollout's: a rollout-chosen hostPath could be `/`.
+DEFAULT_CACHE_DIR = "/var/cache/weightship"
+CACHE_DIR_ENV = "WEIGHTSHIP_CACHE_DIR"
+# A pod mounts, read-only, only what reading its pinned model needs: the model's files
+# (the folder it serves), its manifest and the marker saying every chunk was verified
+# (weightship.loader.locate_staged). `File` mounts wait for the marker: the pod starts on
+# a node only once the model is staged there, as a kubelet waits for any hostPath.
 CACHE_VOLUME = "weightship-cache"
+MODEL_VOLUMES = {
+    CACHE_VOLUME: ("files", "Directory"),
+    "weightship-manifest": ("manifest.json", "File"),
+    "weightship-staged": ("STAGED", "File"),
+}
 # The pinned model's staged folder, for servers that read it themselves (`vllm serve
 # $(WEIGHTSHIP_MODEL_DIR)`): the path the node agent stages it at (data.chunkstore).
 MODEL_DIR_ENV = "WEIGHTSHIP_MODEL_DIR"
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 
-def staged_model_dir(cache_path: str, manifest_digest: str) -> str | None:
-    if not manifest_digest:
+def _digest_hex(manifest_digest: str) -> str:
+    """The hex of a sha256 digest: the only rollout-derived part of a host path."""
+    found = _DIGEST.fullmatch(manifest_digest)
+    if found is None:
+        raise ValueError(f"not a sha256 manifest digest: {manifest_digest[:80]!r}")
+    return found.group(1)
+
+
+def staged_model_root(cache_dir: str, manifest_digest: str) -> str:
+    """`<cacheDir>/models/<hex>`: where the node agent stages one model (data.chunkstore)."""
+    return f"{cache_dir.rstrip('/')}/models/{_digest_hex(manifest_digest)}"
+
+
+def staged_model_dir(cache_dir: str, manifest_digest: str) -> str | None:
+    if not _DIGEST.fullmatch(manifest_digest or ""):
         return None
-    return f"{cache_path.rstrip('/')}/models/{manifest_digest.removeprefix('sha256:')}/files"
+    return f"{staged_model_root(cache_dir, manifest_digest)}/files"
 
 
 def staged_node_label(manifest_digest: str) -> str:
@@ -41,17 +69,18 @@ def replicaset_name(rollout_name: str, revision_hash: str) -> str:
     return f"{rollout_name}-{revision_hash}"[:253]
 
 
-def model_env(rollout: ModelRollout, manifest_digest: str) -> list[dict[str, Any]]:
+def model_env(
+    rollout: ModelRollout, manifest_digest: str, cache_dir: str = DEFAULT_CACHE_DIR
+) -> list[dict[str, Any]]:
+    """What the pod's servers read: the model, and where its staged copy is mounted (the
+    same paths as on the node, so `locate_staged(WEIGHTSHIP_CACHE_DIR, digest)` finds it)."""
     model = rollout.spec.model
     env: list[dict[str, Any]] = [
         {"name": "WEIGHTSHIP_MODEL_URI", "value": model.source.uri},
         {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
         {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
-        {"name": "WEIGHTSHIP_CACHE_DIR", "value": rollout.spec.prefetch.cache_path},
-        {
-            "name": MODEL_DIR_ENV,
-            "value": staged_model_dir(rollout.spec.prefetch.cache_path, manifest_digest) or "",
-        },
+        {"name": CACHE_DIR_ENV, "value": cache_dir},
+        {"name": MODEL_DIR_ENV, "value": staged_model_dir(cache_dir, manifest_digest) or ""},
         # Who this replica is and where peers reach it, for broadcast seeding.
         {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -84,13 +113,25 @@ def verified_condition(gate: OpenGate) -> dict[str, Any]:
     }
 
 
+def model_volumes(cache_dir: str, manifest_digest: str) -> list[dict[str, Any]]:
+    """The read-only hostPath volumes of one staged model, nothing else of the node."""
+    root = staged_model_root(cache_dir, manifest_digest)
+    return [
+        {"name": name, "hostPath": {"path": f"{root}/{sub}", "type": kind}}
+        for name, (sub, kind) in MODEL_VOLUMES.items()
+    ]
+
+
 def _inject_container(
-    container: dict[str, Any], env: list[dict[str, Any]], cache_path: str
+    container: dict[str, Any], env: list[dict[str, Any]], volumes: list[dict[str, Any]]
 ) -> None:
     names = {e["name"] for e in env}
     container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + env
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != CACHE_VOLUME]
-    mounts.append({"name": CACHE_VOLUME, "mountPath": cache_path, "readOnly": True})
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in MODEL_VOLUMES]
+    for volume in volumes:  # at the path it has on the node
+        mounts.append(
+            {"name": volume["name"], "mountPath": volume["hostPath"]["path"], "readOnly": True}
+        )
     container["volumeMounts"] = mounts
 
 
@@ -114,8 +155,12 @@ def replicaset_body(
     manifest_digest: str,
     replicas: int,
     require_staged: bool,
+    cache_dir: str = DEFAULT_CACHE_DIR,
 ) -> dict[str, Any]:
-    """The ReplicaSet of one revision, owned by the rollout (garbage-collected with it)."""
+    """The ReplicaSet of one revision, owned by the rollout (garbage-collected with it).
+
+    With prefetch on, its pods mount the staged model (model_volumes); with it off nothing
+    of the node: the server fetches its weights itself."""
     meta = rollout.metadata
     name = replicaset_name(meta.name, revision_hash)
     selector = dict(rollout.spec.selector.match_labels or {})
@@ -130,15 +175,12 @@ def replicaset_body(
         MODEL_REVISION_ANNOTATION: rollout.spec.model.revision,
     }
     spec = pod.setdefault("spec", {})
-    env = model_env(rollout, manifest_digest)
-    cache_path = rollout.spec.prefetch.cache_path
+    env = model_env(rollout, manifest_digest, cache_dir)
+    mine = model_volumes(cache_dir, manifest_digest) if rollout.spec.prefetch.enabled else []
     for container in spec.get("containers") or []:
-        _inject_container(container, env, cache_path)
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != CACHE_VOLUME]
-    volumes.append(
-        {"name": CACHE_VOLUME, "hostPath": {"path": cache_path, "type": "DirectoryOrCreate"}}
-    )
-    spec["volumes"] = volumes
+        _inject_container(container, env, mine)
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in MODEL_VOLUMES]
+    spec["volumes"] = [*volumes, *mine]
     gates = [g for g in spec.get("readinessGates") or [] if g.get("conditionType") != VERIFIED_GATE]
     spec["readinessGates"] = [*gates, {"conditionType": VERIFIED_GATE}]
     if require_staged:

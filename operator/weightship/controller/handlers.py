@@ -27,7 +27,7 @@ from kubernetes import client
 from prometheus_client import start_http_server
 
 from weightship.controller import cache, metrics
-from weightship.controller.builders import GROUP, ROLLOUT_LABEL
+from weightship.controller.builders import CACHE_DIR_ENV, DEFAULT_CACHE_DIR, GROUP, ROLLOUT_LABEL
 from weightship.controller.informer import Informer
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
@@ -83,12 +83,16 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         ),
     )
     view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, nodes, caches, loop)
+    # The node cache the agents stage into (the chart gives both the same agent.cacheDir).
+    cache_dir = os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
+    verify_workers = int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))
     reconciler = Reconciler(
         kube,
         view,
         slack=SlackSender(),
-        verifier=Verifier(kube, workers=int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))),
+        verifier=Verifier(kube, workers=verify_workers, cache_dir=cache_dir),
         requeue=queue.add,
+        cache_dir=cache_dir,
     )
 
     def failed(key: cache.RolloutKey, error: BaseException) -> None:

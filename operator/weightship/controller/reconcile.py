@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
 from weightship.controller import apply, metrics
+from weightship.controller.builders import DEFAULT_CACHE_DIR
 from weightship.controller.cache import ClusterView, RolloutKey
 from weightship.controller.kube import Kube
 from weightship.controller.observe import (
@@ -57,6 +58,7 @@ class Reconciler:
     verifier: Verifier | None = None
     requeue: Callable[[RolloutKey], None] = _never
     """Called when a lookup the reconcile did not wait for completes (the work queue's add)."""
+    cache_dir: str = DEFAULT_CACHE_DIR  # the node cache (install-time: WEIGHTSHIP_CACHE_DIR)
     manifests: ManifestResolver = field(init=False)
     measurements: Measurements = field(init=False)
     templates: Templates = field(init=False)
@@ -110,7 +112,7 @@ class Reconciler:
             return None  # the manifest is being read; its completion requeues the rollout
         observed = observation.observed
         decision = decide(rollout, observed, now, self.gates)
-        apply.carry_out(self.kube, rollout, decision)
+        apply.carry_out(self.kube, rollout, decision, cache_dir=self.cache_dir)
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
         metrics.record_rollout(namespace, name, decision.status)

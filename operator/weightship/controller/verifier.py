@@ -25,10 +25,11 @@ from weightship.api.models import ModelRollout
 from weightship.api.spec import ChecksumMode, GoldenPrompt
 from weightship.controller import metrics
 from weightship.controller.builders import (
-    CACHE_VOLUME,
+    DEFAULT_CACHE_DIR,
     DIGEST_ANNOTATION,
     GROUP,
     MODEL_DIR_ENV,
+    MODEL_VOLUMES,
     VERIFIED_GATE,
     staged_model_dir,
     staged_node_label,
@@ -135,7 +136,7 @@ def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidenc
     spec = pod.get("spec") or {}
     containers = spec.get("containers") or []
     mounts = [
-        m for c in containers for m in c.get("volumeMounts") or [] if m.get("name") == CACHE_VOLUME
+        m for c in containers for m in c.get("volumeMounts") or [] if m.get("name") in MODEL_VOLUMES
     ]
     words = [
         str(w) for c in containers for w in [*(c.get("command") or []), *(c.get("args") or [])]
@@ -183,8 +184,11 @@ class _Check:
 
 
 class Verifier:
-    def __init__(self, kube: Kube, *, workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(
+        self, kube: Kube, *, workers: int = DEFAULT_WORKERS, cache_dir: str = DEFAULT_CACHE_DIR
+    ) -> None:
         self.kube = kube
+        self.cache_dir = cache_dir  # the node cache, as the operator was installed with it
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
         self.http = urllib3.PoolManager(maxsize=workers, retries=False)
         self.lock = threading.Lock()
@@ -228,9 +232,7 @@ class Verifier:
             != restarts(pod),
             chat=validation.endpoint.chat,
             model=validation.endpoint.model,
-            evidence=staged_evidence(
-                pod, staged_model_dir(rollout.spec.prefetch.cache_path, digest)
-            ),
+            evidence=staged_evidence(pod, staged_model_dir(self.cache_dir, digest)),
             terminations=termination_messages(pod),
         )
 
