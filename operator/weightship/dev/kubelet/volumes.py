@@ -51,6 +51,28 @@ def _safe_join(base: Path, rel: str) -> Path:
     return target
 
 
+def host_path(node_root: Path, path: str, kind: str) -> Path:
+    """The node's own file for a hostPath volume, checked as the kubelet checks its type:
+    `Directory` and `File` must exist as such (the pod waits until they do), the `OrCreate`
+    types are created. Never outside the node's root, whatever `..` or links say."""
+    root = node_root.resolve()
+    target = (root / path.lstrip("/")).resolve()
+    if not target.is_relative_to(root):
+        raise PodSpecError(f"hostPath {path} leaves the node's root")
+    if kind in ("", "DirectoryOrCreate"):
+        target.mkdir(parents=True, exist_ok=True)
+    elif kind == "FileOrCreate":
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch(exist_ok=True)
+    elif kind == "Directory" and not target.is_dir():
+        raise PodSpecError(f"hostPath type check failed: {path} is not a directory")
+    elif kind == "File" and not target.is_file():
+        raise PodSpecError(f"hostPath type check failed: {path} is not a file")
+    elif not target.exists():
+        raise PodSpecError(f"hostPath {path} does not exist on this node")
+    return target
+
+
 def materialize(
     pod: Pod,
     volume: Mapping[str, Any],
@@ -66,16 +88,7 @@ def materialize(
     namespace = str(pod["metadata"]["namespace"])
     target: Path = pod_dir / "volumes" / name
     if host := volume.get("hostPath"):
-        path: Path = node_root / str(host["path"]).lstrip("/")
-        kind = host.get("type") or ""
-        if kind in ("", "DirectoryOrCreate"):
-            path.mkdir(parents=True, exist_ok=True)
-        elif kind == "FileOrCreate":
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(exist_ok=True)
-        elif not path.exists():
-            raise PodSpecError(f"hostPath {host['path']} does not exist on this node")
-        return path
+        return host_path(node_root, str(host["path"]), str(host.get("type") or ""))
     if "emptyDir" in volume:
         target.mkdir(parents=True, exist_ok=True)
         target.chmod(0o777)  # as kubelet does: any container user may write
