@@ -93,8 +93,8 @@ def test_pins_sources_and_transfer_settings_merge_across_rollouts() -> None:
     assert w.bandwidth_limit == 50_000_000  # the lowest cap
     # The canary's source first: it is the one that holds these weights.
     assert w.sources == (
-        ModelSource("other", "s3://models/y/", "http://s3:9000", None, "creds"),
-        ModelSource("serving", "s3://models/x/", "http://s3:9000", None, "creds"),
+        ModelSource("other", "s3://models/y/", "http://s3:9000", None),
+        ModelSource("serving", "s3://models/x/", "http://s3:9000", None),
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 DEFAULT_CACHE_DIR = Path("/var/cache/weightship")
 DEFAULT_PEER_PORT = 8479
 DEFAULT_METRICS_PORT = 9101
+CREDENTIALS_ENV = "WEIGHTSHIP_S3_CREDENTIALS_DIR"
 
 
 class ConfigError(ValueError):
@@ -20,6 +21,8 @@ class AgentConfig:
     node_name: str
     pod_ip: str
     cache_dir: Path = DEFAULT_CACHE_DIR
+    # The agents' own S3 credential, mounted from a Secret (weightship.agent.credentials).
+    s3_credentials_dir: Path | None = None
     peer_port: int = DEFAULT_PEER_PORT
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics server
     # Only rollouts in namespaces matching these globs count; empty = the whole cluster.
@@ -58,6 +61,7 @@ class AgentConfig:
             node_name=node,
             pod_ip=pod_ip,
             cache_dir=Path(env.get("WEIGHTSHIP_CACHE_DIR") or DEFAULT_CACHE_DIR),
+            s3_credentials_dir=Path(creds) if (creds := env.get(CREDENTIALS_ENV)) else None,
             peer_port=_int(env, "WEIGHTSHIP_PEER_PORT", DEFAULT_PEER_PORT),
             metrics_port=_int(env, "WEIGHTSHIP_METRICS_PORT", DEFAULT_METRICS_PORT),
             namespaces=namespaces,

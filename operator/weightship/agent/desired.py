@@ -34,7 +34,7 @@ class ModelSource:
     uri: str
     endpoint: str | None = None
     region: str | None = None
-    secret_name: str | None = None  # credentialsSecretRef, in the rollout's namespace
+    # No credentialsSecretRef: agents read S3 with their install-time credential only.
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,18 @@ def _source(namespace: str, spec: Mapping[str, Any]) -> ModelSource | None:
         uri=uri,
         endpoint=src.get("endpoint"),
         region=src.get("region"),
-        secret_name=(src.get("credentialsSecretRef") or {}).get("name"),
     )
+
+
+def cache_node(cache: Mapping[str, Any]) -> str | None:
+    """The node a WeightCache speaks for: the one it is named after (the admission policy
+    lets an agent write only that one). One whose spec.nodeName names another node is
+    someone's claim about a node it is not, and speaks for none."""
+    name = (cache.get("metadata") or {}).get("name")
+    claimed = (cache.get("spec") or {}).get("nodeName")
+    if not name or claimed not in (None, name):
+        return None
+    return str(name)
 
 
 def live_peers(
@@ -203,7 +213,7 @@ def live_peers(
     """
     out = []
     for c in caches:
-        node = (c.get("spec") or {}).get("nodeName") or (c.get("metadata") or {}).get("name")
+        node = cache_node(c)
         status = c.get("status") or {}
         endpoint = status.get("peerEndpoint")
         if not node or node == self_node or not endpoint:
@@ -219,7 +229,7 @@ def staged_on(caches: Iterable[Mapping[str, Any]], digest: str) -> set[str]:
     """The nodes whose cache reports ``digest`` as Staged: whole, verified copies."""
     out = set()
     for c in caches:
-        node = (c.get("spec") or {}).get("nodeName") or (c.get("metadata") or {}).get("name")
+        node = cache_node(c)
         manifests = (c.get("status") or {}).get("manifests") or []
         if node and any(
             m.get("digest") == digest and m.get("state") == "Staged" for m in manifests

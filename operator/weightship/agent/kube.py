@@ -1,11 +1,11 @@
-"""Kubernetes adapter for the agent: its node, rollouts (watched), WeightCaches, Secrets.
+"""Kubernetes adapter for the agent: its node, rollouts (watched), WeightCaches. No Secrets:
+the agent's S3 credential is a mounted file (weightship.agent.credentials).
 
 Retries live here (tenacity, shared with the controller's adapter), nowhere else.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 from collections.abc import Callable
@@ -95,11 +95,6 @@ class AgentKube:
         self.custom.patch_cluster_custom_object_status(
             GROUP, VERSION, CACHES, name, {"status": status}
         )
-
-    @api_retry
-    def secret_data(self, namespace: str, name: str) -> dict[str, str]:
-        secret = self.core.read_namespaced_secret(name, namespace)
-        return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
 
 class RolloutInformer:

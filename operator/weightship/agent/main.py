@@ -23,6 +23,7 @@ from kubernetes.client.rest import ApiException
 
 from weightship.agent import desired, status
 from weightship.agent.config import AgentConfig
+from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.kube import AgentKube, RolloutInformer
 from weightship.agent.metrics import STATES, AgentMetrics
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 
 MIN_TICK_GAP_S = 0.5  # debounce: a burst of watch events makes one tick
 PEER_MAX_AGE_S = 180.0
+# Agents never read a rollout's credentialsSecretRef: they have no Secret access.
+NO_CREDENTIALS_HINT = (
+    " (agents read S3 with their own install-time credential, the chart's "
+    "agent.s3.existingSecret, and none is mounted)"
+)
 BUSY_RETRY_S = 2.0  # three heartbeats without a write: the peer is presumed dead
 
 
@@ -314,7 +320,8 @@ class Agent:
                 problems.append(f"the manifest at {location} is invalid: {e}")
                 continue
             except Exception as e:
-                problems.append(f"cannot read the manifest at {location}: {_short(e)}")
+                hint = "" if self.cfg.s3_credentials_dir else NO_CREDENTIALS_HINT
+                problems.append(f"cannot read the manifest at {location}: {_short(e)}{hint}")
                 continue
             if manifest.digest == want.digest:
                 return manifest, origin
@@ -332,15 +339,13 @@ class Agent:
         raise StageError(f"cannot get the manifest {want.digest}: {detail}")
 
     def _origin(self, source: ModelSource) -> S3Origin:
-        creds: dict[str, str] = {}
-        if source.secret_name:
-            try:
-                creds = self.kube.secret_data(source.namespace, source.secret_name)
-            except Exception as e:
-                raise StageError(
-                    f"cannot read Secret {source.namespace}/{source.secret_name} "
-                    f"(credentialsSecretRef): {_short(e)}"
-                ) from e
+        """The rollout's S3 source, read with the agents' own credential: the operator read
+        its manifest with the rollout's credentialsSecretRef before any digest reached an
+        agent, and agents stage only the digests rollouts' status records."""
+        try:
+            creds = read_credentials(self.cfg.s3_credentials_dir)
+        except CredentialsError as e:
+            raise StageError(f"cannot read the agent's S3 credentials: {e}") from None
         client = make_client(S3Settings.from_secret(source.endpoint, source.region, creds))
         return S3Origin(client, S3Location.parse(source.uri))
 
