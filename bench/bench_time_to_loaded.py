@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from bench_broadcast import HOST, make_tensor_model
 from benchlib import WORK, MiB, gbps, local_origin, model_location, settings, table
+from weightship.core.seedtoken import mint
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
@@ -46,6 +47,7 @@ from weightship.seeding import SeedRoot, receive, serve
 
 MODES = ("broadcast", "node cache", "S3")
 OUT = WORK / "ttl-out"
+SEED_KEY = bytes(32)  # the rollout seeding key a root checks join tokens with
 
 
 def _replica(
@@ -60,7 +62,10 @@ def _replica(
     start.wait()
     t0 = time.time()
     if mode == "broadcast":
-        got = receive(target, group, world, manifest, member=f"r{index}", timeout_s=600)
+        token = mint(SEED_KEY, "bench", manifest.digest, group, time.time())
+        got = receive(
+            target, group, world, manifest, member=f"r{index}", timeout_s=600, token=token
+        )
         tensors, extra = (
             got.tensors,
             {
@@ -92,7 +97,15 @@ def _replica(
 def _root(folder: str, manifest_doc: bytes, ready: Queue[str]) -> None:
     manifest = Manifest.parse(manifest_doc)
     loaded = load_model(Path(folder), manifest, verify=True)
-    root = SeedRoot(loaded.tensors, manifest, host=HOST, name="root", join_window_s=60)
+    root = SeedRoot(
+        loaded.tensors,
+        manifest,
+        host=HOST,
+        name="root",
+        join_window_s=60,
+        key=SEED_KEY,
+        rollout_uid="bench",
+    )
     server = serve(root, HOST)
     ready.put(f"http://{HOST}:{server.server_address[1]}")
     time.sleep(3600)  # until the benchmark terminates it

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from weightship.core.seedtoken import mint
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.checksum import checksum_bytes, checksum_tensor
 from weightship.loader.load import load_model
@@ -38,6 +39,7 @@ from weightship.seeding.buckets import TensorSpec, pack_bucket, plan_buckets
 
 MiB = 1 << 20
 HOST = "127.0.0.1"
+SEED_KEY = bytes(32)  # the rollout seeding key a root checks join tokens with
 
 
 def sync(device: torch.device) -> None:
@@ -111,7 +113,16 @@ def device_of(base: str, index: int) -> torch.device:
 def _root(folder: str, doc: bytes, base: str, backend: str, out: Queue[Any]) -> None:
     manifest = Manifest.parse(doc)
     tensors = load_model(Path(folder), manifest, device=device_of(base, 0), verify=False).tensors
-    root = SeedRoot(tensors, manifest, host=HOST, name="root", backend=backend, join_window_s=60)
+    root = SeedRoot(
+        tensors,
+        manifest,
+        host=HOST,
+        name="root",
+        backend=backend,
+        join_window_s=60,
+        key=SEED_KEY,
+        rollout_uid="bench",
+    )
     out.put(f"http://{HOST}:{serve(root, HOST).server_address[1]}")
     time.sleep(3600)  # terminated by the parent
 
@@ -127,6 +138,7 @@ def _receiver(url: str, doc: bytes, k: int, i: int, base: str, out: Queue[Any]) 
             member=f"r{i}",
             device=device_of(base, i + 1),
             timeout_s=120,
+            token=mint(SEED_KEY, "bench", manifest.digest, "gpu", time.time()),
         )
         out.put(("ok", i, got.seconds, got.transfer_seconds, got.verify_seconds))
     except Exception as exc:  # reported, not raised: the parent prints every outcome

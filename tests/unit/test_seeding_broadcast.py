@@ -19,12 +19,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from weightship.core.seedtoken import mint
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.load import load_model
 from weightship.seeding import FAULT_ENV, SeedingError, SeedRecord, SeedRoot, receive, serve
 
 BUCKET = 8192
 HOST = "127.0.0.1"
+KEY = bytes(range(32))  # the rollout's seeding key, as the operator's Secret holds it
+UID = "rollout-uid-1"
+KEYED: dict[str, Any] = {"key": KEY, "rollout_uid": UID}
+
+
+def token_for(group: str, manifest: Manifest) -> str:
+    """What a receiver of this rollout joins with (SeedConfig.token)."""
+    return mint(KEY, UID, manifest.digest, group, time.time())
+
 
 ctx = mp.get_context("forkserver")
 ctx.set_forkserver_preload(["torch", "safetensors.torch", "weightship.seeding"])
@@ -71,6 +81,7 @@ def root(model: tuple[Path, Manifest]) -> Iterator[tuple[SeedRoot, str]]:
         timeout_s=30,
         join_window_s=5,
         bucket_bytes=BUCKET,
+        **KEYED,
     )
     server = serve(seed_root, HOST)
     yield seed_root, f"http://{HOST}:{server.server_address[1]}"
@@ -87,7 +98,15 @@ def _receiver(
     manifest = Manifest.parse(manifest_doc)
     t0 = time.monotonic()
     try:
-        got = receive(url, group, world, manifest, member=member, timeout_s=timeout_s)
+        got = receive(
+            url,
+            group,
+            world,
+            manifest,
+            member=member,
+            timeout_s=timeout_s,
+            token=token_for(group, manifest),
+        )
     except SeedingError as exc:
         out.put({"member": member, "reason": exc.reason, "elapsed": time.monotonic() - t0})
         return
@@ -194,7 +213,7 @@ def test_a_group_that_does_not_fill_starts_with_whoever_joined(
     folder, manifest = model
     loaded = load_model(folder, manifest).tensors  # one buffer per file: sent without packing
     seed_root = SeedRoot(
-        loaded, manifest, host=HOST, name="r", join_window_s=1, bucket_bytes=BUCKET
+        loaded, manifest, host=HOST, name="r", join_window_s=1, bucket_bytes=BUCKET, **KEYED
     )
     assert len(seed_root.sources) == len(seed_root.plan.regions) == 2
     server = serve(seed_root, HOST)
@@ -217,6 +236,7 @@ def _root_process(folder: str, manifest_doc: bytes, fault: str, out: Queue[str])
         name="doomed",
         join_window_s=10,
         bucket_bytes=BUCKET,
+        **KEYED,
     )
     server = serve(seed_root, HOST)
     out.put(f"http://{HOST}:{server.server_address[1]}")
@@ -257,15 +277,32 @@ def test_a_refusing_closed_or_absent_root_means_fall_back_now(
     }
     for case, (where, manifest) in cases.items():
         with pytest.raises(SeedingError) as caught:
-            receive(where, "refused", 2, manifest, member="x", timeout_s=10)
+            receive(
+                where,
+                "refused",
+                2,
+                manifest,
+                member="x",
+                timeout_s=10,
+                token=token_for("refused", manifest),
+            )
         assert caught.value.reason == "RootUnavailable", case
 
-    closed = SeedRoot(load_tensors(model[0]), model[1], host=HOST, name="c", bucket_bytes=BUCKET)
+    closed = SeedRoot(
+        load_tensors(model[0]), model[1], host=HOST, name="c", bucket_bytes=BUCKET, **KEYED
+    )
     closed.close()
     server = serve(closed, HOST)
     try:
         with pytest.raises(SeedingError) as caught:
-            receive(f"http://{HOST}:{server.server_address[1]}", "g", 2, model[1], member="x")
+            receive(
+                f"http://{HOST}:{server.server_address[1]}",
+                "g",
+                2,
+                model[1],
+                member="x",
+                token=token_for("g", model[1]),
+            )
         assert caught.value.reason == "RootUnavailable"
     finally:
         server.shutdown()
@@ -275,12 +312,22 @@ def test_a_receiver_waiting_for_a_group_that_never_starts_times_out(
     model: tuple[Path, Manifest],
 ) -> None:
     folder, manifest = model
-    seed_root = SeedRoot(load_tensors(folder), manifest, host=HOST, name="slow", join_window_s=600)
+    seed_root = SeedRoot(
+        load_tensors(folder), manifest, host=HOST, name="slow", join_window_s=600, **KEYED
+    )
     server = serve(seed_root, HOST)
     try:
         url = f"http://{HOST}:{server.server_address[1]}"
         with pytest.raises(SeedingError) as caught:
-            receive(url, "never", 3, manifest, member="lonely", timeout_s=1.5)
+            receive(
+                url,
+                "never",
+                3,
+                manifest,
+                member="lonely",
+                timeout_s=1.5,
+                token=token_for("never", manifest),
+            )
         assert caught.value.reason == "Timeout"
     finally:
         server.shutdown()
@@ -291,13 +338,22 @@ def test_closing_the_root_releases_receivers_waiting_to_start(
     model: tuple[Path, Manifest],
 ) -> None:
     folder, manifest = model
-    seed_root = SeedRoot(load_tensors(folder), manifest, host=HOST, name="r", join_window_s=600)
+    seed_root = SeedRoot(
+        load_tensors(folder), manifest, host=HOST, name="r", join_window_s=600, **KEYED
+    )
     server = serve(seed_root, HOST)
     errors: list[SeedingError] = []
 
     def waiting_receiver() -> None:
         try:
-            receive(f"http://{HOST}:{server.server_address[1]}", "g", 3, manifest, member="w")
+            receive(
+                f"http://{HOST}:{server.server_address[1]}",
+                "g",
+                3,
+                manifest,
+                member="w",
+                token=token_for("g", manifest),
+            )
         except SeedingError as exc:
             errors.append(exc)
 
@@ -322,11 +378,19 @@ def test_a_receiver_that_never_shows_up_fails_only_that_broadcast(
     failure is recorded, and the root goes on seeding the next group."""
     folder, manifest = model
     seed_root = SeedRoot(
-        load_tensors(folder), manifest, host=HOST, name="r", timeout_s=2, bucket_bytes=BUCKET
+        load_tensors(folder),
+        manifest,
+        host=HOST,
+        name="r",
+        timeout_s=2,
+        bucket_bytes=BUCKET,
+        **KEYED,
     )
     server = serve(seed_root, HOST)
     try:
-        answer = seed_root.join("ghost", 2, "vanished", digest=manifest.digest)
+        answer = seed_root.join(
+            "ghost", 2, "vanished", digest=manifest.digest, token=token_for("ghost", manifest)
+        )
         assert answer["accepted"] and answer["rank"] == 1
         failed = record_of(seed_root, "ghost")
         assert not failed.ok and failed.error and failed.results == {"vanished": "Unknown"}

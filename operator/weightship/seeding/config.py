@@ -1,16 +1,23 @@
-"""What the operator injects into a new replica to have it seeded, read from its env."""
+"""What the operator injects into a replica to have it seeded (``SeedConfig``) and to let
+it seed others once verified (``RootSettings``), read from its env."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from weightship.core.seedtoken import mint, parse_key
 from weightship.data.manifest import Manifest
+from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
 from weightship.seeding.receiver import Received, receive
 from weightship.seeding.transport import BACKENDS
+
+log = logging.getLogger(__name__)
 
 ROOT_ENV = "WEIGHTSHIP_SEED_ROOT"
 GROUP_ENV = "WEIGHTSHIP_SEED_GROUP"
@@ -19,7 +26,59 @@ BACKEND_ENV = "WEIGHTSHIP_SEED_BACKEND"
 TIMEOUT_ENV = "WEIGHTSHIP_SEED_TIMEOUT_SECONDS"
 MEMBER_ENV = "WEIGHTSHIP_POD_NAME"  # injected by the operator (downward API)
 FALLBACK_MEMBER_ENV = "POD_NAME"
+POD_IP_ENV = "WEIGHTSHIP_POD_IP"  # downward API: where receivers reach a root
+BUCKET_BYTES_ENV = "WEIGHTSHIP_SEED_BUCKET_BYTES"
+# The rollout's seeding key (hex; a secretKeyRef to the operator's Secret) and uid: a
+# receiver makes its join token with them, a root checks tokens with them.
+KEY_ENV = "WEIGHTSHIP_SEED_KEY"
+ROLLOUT_UID_ENV = "WEIGHTSHIP_ROLLOUT_UID"
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def seeding_key(env: Mapping[str, str]) -> bytes | None:
+    """The rollout's seeding key, or None (unset or malformed: this pod neither joins
+    with a token nor admits anyone as a root; it loads from its node cache)."""
+    text = env.get(KEY_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_key(text)
+    except ValueError as exc:  # the message never quotes the key
+        log.warning("%s ignored: %s", KEY_ENV, exc)
+        return None
+
+
+def member_name(env: Mapping[str, str]) -> str:
+    return (
+        env.get(MEMBER_ENV, "").strip()
+        or env.get(FALLBACK_MEMBER_ENV, "").strip()
+        or socket.gethostname()
+    )
+
+
+@dataclass(frozen=True)
+class RootSettings:
+    """How a verified replica seeds others (``SeedRoot.from_settings``)."""
+
+    host: str | None  # WEIGHTSHIP_POD_IP; None: not in a pod, never a root
+    name: str  # WEIGHTSHIP_POD_NAME
+    backend: str = "auto"  # WEIGHTSHIP_SEED_BACKEND
+    timeout_s: float = DEFAULT_TIMEOUT_S  # WEIGHTSHIP_SEED_TIMEOUT_SECONDS
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # WEIGHTSHIP_SEED_BUCKET_BYTES
+    key: bytes | None = field(default=None, repr=False)  # WEIGHTSHIP_SEED_KEY
+    rollout_uid: str = ""  # WEIGHTSHIP_ROLLOUT_UID
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RootSettings:
+        return cls(
+            host=env.get(POD_IP_ENV) or None,
+            name=env.get(MEMBER_ENV) or env.get(FALLBACK_MEMBER_ENV) or "local",
+            backend=env.get(BACKEND_ENV) or "auto",
+            timeout_s=float(env.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S),
+            bucket_bytes=int(env.get(BUCKET_BYTES_ENV) or DEFAULT_BUCKET_BYTES),
+            key=seeding_key(env),
+            rollout_uid=env.get(ROLLOUT_UID_ENV, "").strip(),
+        )
 
 
 @dataclass(frozen=True)
@@ -30,6 +89,8 @@ class SeedConfig:
     member: str
     backend: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    key: bytes | None = field(default=None, repr=False)  # never printed
+    rollout_uid: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SeedConfig | None:
@@ -51,12 +112,23 @@ class SeedConfig:
             raise ValueError(f"{WORLD_SIZE_ENV} / {TIMEOUT_ENV}: {exc}") from exc
         if world_size < 2 or timeout_s <= 0:
             raise ValueError(f"{WORLD_SIZE_ENV} must be >= 2 and {TIMEOUT_ENV} > 0")
-        member = (
-            env.get(MEMBER_ENV, "").strip()
-            or env.get(FALLBACK_MEMBER_ENV, "").strip()
-            or socket.gethostname()
+        return cls(
+            root_url,
+            group,
+            world_size,
+            member_name(env),
+            backend,
+            timeout_s,
+            key=seeding_key(env),
+            rollout_uid=env.get(ROLLOUT_UID_ENV, "").strip(),
         )
-        return cls(root_url, group, world_size, member, backend, timeout_s)
+
+    def token(self, digest: str) -> str | None:
+        """This replica's join token for ``digest``, made now; None without a key (the
+        root refuses the join, and this replica loads from its node cache)."""
+        if self.key is None:
+            return None
+        return mint(self.key, self.rollout_uid, digest, self.group, time.time())
 
     def receive(self, manifest: Manifest, *, device: str | torch.device = "cpu") -> Received:
         """``receive`` with this config; see it for the errors and what they mean."""
@@ -69,4 +141,5 @@ class SeedConfig:
             device=device,
             timeout_s=self.timeout_s,
             backend=self.backend,
+            token=self.token(manifest.digest),
         )

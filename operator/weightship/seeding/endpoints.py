@@ -21,21 +21,28 @@ MAX_JOIN_BYTES = 64 * 1024  # a join is a few short fields
 
 def handle_join(root: SeedRoot | None, body: bytes) -> tuple[int, dict[str, Any]]:
     """POST JOIN_PATH. 200 with the group's coordinates; 409 means "load from your node
-    cache" (this server is no root, or the root refused); 400 for a malformed body."""
+    cache" (this server is no root, or the root refused); 400 for a malformed body; 401
+    without a token and 403 with one that does not open the group (core.seedtoken)."""
     if root is None:
-        return 409, refusal("NotARoot", "this replica does not seed")
+        return _answered(refusal("NotARoot", "this replica does not seed"))
     try:
         doc = json.loads(body)
         group, world_size, member = doc["group"], int(doc["worldSize"]), str(doc["member"])
         digest, backend = doc.get("digest"), str(doc.get("backend", "auto"))
+        token = doc.get("token")
     except (ValueError, KeyError, TypeError) as exc:
-        return 400, refusal("BadRequest", f"join body: {exc}")
-    if not isinstance(group, str) or (digest is not None and not isinstance(digest, str)):
-        return 400, refusal("BadRequest", "group and digest must be strings")
-    answer = root.join(group, world_size, member, digest=digest, backend=backend)
-    if answer["accepted"]:
-        return 200, answer
-    return (400 if answer["reason"] == "BadRequest" else 409), answer
+        return _answered(refusal("BadRequest", f"join body: {exc}"[:200], 400))
+    if not all(isinstance(v, str | None) for v in (group, digest, token)) or group is None:
+        return _answered(refusal("BadRequest", "group, digest and token must be strings", 400))
+    return _answered(
+        root.join(group, world_size, member, digest=digest, backend=backend, token=token)
+    )
+
+
+def _answered(answer: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The HTTP status a refusal carries (``refusal(status=...)``), 200 for an admission."""
+    status = int(answer.pop("status", 200 if answer["accepted"] else 409))
+    return status, answer
 
 
 def handle_status(root: SeedRoot | None) -> tuple[int, dict[str, Any]]:

@@ -76,9 +76,12 @@ def receive(
     timeout_s: float = 300,
     backend: str = "auto",
     faults: Faults | None = None,
+    token: str | None = None,
 ) -> Received:
     """Join ``group_id`` at the root behind ``root_url``, receive every bucket, verify every
     tensor against the manifest's checksum, and return the tensors on ``device``.
+    ``token`` is the join token (``SeedConfig.token``, core.seedtoken); without one the
+    root refuses the join.
 
     Raises ``SeedingError``. On ``ChecksumMismatch`` the replica must refuse to serve (the
     bytes it got are not the manifest's, so it must never turn Ready on them); on every
@@ -104,6 +107,7 @@ def receive(
             "member": member,
             "digest": manifest.digest,
             "backend": backend,
+            "token": token,
         },
         min(JOIN_HTTP_TIMEOUT_S, deadline.left()),
     )

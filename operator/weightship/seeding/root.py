@@ -9,6 +9,14 @@ var in the pod template cannot change per scale-up without a new template).
 
 Each generation gets its own process group (built over a PrefixStore of the root's one
 TCPStore) and its own thread, and is torn down when its broadcast ends.
+
+Only the rollout's own pods may join: a join carries a token made with the rollout's
+seeding key (core.seedtoken), checked before anything else. A generation's store keys sit
+under a random prefix that only its accepted joiners learn, so a process that reaches the
+store's port but was never admitted cannot read the start signal nor write a rank's
+address (which the others, and the root, would connect to). Open generations count against
+``max_concurrent`` as running ones do, and each starts or ends ``join_window_s`` after its
+first join, so joins for many groups cannot start more broadcasts than the limit.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -24,9 +33,11 @@ from typing import Any, Literal
 
 import torch
 
+from weightship.core.seedtoken import check_token
 from weightship.data.manifest import Manifest
 from weightship.seeding import transport
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, region_views
+from weightship.seeding.config import RootSettings
 from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import GROUP_ID, START_KEY, result_key, store_prefix
 from weightship.seeding.specs import check_tensors, plan_for
@@ -36,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # How long the root waits, after its last bucket, for receivers to report verification.
 RESULT_WAIT_S = 60.0
+MAX_WORLD_SIZE = 1025  # the root and 1,024 receivers: bounds a generation's member list
+MAX_MEMBER_CHARS = 253  # a pod name
 
 
 @dataclass(frozen=True)
@@ -76,14 +89,17 @@ class _Generation:
     group: str
     number: int
     expected: int  # receivers that start it without waiting for the window
+    # Its store keys' prefix, with a random part only its accepted joiners are told.
+    prefix: str = ""
     members: list[str] = field(default_factory=list)
     state: Literal["open", "running", "done"] = "open"
     timer: threading.Timer | None = None
 
 
-def refusal(reason: str, message: str) -> dict[str, Any]:
-    """A join answer that tells the receiver to fall back to its node cache now."""
-    return {"accepted": False, "reason": reason, "message": message}
+def refusal(reason: str, message: str, status: int = 409) -> dict[str, Any]:
+    """A join answer that tells the receiver to fall back to its node cache now; ``status``
+    is the HTTP status the endpoint answers it with."""
+    return {"accepted": False, "reason": reason, "message": message, "status": status}
 
 
 class SeedRoot:
@@ -91,7 +107,8 @@ class SeedRoot:
 
     ``host`` is the address receivers reach this process at (its pod IP); ``name`` names it
     in status. ``backend`` "auto" is NCCL for CUDA tensors, gloo otherwise. ``timeout_s``
-    bounds the group rendezvous and each bucket's broadcast.
+    bounds the group rendezvous and each bucket's broadcast. ``key`` (the rollout's seeding
+    key) and ``rollout_uid`` check each join's token; a root without a key admits no one.
     """
 
     def __init__(
@@ -107,6 +124,8 @@ class SeedRoot:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         max_concurrent: int = 2,
         faults: Faults | None = None,
+        key: bytes | None = None,
+        rollout_uid: str = "",
     ) -> None:
         self.plan = plan_for(manifest, bucket_bytes)
         check_tensors([p.spec for p in self.plan.placements], tensors)
@@ -122,13 +141,34 @@ class SeedRoot:
         self.host, self.name = host, name
         self.timeout_s, self.join_window_s = timeout_s, join_window_s
         self.max_concurrent = max_concurrent
+        self._key, self.rollout_uid = key, rollout_uid
         self.faults = faults if faults is not None else Faults.from_env()
         self._lock = threading.Lock()
         self._store: transport.TCPStore | None = None
-        self._current: dict[str, _Generation] = {}
+        self._current: dict[str, _Generation] = {}  # each group's latest generation
+        self._live: list[_Generation] = []  # open or running, any group: the slots in use
         self._seeded: dict[str, int] = {}  # group -> receivers seeded, for later generations
         self._history: list[SeedRecord] = []
         self._closed = False
+
+    @classmethod
+    def from_settings(
+        cls, tensors: Mapping[str, torch.Tensor], manifest: Manifest, settings: RootSettings
+    ) -> SeedRoot:
+        """The root a verified replica becomes, configured from its pod's env."""
+        if settings.host is None:
+            raise ValueError("a seed root needs its pod IP (WEIGHTSHIP_POD_IP)")
+        return cls(
+            tensors,
+            manifest,
+            host=settings.host,
+            name=settings.name,
+            backend=settings.backend,
+            timeout_s=settings.timeout_s,
+            bucket_bytes=settings.bucket_bytes,
+            key=settings.key,
+            rollout_uid=settings.rollout_uid,
+        )
 
     # -- joining ---------------------------------------------------------------------
 
@@ -140,16 +180,27 @@ class SeedRoot:
         *,
         digest: str | None = None,
         backend: str = "auto",
+        token: str | None = None,
     ) -> dict[str, Any]:
         """Admit ``member`` to ``group_id``; a JSON-able answer for the HTTP handler.
 
-        ``world_size`` counts the root: 3 means the root and two receivers. An answer with
-        ``accepted`` false means "load from your node cache".
+        ``world_size`` counts the root: 3 means the root and two receivers. ``token`` must
+        be the rollout's token for this group (core.seedtoken). An answer with ``accepted``
+        false means "load from your node cache".
         """
         if not GROUP_ID.fullmatch(group_id):
-            return refusal("BadRequest", f"invalid group id {group_id!r}")
-        if world_size < 2 or not member:
-            return refusal("BadRequest", "worldSize must be at least 2 and member non-empty")
+            return refusal("BadRequest", f"invalid group id {group_id!r}", 400)
+        refused = check_token(
+            self._key, self.rollout_uid, self.digest, group_id, token, time.time()
+        )
+        if refused is not None:  # before anything else: strangers learn nothing more
+            return refusal(refused.reason, refused.message, refused.status)
+        if not 2 <= world_size <= MAX_WORLD_SIZE or not 0 < len(member) <= MAX_MEMBER_CHARS:
+            return refusal(
+                "BadRequest",
+                f"worldSize must be 2 to {MAX_WORLD_SIZE}, member 1 to {MAX_MEMBER_CHARS} chars",
+                400,
+            )
         if digest is not None and digest != self.digest:
             return refusal("DigestMismatch", f"root holds {self.digest}, not {digest}")
         if backend not in ("auto", self.backend):
@@ -159,8 +210,8 @@ class SeedRoot:
                 return refusal("RootClosed", "this root no longer seeds")
             gen = self._current.get(group_id)
             if gen is None or gen.state != "open":
-                if self._running() >= self.max_concurrent:
-                    return refusal("Busy", f"{self.max_concurrent} broadcasts already running")
+                if self._active() >= self.max_concurrent:
+                    return refusal("Busy", f"{self.max_concurrent} groups already open or running")
                 gen = self._open(group_id, world_size, gen)
             if member not in gen.members:  # a retried join keeps its rank
                 gen.members.append(member)
@@ -174,7 +225,7 @@ class SeedRoot:
             "generation": gen.number,
             "storeHost": self.host,
             "storePort": port,
-            "storePrefix": store_prefix(group_id, gen.number),
+            "storePrefix": gen.prefix,
             "rank": rank,
             "worldSize": gen.expected + 1,  # planned; ctl/start has the final size
             "backend": self.backend,
@@ -183,18 +234,28 @@ class SeedRoot:
             "bucketBytes": self.plan.bucket_bytes,
         }
 
-    def _running(self) -> int:
-        return sum(g.state == "running" for g in self._current.values())
+    def _active(self) -> int:
+        """Generations that hold a slot: open (joined, not started) or running; a group's
+        running generation and its next, open one hold two."""
+        return len(self._live)
+
+    def _done(self, gen: _Generation) -> None:
+        gen.state = "done"
+        if gen in self._live:
+            self._live.remove(gen)
 
     def _open(self, group: str, world_size: int, previous: _Generation | None) -> _Generation:
         # The receivers not seeded yet; once all were, a new wave of the same size.
         remaining = world_size - 1 - self._seeded.get(group, 0)
         expected = remaining if remaining > 0 else world_size - 1
-        gen = _Generation(group, previous.number + 1 if previous else 1, expected)
+        number = previous.number + 1 if previous else 1
+        prefix = store_prefix(group, number) + secrets.token_hex(16) + "/"
+        gen = _Generation(group, number, expected, prefix)
         gen.timer = threading.Timer(self.join_window_s, self._window_closed, (gen,))
         gen.timer.daemon = True
         gen.timer.start()
         self._current[group] = gen
+        self._live.append(gen)
         return gen
 
     def _window_closed(self, gen: _Generation) -> None:
@@ -222,13 +283,13 @@ class SeedRoot:
         members = tuple(gen.members)
         with self._lock:
             store = self._ensure_store()
-        prefix = store_prefix(gen.group, gen.number)
+        prefix = gen.prefix
         ctl = transport.prefixed(prefix + "ctl/", store)
         seconds, error = self._broadcast(
             len(members) + 1, ctl, transport.prefixed(prefix + "pg/", store)
         )
         with self._lock:  # the slot is free for the next group from here on
-            gen.state = "done"
+            self._done(gen)
             if error is None:
                 self._seeded[gen.group] = self._seeded.get(gen.group, 0) + len(members)
         results = dict.fromkeys(members, "Unknown")
@@ -305,8 +366,7 @@ class SeedRoot:
         with self._lock:
             active = [
                 {"group": g.group, "generation": g.number, "state": g.state, "members": g.members}
-                for g in self._current.values()
-                if g.state != "done"
+                for g in self._live
             ]
             history = [r.to_json() for r in self._history]
         return {"root": self.name, "digest": self.digest, "active": active, "history": history}
@@ -315,16 +375,16 @@ class SeedRoot:
         """Refuse further joins; running broadcasts finish on their own threads."""
         with self._lock:
             self._closed = True
-            for gen in self._current.values():
+            for gen in list(self._live):
                 if gen.state == "open":
-                    gen.state = "done"
+                    self._done(gen)
                     if gen.timer is not None:
                         gen.timer.cancel()
                     self._abandon(gen, "the root closed")
 
     def _abandon(self, gen: _Generation, why: str) -> None:
         if self._store is not None:
-            ctl = transport.prefixed(store_prefix(gen.group, gen.number) + "ctl/", self._store)
+            ctl = transport.prefixed(gen.prefix + "ctl/", self._store)
             ctl.set(START_KEY, json.dumps({"abandon": why}))
 
 

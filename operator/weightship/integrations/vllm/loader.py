@@ -99,18 +99,10 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
     def _become_root(self, settings: PluginSettings, got: Obtained) -> None:
         """Keep the verified raw tensors (host memory: one copy of the checkpoint) and
         serve joins on loopback; the API server's endpoint forwards them here."""
-        if not settings.seed_root or settings.pod_ip is None:
+        if not settings.seed_root or settings.root.host is None:
             return
         try:
-            root = SeedRoot(
-                got.tensors,
-                got.manifest,
-                host=settings.pod_ip,
-                name=settings.pod_name,
-                backend=settings.seed_backend,
-                timeout_s=settings.seed_timeout_s,
-                bucket_bytes=settings.seed_bucket_bytes,
-            )
+            root = SeedRoot.from_settings(got.tensors, got.manifest, settings.root)
         except Exception as exc:  # e.g. a manifest without tensor checksums
             log.warning("this replica cannot seed others: %s", exc)
             return

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
-from weightship.seeding.config import BACKEND_ENV, TIMEOUT_ENV, SeedConfig
+from weightship.seeding.config import RootSettings, SeedConfig
 
 RUN_DIR_ENV = "WEIGHTSHIP_VLLM_RUN_DIR"
 # Set by the API server process (the first to load the plugin) for its children, so a
@@ -32,12 +31,9 @@ class PluginSettings:
     manifest_digest: str | None  # WEIGHTSHIP_MANIFEST_DIGEST: what the rollout pins
     run_dir: Path  # where ranks leave their reports for the endpoint
     seed: SeedConfig | None = None  # WEIGHTSHIP_SEED_*: receive by broadcast
-    pod_ip: str | None = None  # WEIGHTSHIP_POD_IP: where receivers reach this root
-    pod_name: str = "local"  # WEIGHTSHIP_POD_NAME
     seed_root: bool = True  # WEIGHTSHIP_VLLM_SEED_ROOT=0: keep no copy to seed others
-    seed_backend: str = "auto"
-    seed_timeout_s: float = 300.0
-    seed_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # How this replica seeds others once verified (pod IP and name, backend, key, ...).
+    root: RootSettings = field(default_factory=lambda: RootSettings(None, "local"))
     termination_log: Path = Path(DEFAULT_TERMINATION_LOG)
 
     @classmethod
@@ -66,11 +62,7 @@ class PluginSettings:
             manifest_digest=extra.get("manifest_digest") or opt("WEIGHTSHIP_MANIFEST_DIGEST"),
             run_dir=Path(env.get(RUN_DIR_ENV) or f"/tmp/weightship-vllm-{os.getpid()}"),
             seed=seed,
-            pod_ip=opt("WEIGHTSHIP_POD_IP"),
-            pod_name=env.get("WEIGHTSHIP_POD_NAME") or env.get("POD_NAME") or "local",
             seed_root=bool(seed_root),
-            seed_backend=env.get(BACKEND_ENV) or "auto",
-            seed_timeout_s=float(env.get(TIMEOUT_ENV) or 300),
-            seed_bucket_bytes=int(env.get("WEIGHTSHIP_SEED_BUCKET_BYTES") or DEFAULT_BUCKET_BYTES),
+            root=RootSettings.from_env(env),
             termination_log=Path(env.get(TERMINATION_LOG_ENV) or DEFAULT_TERMINATION_LOG),
         )

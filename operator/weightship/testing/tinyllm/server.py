@@ -123,18 +123,10 @@ class App:
     ) -> None:
         """A verified replica can seed new ones (the operator picks which one does)."""
         settings = self.settings
-        if not verified or settings.pod_ip is None:
+        if not verified or settings.root.host is None:
             return
         try:
-            self.seed_root = SeedRoot(
-                tensors,
-                manifest,
-                host=settings.pod_ip,
-                name=settings.pod_name,
-                backend=settings.seed_backend,
-                timeout_s=settings.seed_timeout_s,
-                bucket_bytes=settings.seed_bucket_bytes,
-            )
+            self.seed_root = SeedRoot.from_settings(tensors, manifest, settings.root)
         except Exception as exc:  # e.g. a manifest without tensor checksums
             log.warning("this replica cannot seed others: %s", exc)
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightship.data.s3 import S3Settings
-from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
-from weightship.seeding.config import BACKEND_ENV, TIMEOUT_ENV, SeedConfig
+from weightship.seeding.config import RootSettings, SeedConfig
 
 DEFAULT_PORT = 8000
 
@@ -27,11 +26,8 @@ class Settings:
     device: str = "cpu"  # TINYLLM_DEVICE
     node: str = "local"  # NODE_NAME
     seed: SeedConfig | None = None  # WEIGHTSHIP_SEED_*: receive by broadcast from a root
-    pod_ip: str | None = None  # WEIGHTSHIP_POD_IP: where receivers reach this replica's group
-    pod_name: str = "local"  # WEIGHTSHIP_POD_NAME: names this replica in status
-    seed_backend: str = "auto"  # WEIGHTSHIP_SEED_BACKEND, as a root
-    seed_timeout_s: float = 300.0  # WEIGHTSHIP_SEED_TIMEOUT_SECONDS, as a root
-    seed_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # WEIGHTSHIP_SEED_BUCKET_BYTES
+    # How this replica seeds others once verified (pod IP and name, backend, key, ...).
+    root: RootSettings = field(default_factory=lambda: RootSettings(None, "local"))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -58,9 +54,5 @@ class Settings:
             device=env.get("TINYLLM_DEVICE") or "cpu",
             node=env.get("NODE_NAME") or "local",
             seed=SeedConfig.from_env(env),
-            pod_ip=opt("WEIGHTSHIP_POD_IP"),
-            pod_name=env.get("WEIGHTSHIP_POD_NAME") or env.get("POD_NAME") or "local",
-            seed_backend=env.get(BACKEND_ENV) or "auto",
-            seed_timeout_s=float(env.get(TIMEOUT_ENV) or 300),
-            seed_bucket_bytes=int(env.get("WEIGHTSHIP_SEED_BUCKET_BYTES") or DEFAULT_BUCKET_BYTES),
+            root=RootSettings.from_env(env),
         )
