@@ -45,15 +45,19 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import numpy
+import safetensors.numpy
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from benchlib import free_port, table
+from scale_profile import HOP_HEADER, CpuMeter, Timeline, hop_table, machine_busy
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import cluster as local_cluster
 from weightship.dev import testkit
+from weightship.dev.install import apply_crds
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship.dev.nodes import admin_api, kwok_node_body
 from weightship.dev.scale import Fleet, healthy_on
@@ -317,7 +321,8 @@ def publish_models(endpoint: str) -> tuple[str, dict[str, str]]:
         for version in ("v1", "v2"):
             folder = Path(tmp) / version
             folder.mkdir()
-            (folder / "model.safetensors").write_bytes(os.urandom(4096))
+            weights = numpy.frombuffer(os.urandom(4096), dtype=numpy.uint8)
+            safetensors.numpy.save_file({"w": weights}, folder / "model.safetensors")
             uri = f"s3://{bucket}/models/{version}/"
             publish(folder, S3Origin(s3, S3Location.parse(uri)), chunk_size=1 << 20)
             uris[version] = uri
@@ -341,14 +346,24 @@ def namespace_with_secret(api: client.ApiClient, prefix: str) -> str:
 
 @contextmanager
 def phase(
-    name: str, op: Operator, counts: ApiCounts, out: dict[str, Any], fleets: list[Fleet]
+    name: str,
+    op: Operator,
+    counts: ApiCounts,
+    out: dict[str, Any],
+    fleets: list[Fleet],
+    cpu: CpuMeter,
 ) -> Iterator[dict[str, Any]]:
     """Figures between entering and leaving: API requests (the bench's own LISTs of
-    modelrollouts taken off), reconciles and their p50/p99."""
+    modelrollouts taken off), reconciles and their p50/p99, CPU by component."""
     api_before, m_before, lists_before = counts.read(), op.metrics(), sum(f.lists for f in fleets)
+    cpu_before, busy = cpu.read(), machine_busy()
+    next(busy)
     started = time.monotonic()
     result: dict[str, Any] = {}
     yield result
+    wall = time.monotonic() - started
+    result["cpu"] = CpuMeter.shares(cpu_before, cpu.read(), wall)
+    result["machine_busy"] = next(busy)
     api_after, m_after = counts.read(), op.metrics()
     delta = api_after - api_before
     delta[("LIST", "modelrollouts")] -= sum(f.lists for f in fleets) - lists_before
@@ -392,34 +407,43 @@ def run_design(
     )
     out: dict[str, Any] = {"design": design}
     fleets: list[Fleet] = []
+    cpu = CpuMeter.for_cluster(paths.pids, {"operator": op.proc.pid, "bench": os.getpid()})
+    timeline = Timeline(api, namespace)
 
     def wait(fleet: Fleet, revision: str, timeout: float) -> tuple[dict[str, float], int]:
         if fleet not in fleets:
             fleets.append(fleet)
         interval = 0.25 if len(fleet.names) == 1 else 0.5  # one LIST per interval
-        done, _listing = fleet.wait(healthy_on(revision), timeout=timeout, interval=interval)
+        done, _listing = fleet.wait(
+            healthy_on(revision), timeout=timeout, interval=interval, stall_s=args.stall
+        )
         return done, len(fleet.names)
 
+    def hops(r: dict[str, Any], fleet: Fleet, revision: str, replicas: int) -> None:
+        r["hops"] = hop_table(timeline.milestones(fleet.changed_at, revision, replicas))
+
     try:
+        timeline.__enter__()
         op.wait_serving()
         solo = Fleet(api, namespace, "solo", 1)
         solo.create(uris["v1"], "v1", endpoint)
         wait(solo, "v1", args.timeout)
-        with phase("solo", op, counts, out, fleets) as r:
+        with phase("solo", op, counts, out, fleets, cpu) as r:
             solo.set_model(uris["v2"], "v2")
             done, total = wait(solo, "v2", args.timeout)
             r.update(
                 finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
             )
+        hops(r, solo, "v2", 2)
 
         fleet = Fleet(api, namespace, "m", args.rollouts)
-        with phase("create", op, counts, out, fleets) as r:
+        with phase("create", op, counts, out, fleets, cpu) as r:
             fleet.create(uris["v1"], "v1", endpoint)
             done, total = wait(fleet, "v1", args.timeout)
             r.update(
                 finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
             )
-        with phase("revision", op, counts, out, fleets) as r:
+        with phase("revision", op, counts, out, fleets, cpu) as r:
             fleet.set_model(uris["v2"], "v2")
             done, total = wait(fleet, "v2", args.timeout)
             times = sorted(done.values())
@@ -429,22 +453,27 @@ def run_design(
                 all_healthy_s=times[-1] if len(done) == total and times else None,
                 median_s=times[len(times) // 2] if times else None,
             )
-        if args.big and out["revision"]["finished"] < args.rollouts:
+        hops(r, fleet, "v2", 2)
+        if args.big and design == "old" and out["revision"]["finished"] < args.rollouts:
+            # One kopf daemon thread per rollout: with the fleet's holding all of them, a
+            # new rollout never starts.
             out["big_skipped"] = "the fleet never finished: its rollouts hold every thread"
         elif args.big:
             big = Fleet(api, namespace, "big", 1)
             big.create(uris["v1"], "v1", endpoint, replicas=args.big)
             wait(big, "v1", args.timeout * 2)
-            with phase("big", op, counts, out, fleets) as r:
+            with phase("big", op, counts, out, fleets, cpu) as r:
                 big.set_model(uris["v2"], "v2")
                 done, total = wait(big, "v2", args.timeout * 2)
                 r.update(
                     finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
                 )
-        with phase("steady", op, counts, out, fleets):
+            hops(r, big, "v2", args.big)
+        with phase("steady", op, counts, out, fleets, cpu):
             time.sleep(STEADY_S)
         out["rss_mb"], out["threads"] = op.peak_rss_mb, op.peak_threads
     finally:
+        timeline.__exit__()
         op.stop()
         testkit.delete_namespace(api, namespace)
     return out
@@ -457,6 +486,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--big", type=int, default=500, help="replicas of the big rollout (0: none)")
     p.add_argument("--staging", type=float, default=0.1, help="share of nodes staging")
     p.add_argument("--timeout", type=float, default=420, help="seconds per wait")
+    p.add_argument(
+        "--stall",
+        type=float,
+        default=90,
+        help="stop a wait when no rollout got there for this long (how far it got is the figure)",
+    )
     p.add_argument("--designs", default="new,old")
     p.add_argument(
         "--new-ref",
@@ -468,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not local_cluster.is_up(paths):
         raise SystemExit("the local cluster is not up (weightship dev cluster up)")
     api = admin_api(paths)
+    apply_crds(api)  # a fresh cluster has none until the first e2e run
     endpoint = local_cluster.s3_endpoint()
     results: dict[str, Any] = {"args": vars(args), "load_before": os.getloadavg()[0]}
     bucket, uris = publish_models(endpoint)
@@ -538,7 +574,26 @@ def report_design(r: dict[str, Any]) -> None:
     for name in ("revision", "steady"):
         if name in r:
             print(f"{name}: operator's writes {r[name]['writes']}")
+            print(f"{name}: cluster-wide writes {r[name]['cluster_writes']}")
             print(f"{name}: cluster-wide LIST/GET {r[name]['cluster_reads']}")
+    if "big_skipped" in r:
+        print(f"big: not run: {r['big_skipped']}")
+    for name in ("solo", "revision", "big"):
+        if "hops" in r.get(name, {}):
+            print(f"\n{name}: where the time went, from each rollout's spec change")
+            print(table(HOP_HEADER, r[name]["hops"]))
+    print("\nCPU, share of one core (machine: 2 cores)")
+    names = sorted({n for f in r.values() if isinstance(f, dict) for n in f.get("cpu", {})})
+    rows = [
+        [
+            p,
+            *(_fmt(r[p]["cpu"].get(n), digits=2) for n in names),
+            _fmt(r[p]["machine_busy"], digits=2),
+        ]
+        for p in ("solo", "create", "revision", "big", "steady")
+        if "cpu" in r.get(p, {})
+    ]
+    print(table(["phase", *names, "machine busy"], rows))
 
 
 def summarize(results: dict[str, Any]) -> None:

@@ -68,6 +68,7 @@ class Fleet:
         self.namespace = namespace
         self.names = [f"{prefix}-{i:03d}" for i in range(count)]
         self.lists = 0  # LISTs this helper made (a benchmark takes them off its counts)
+        self.changed_at: dict[str, float] = {}  # monotonic time each rollout's last patch returned
 
     def _each(self, fn: Callable[[str], Any], workers: int = 8) -> None:
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -86,11 +87,14 @@ class Fleet:
 
     def set_model(self, uri: str, revision: str) -> None:
         spec = {"model": {"source": {"uri": uri}, "revision": revision}}
-        self._each(
-            lambda name: self.custom.patch_namespaced_custom_object(
+
+        def patch(name: str) -> None:
+            self.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
             )
-        )
+            self.changed_at[name] = time.monotonic()
+
+        self._each(patch)
 
     def listing(self) -> dict[str, dict[str, Any]]:
         self.lists += 1
@@ -105,19 +109,25 @@ class Fleet:
         check: Callable[[dict[str, Any]], bool],
         timeout: float,
         interval: float = 1.0,
+        stall_s: float | None = None,
     ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
         """Seconds until each rollout first passed `check` (those that did), and the last
-        listing. One LIST per interval: the watcher must not be the load."""
+        listing. One LIST per interval: the watcher must not be the load. Gives up early
+        when `stall_s` passes without one more rollout passing."""
         started = time.monotonic()
         done: dict[str, float] = {}
         last: dict[str, dict[str, Any]] = {}
+        progress = started
         while True:
             last = self.listing()
             now = time.monotonic() - started
             for name, obj in last.items():
                 if name not in done and check(obj):
                     done[name] = now
+                    progress = time.monotonic()
             if len(done) == len(self.names) or now >= timeout:
+                return done, last
+            if stall_s is not None and time.monotonic() - progress >= stall_s:
                 return done, last
             time.sleep(interval)
 
