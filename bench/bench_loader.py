@@ -7,21 +7,28 @@ that malloc kept from the run before and skip the page faults a real load pays (
 favours the many small allocations of the baseline). Runs of the paths are interleaved
 and the best counts (the machine is shared, and noise only ever slows a run down).
 
-- ours, verified: load_model(verify=True): chunks read in parallel into one buffer per
-  file, each chunk's sha256 checked in the same pass.
+- ours, verified (P4 of issue 15): load_model(verify=True) with a version 2 manifest:
+  chunks read in parallel into one buffer per file, every byte hashed with BLAKE3 piece
+  by piece as it lands, tensors materialized (views into the filled buffers).
+- ours, verified with a version 1 manifest: the same with sha256 chunks (old manifests).
 - baseline, verified: sha256 of each file, then safetensors.torch.load_file and a clone
   of every tensor. load_file maps the file lazily, so without the clone it touches no
   data at all; the clone is what makes the bytes real, as a load to a device would.
 - the same baseline with the files hashed on 2 threads, a stronger baseline.
 - unverified, beside them: load_model(verify=False) and load_file + clone.
 
+It ends with the P4 line: ours verified / baseline verified (target >= 2.5x), with the
+unverified figure beside it and the CPU bound (read floor + hash cost per core).
+
     .venv/bin/python bench/bench_loader.py            # 1 GiB in 4 shards
     .venv/bin/python bench/bench_loader.py --quick    # 128 MiB in 2 shards
+    .venv/bin/python bench/bench_loader.py --sweep    # + load_model workers x hash threads
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -30,15 +37,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import blake3
 import torch
 from safetensors.torch import load_file, save_file
 
 from benchlib import WORK, MiB, gbps, sha256_file, table, verify_files
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.checksum import checksum_bytes
-from weightship.loader.load import load_model
+from weightship.loader.load import READ_PIECE, load_model
 
 HIDDEN = 2048
 # One layer's matrices as (rows, name): attention q, k, v, o and the MLP's three.
@@ -78,11 +86,12 @@ def _random_bf16(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return bits.view(torch.bfloat16)
 
 
-def manifest_of(model: Path) -> Manifest:
-    cached = model.with_suffix(".manifest.json")
+def manifest_of(model: Path, version: Literal[1, 2] = 2) -> Manifest:
+    """The model's manifest: version 2 (BLAKE3 chunks) or 1 (sha256 chunks), made once."""
+    cached = model.with_suffix(f".manifest-v{version}.json")
     if cached.exists():
         return Manifest.parse(cached.read_bytes())
-    manifest = build_manifest(LocalFolder(model), workers=2)
+    manifest = build_manifest(LocalFolder(model), workers=2, version=version)
     cached.write_bytes(manifest.canonical_bytes())
     return manifest
 
@@ -136,19 +145,39 @@ def measure_once(run: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+OURS = "ours verified"
+OURS_V1 = "ours verified, sha256 chunks (v1 manifest)"
+OURS_UNVERIFIED = "ours unverified"
+# load_model (workers, hash_threads) tried by --sweep: threads per chunk against
+# blake3's own threads inside one chunk, and both.
+SWEEP = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
+
+
+def sweep_name(workers: int, hash_threads: int) -> str:
+    return f"ours verified, workers={workers} hash_threads={hash_threads}"
+
+
 def path_runners(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
     model = make_safetensors_model(args.size_mib * MiB, args.shards)
     manifest = manifest_of(model)
+    v1 = manifest_of(model, version=1)
     paths = shard_paths(model, manifest)
-    return {
-        "ours verified": lambda: load_model(model, manifest, workers=args.workers),
+    threads = args.hash_threads
+    runners: dict[str, Callable[[], object]] = {
+        OURS: lambda: load_model(model, manifest, workers=args.workers, hash_threads=threads),
+        OURS_V1: lambda: load_model(model, v1, workers=args.workers),
         "baseline verified": lambda: baseline_verified(paths, manifest),
         "baseline verified, 2 hash threads": lambda: baseline_verified_2threads(
             model, paths, manifest
         ),
-        "ours unverified": lambda: load_model(model, manifest, verify=False, workers=args.workers),
+        OURS_UNVERIFIED: lambda: load_model(model, manifest, verify=False, workers=args.workers),
         "baseline unverified": lambda: load_and_clone(paths),
     }
+    for workers, hash_threads in SWEEP:
+        runners[sweep_name(workers, hash_threads)] = functools.partial(
+            load_model, model, manifest, workers=workers, hash_threads=hash_threads
+        )
+    return runners
 
 
 def best_in_fresh_processes(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
@@ -159,10 +188,11 @@ def best_in_fresh_processes(args: argparse.Namespace, names: list[str]) -> dict[
         [str(here.parent / "operator"), str(here), env.get("PYTHONPATH", "")]
     )
     common = [f"--size-mib={args.size_mib}", f"--shards={args.shards}"]
+    common += [f"--workers={args.workers}", f"--hash-threads={args.hash_threads}"]
     runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for name in names:  # interleaved, so drift in the machine's load hits all paths
-            cmd = [sys.executable, __file__, *common, f"--workers={args.workers}", "--one", name]
+            cmd = [sys.executable, __file__, *common, "--one", name]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])
             runs[name].append((wall, cpu))
@@ -170,14 +200,28 @@ def best_in_fresh_processes(args: argparse.Namespace, names: list[str]) -> dict[
 
 
 def in_memory_hash_rates(path: Path) -> dict[str, float]:
-    """GB/s of sha256 and of wsum64 (numpy) on one thread over bytes already in memory."""
+    """GB/s of sha256, BLAKE3 and wsum64 (numpy) on one thread over bytes already in
+    memory (best of 3), BLAKE3 with its own 2 threads, and BLAKE3 over one READ_PIECE
+    piece again and again (in cache, as load_model hashes a piece it has just read)."""
     data = path.read_bytes()[: 256 * MiB]
-    start = time.perf_counter()
-    hashlib.sha256(data).hexdigest()
-    sha = gbps(len(data), time.perf_counter() - start)
-    start = time.perf_counter()
-    checksum_bytes(data)
-    return {"sha256": sha, "wsum64": gbps(len(data), time.perf_counter() - start)}
+    piece = memoryview(data)[:READ_PIECE]
+
+    def hot_pieces() -> None:
+        for _ in range(len(data) // READ_PIECE):
+            blake3.blake3(piece).digest()
+
+    hashes: dict[str, Callable[[], object]] = {
+        "sha256": lambda: hashlib.sha256(data).hexdigest(),
+        "blake3": lambda: blake3.blake3(data).hexdigest(),
+        "blake3, 2 threads": lambda: blake3.blake3(data, max_threads=2).hexdigest(),
+        "blake3, cache-hot piece": hot_pieces,
+        "wsum64": lambda: checksum_bytes(data),
+    }
+    rates = {}
+    for name, run in hashes.items():
+        best = min(measure_once(run)[0] for _ in range(3))
+        rates[name] = gbps(len(data), best)
+    return rates
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -185,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--workers", type=int, default=4, help="load_model threads")
+    p.add_argument("--hash-threads", type=int, default=1, help="load_model blake3 threads")
+    p.add_argument("--sweep", action="store_true", help="also time workers x hash threads")
     p.add_argument("--repeats", type=int, default=3, help="runs per path; the best counts")
     p.add_argument("--quick", action="store_true", help="128 MiB in 2 shards, 2 repeats")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -202,15 +248,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = manifest.total_size
     warm_page_cache(paths)
 
-    # Correctness first: ours, verified, gives exactly safetensors' tensors.
-    ours = load_model(model, manifest, workers=args.workers)
+    # Correctness first: ours, verified (both manifest versions), gives exactly
+    # safetensors' tensors.
     reference = load_and_clone(paths)
-    same = ours.verified and ours.digest == manifest.digest and set(ours.tensors) == set(reference)
-    same = same and all(same_bytes(ours.tensors[k], v) for k, v in reference.items())
+    same = True
+    for m in (manifest, manifest_of(model, version=1)):
+        ours = load_model(model, m, workers=args.workers, hash_threads=args.hash_threads)
+        same = same and ours.verified and ours.digest == m.digest
+        same = same and set(ours.tensors) == set(reference)
+        same = same and all(same_bytes(ours.tensors[k], v) for k, v in reference.items())
+        del ours
     tensor_count = len(reference)
-    del ours, reference
+    del reference
 
-    measured = best_in_fresh_processes(args, list(path_runners(args)))
+    table_paths = [OURS, OURS_V1, "baseline verified", "baseline verified, 2 hash threads"]
+    table_paths += [OURS_UNVERIFIED, "baseline unverified"]
+    swept = [sweep_name(w, h) for w, h in SWEEP] if args.sweep else []
+    measured = best_in_fresh_processes(args, table_paths + swept)
     seconds = {k: wall for k, (wall, _) in measured.items()}
     cpu_per_gb = {k: cpu / (size / 1e9) for k, (_, cpu) in measured.items()}
     rates = {k: gbps(size, s) for k, s in seconds.items()}
@@ -225,10 +279,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": seconds,
         "cpu_seconds_per_gb": cpu_per_gb,
         "gbps": rates,
-        "ratio_verified": rates["ours verified"] / rates["baseline verified"],
-        "ratio_verified_2threads": rates["ours verified"]
-        / rates["baseline verified, 2 hash threads"],
-        "ratio_unverified": rates["ours unverified"] / rates["baseline unverified"],
+        "hash_threads": args.hash_threads,
+        "ratio_verified": rates[OURS] / rates["baseline verified"],
+        "ratio_verified_2threads": rates[OURS] / rates["baseline verified, 2 hash threads"],
+        "ratio_verified_sha256_chunks": rates[OURS_V1] / rates["baseline verified"],
+        "ratio_unverified": rates[OURS_UNVERIFIED] / rates["baseline unverified"],
+        "verified_over_unverified": rates[OURS] / rates[OURS_UNVERIFIED],
         "hash_gbps_in_memory": in_memory_hash_rates(paths[0]),
         "loadavg": os.getloadavg(),
     }
@@ -241,8 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{cpu_per_gb[name]:.2f}",
         ]
 
-    rows = [row(name, "ours verified") for name in list(measured)[:3]]
-    rows += [row(name, "ours unverified") for name in list(measured)[3:]]
+    rows = [row(name, OURS) for name in table_paths[:4]]
+    rows += [row(name, OURS_UNVERIFIED) for name in table_paths[4:6]]
     print(
         f"\n{size / MiB:.0f} MiB in {args.shards} shards, {tensor_count} bf16 tensors, page "
         f"cache warm; load_model workers={args.workers}; best of {args.repeats} fresh "
@@ -250,12 +306,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{os.cpu_count()} CPUs; load average {result['loadavg'][0]:.2f}"
     )
     print(table(["path", "GB/s", "ours / this (GB/s)", "CPU s per GB"], rows))
+    if swept:
+        print(
+            table(
+                ["load_model, verified (blake3)", "GB/s", "CPU s per GB"],
+                [
+                    [
+                        name.removeprefix("ours verified, "),
+                        f"{rates[name]:.2f}",
+                        f"{cpu_per_gb[name]:.2f}",
+                    ]
+                    for name in swept
+                ],
+            )
+        )
     hashes = result["hash_gbps_in_memory"]
     print(
         f"in memory, one thread: sha256 {hashes['sha256']:.2f} GB/s, "
+        f"blake3 {hashes['blake3']:.2f} GB/s (2 threads {hashes['blake3, 2 threads']:.2f}, "
+        f"a cache-hot {READ_PIECE // 1024} KiB piece {hashes['blake3, cache-hot piece']:.2f}), "
         f"wsum64 (numpy) {hashes['wsum64']:.2f} GB/s"
     )
+    # Where verified time goes: the unverified load's CPU (read from the page cache into
+    # fresh memory, its page faults, the tensors) plus hashing every byte once at the
+    # cache-hot BLAKE3 rate; on os.cpu_count() cores that is the wall-clock bound.
+    floor = cpu_per_gb[OURS_UNVERIFIED]
+    hash_cost = 1 / hashes["blake3, cache-hot piece"]
+    cores = os.cpu_count() or 1
+    result["bound_cpu_s_per_gb"] = floor + hash_cost
+    result["bound_gbps"] = cores / (floor + hash_cost)
+    print(
+        f"bound: read {floor:.2f} + blake3 {hash_cost:.2f} = {floor + hash_cost:.2f} CPU s "
+        f"per GB -> {result['bound_gbps']:.2f} GB/s on {cores} cores; ours verified used "
+        f"{cpu_per_gb[OURS]:.2f} CPU s per GB at {rates[OURS]:.2f} GB/s"
+    )
     print(f"tensors identical to safetensors': {same}")
+    print(
+        f"P4 verified load (blake3 chunks, every byte hashed, tensors materialized) / naive "
+        f"verified (sha256 of the file, then load_file + clone): {result['ratio_verified']:.2f}x "
+        f"(target >= 2.5x; {rates[OURS]:.2f} vs {rates['baseline verified']:.2f} GB/s); "
+        f"unverified: ours {rates[OURS_UNVERIFIED]:.2f} GB/s, verified/unverified "
+        f"{result['verified_over_unverified']:.2f}"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
