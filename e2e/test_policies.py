@@ -1,8 +1,9 @@
 """The chart's ValidatingAdmissionPolicies, applied to the real API server: an agent's
 pod-bound token may write only its own node's WeightCache (the token's node claim), and
-the operator's cluster-wide writes change only its node labels, pod conditions and
-Service selectors. Each policy matches only this test's service accounts (named after a
-release made for the test), so other tests sharing the cluster are untouched."""
+the operator's cluster-wide writes change only its node labels, pod conditions, Service
+selectors and HTTPRoute backend weights. Each policy matches only this test's service
+accounts (named after a release made for the test), so other tests sharing the cluster are
+untouched."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def wait_until_type_checked(admission: client.AdmissionregistrationV1Api, r: Rel
     """The API server type-checks each policy after it is created: no warnings wanted, and
     a short wait so the policies are in force (they load asynchronously)."""
     names = [d["metadata"]["name"] for d in r.docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(names) == 4
+    assert len(names) == 5
     deadline = time.monotonic() + 30
     while True:
         statuses = [admission.read_validating_admission_policy(n).status for n in names]
@@ -300,3 +301,78 @@ def test_the_operators_cluster_wide_writes_are_narrowed(cluster: Any, release: R
         ),
         "only at a rollout revision",
     )
+
+
+def route(namespace: str) -> dict[str, Any]:
+    backends = [{"name": "llm-stable", "port": 80, "weight": 100},
+                {"name": "llm-canary", "port": 80, "weight": 0}]  # fmt: skip
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "llm", "namespace": namespace},
+        "spec": {
+            "parentRefs": [{"name": "gw"}],
+            "hostnames": ["llm.example.com"],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                    "backendRefs": backends,
+                }
+            ],
+        },
+    }
+
+
+def test_the_operator_changes_only_an_httproutes_weights(cluster: Any, release: Release) -> None:
+    """kube.set_route_weights replaces the route with new weights: that, and nothing else."""
+    sa = release.named("ServiceAccount", "-operator")["metadata"]["name"]
+    operator = client.CustomObjectsApi(
+        user_api(cluster, token_for(cluster.core, release.namespace, sa))
+    )
+    admin = client.CustomObjectsApi(cluster.api)
+    ns, gw = release.namespace, ("gateway.networking.k8s.io", "v1")
+    admin.create_namespaced_custom_object(*gw, ns, "httproutes", route(ns))
+
+    def replace(change: Callable[[dict[str, Any]], None]) -> object:
+        body = operator.get_namespaced_custom_object(*gw, ns, "httproutes", "llm")
+        change(body)
+        return operator.replace_namespaced_custom_object(*gw, ns, "httproutes", "llm", body)
+
+    def refs(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return list(body["spec"]["rules"][0]["backendRefs"])
+
+    def weights(stable: int, canary: int) -> Callable[[dict[str, Any]], None]:
+        def change(body: dict[str, Any]) -> None:
+            refs(body)[0]["weight"], refs(body)[1]["weight"] = stable, canary
+
+        return change
+
+    replace(weights(90, 10))
+    got = admin.get_namespaced_custom_object(*gw, ns, "httproutes", "llm")
+    assert [r["weight"] for r in refs(got)] == [90, 10]
+    needle = "only the backend weights of an HTTPRoute"
+    hostile: list[Callable[[dict[str, Any]], None]] = [
+        lambda b: refs(b)[1].update(name="db"),  # send the canary share to another Service
+        lambda b: refs(b)[1].update(namespace="kube-system"),
+        lambda b: refs(b)[1].update(port=22),
+        lambda b: b["spec"]["rules"][0]["backendRefs"].append({"name": "x", "port": 80}),
+        lambda b: b["spec"]["rules"][0].update(
+            filters=[
+                {
+                    "type": "RequestMirror",
+                    "requestMirror": {"backendRef": {"name": "spy", "port": 80}},
+                }
+            ]
+        ),
+        lambda b: b["spec"]["rules"][0]["matches"][0]["path"].update(value="/"),
+        lambda b: b["spec"]["rules"].append({"backendRefs": [{"name": "x", "port": 80}]}),
+        lambda b: b["spec"].update(parentRefs=[{"name": "public-gw"}]),
+        lambda b: b["spec"].update(hostnames=["evil.example.com"]),
+        lambda b: b["metadata"].setdefault("labels", {}).update(x="y"),
+    ]
+    for change in hostile:
+        refused(lambda change=change: replace(change), needle)  # type: ignore[misc]
+    # The admin (anyone but the operator) is not fenced.
+    body = admin.get_namespaced_custom_object(*gw, ns, "httproutes", "llm")
+    body["spec"]["hostnames"] = ["other.example.com"]
+    admin.replace_namespaced_custom_object(*gw, ns, "httproutes", "llm", body)
