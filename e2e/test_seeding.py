@@ -4,6 +4,9 @@ first verified replica as root and the two new ones receive its weights over glo
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +20,11 @@ from e2e.operator_fixtures import (
 )
 from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.controller.seedkey import KEY_ENV, seed_key_secret_name
+from weightship.core.seedtoken import join_token
 from weightship.dev import testkit
+from weightship.seeding.protocol import JOIN_PATH
+from weightship.testing.tinyllm.settings import DEFAULT_PORT
 
 NAMESPACE_PREFIX = "sd-"
 # 1 canary pod at 33 %, then 3: the scale-up the broadcast serves; the pause keeps the
@@ -82,6 +89,37 @@ def paused_on_three(rollouts: Rollouts) -> dict[str, Any]:
     )["status"]
 
 
+def post_join(ip: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"http://{ip}:{DEFAULT_PORT}{JOIN_PATH}", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def assert_root_refuses_strangers(cluster: Any, rollouts: Rollouts, root: Any) -> None:
+    """The root pod's real server: a join with only its URL and the manifest digest, or
+    with a token made without the rollout's key, gets nothing (issue 12, High 2)."""
+    digest = root.metadata.annotations["weightship.io/manifest-digest"]
+    join = {"group": "stranger", "worldSize": 2, "member": "x", "digest": digest}
+    status, doc = post_join(root.status.pod_ip, join)
+    assert (status, doc["reason"]) == (401, "TokenMissing"), doc
+    uid = rollouts.get("llm")["metadata"]["uid"]
+    forged = join_token(bytes(32), uid, digest, "stranger", 2_000_000_000)
+    status, doc = post_join(root.status.pod_ip, {**join, "token": forged})
+    assert (status, doc["reason"]) == (403, "TokenInvalid"), doc
+    assert "storePort" not in doc and forged not in json.dumps(doc)
+    # The key: one Secret per rollout, owned by it; pods read it by reference only.
+    secret = cluster.core.read_namespaced_secret(seed_key_secret_name("llm"), rollouts.namespace)
+    assert secret.metadata.labels["weightship.io/seeding-key"] == "true"
+    assert [o.uid for o in secret.metadata.owner_references] == [uid]
+    env = {e.name: e for e in root.spec.containers[0].env}
+    assert env[KEY_ENV].value is None and env[KEY_ENV].value_from.secret_key_ref.key == "key"
+
+
 def promote_to_healthy(cluster: Any, rollouts: Rollouts) -> None:
     user_actions.promote(cluster.api, rollouts.namespace, "llm")
     rollouts.healthy_on("llm", "v2")
@@ -105,6 +143,10 @@ def test_scale_up_seeds_new_replicas_by_broadcast(
         assert is_ready(pod)
         if pod.metadata.name != root:
             assert f"seeded by {root}" in condition.message
+    (root_pod,) = [
+        p for p in canary_pods(cluster, rollouts.namespace, status) if p.metadata.name == root
+    ]
+    assert_root_refuses_strangers(cluster, rollouts, root_pod)
     promote_to_healthy(cluster, rollouts)
 
 

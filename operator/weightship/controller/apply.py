@@ -21,6 +21,7 @@ from weightship.controller.builders import (
     verified_condition,
 )
 from weightship.controller.kube import Kube
+from weightship.controller.seedkey import ensure_seed_key
 from weightship.core.decision import CreateReplicaSet, Decision
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def apply_replica_sets(
         )
     for action in decision.scales:
         if isinstance(action, CreateReplicaSet):
+            ensure_seed_key(kube, rollout)  # before the pods that read it exist
             kube.create_replicaset(
                 replicaset_body(
                     rollout,

@@ -13,6 +13,7 @@ from datetime import UTC
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.controller.seedkey import seed_key_env
 from weightship.core.decision import OpenGate, SeedEnv
 
 GROUP = "weightship.io"
@@ -84,6 +85,7 @@ def model_env(
         # Who this replica is and where peers reach it, for broadcast seeding.
         {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *seed_key_env(rollout),  # the rollout's seeding key, by reference (seedkey.py)
     ]
     if model.source.endpoint:
         env.append({"name": "WEIGHTSHIP_S3_ENDPOINT", "value": model.source.endpoint})

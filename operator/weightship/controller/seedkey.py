@@ -1,0 +1,95 @@
+"""The rollout's seeding key: a Secret the operator creates once per rollout, whose value
+every pod of the rollout reads (a secretKeyRef) to make or check join tokens
+(weightship.core.seedtoken). Any pod may become a seed root, so every pod gets it.
+
+The operator only creates the Secret and never reads it back, logs it, or puts it in
+status or events; its failure to create one is no error of the rollout's: pods without
+the key simply load from their node cache (the secretKeyRef is optional).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from kubernetes.client.rest import ApiException
+
+from weightship.api.models import ModelRollout
+from weightship.core.seedtoken import KEY_BYTES
+
+if TYPE_CHECKING:
+    from weightship.controller.kube import Kube
+
+log = logging.getLogger(__name__)
+
+KEY_FIELD = "key"
+KEY_ENV = "WEIGHTSHIP_SEED_KEY"  # weightship.seeding.config reads these two
+ROLLOUT_UID_ENV = "WEIGHTSHIP_ROLLOUT_UID"
+SEEDING_KEY_LABEL = "weightship.io/seeding-key"
+SUFFIX = "-seed-key"
+
+
+def seed_key_secret_name(rollout_name: str) -> str:
+    return rollout_name[: 253 - len(SUFFIX)] + SUFFIX
+
+
+def seed_key_env(rollout: ModelRollout) -> list[dict[str, Any]]:
+    """The key (by reference, never its value) and the rollout's uid, for a rollout that
+    seeds by broadcast."""
+    if not rollout.spec.seeding.broadcast:
+        return []
+    ref = {"name": seed_key_secret_name(rollout.metadata.name), "key": KEY_FIELD}
+    return [
+        {"name": ROLLOUT_UID_ENV, "value": rollout.metadata.uid or ""},
+        {"name": KEY_ENV, "valueFrom": {"secretKeyRef": {**ref, "optional": True}}},
+    ]
+
+
+def seed_key_secret(rollout: ModelRollout, key: bytes) -> dict[str, Any]:
+    """The Secret, owned by the rollout (garbage-collected with it) and labelled."""
+    meta = rollout.metadata
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": seed_key_secret_name(meta.name),
+            "namespace": meta.namespace or "default",
+            "labels": {"weightship.io/rollout": meta.name[:63], SEEDING_KEY_LABEL: "true"},
+            "ownerReferences": [
+                {
+                    "apiVersion": rollout.api_version,
+                    "kind": rollout.kind,
+                    "name": meta.name,
+                    "uid": meta.uid or "",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "data": {KEY_FIELD: base64.b64encode(key.hex().encode()).decode()},
+    }
+
+
+def ensure_seed_key(kube: Kube, rollout: ModelRollout) -> None:
+    """Create the rollout's key Secret unless it exists (a fresh random key each time one
+    is made: a key is never derived, so nothing outside the Secret can recompute it)."""
+    if not rollout.spec.seeding.broadcast or not rollout.metadata.uid:
+        return
+    body = seed_key_secret(rollout, secrets.token_bytes(KEY_BYTES))
+    namespace = body["metadata"]["namespace"]
+    try:
+        kube.core.create_namespaced_secret(namespace, body)
+    except ApiException as exc:
+        if exc.status != 409:  # 409: it exists, which is the steady state
+            # Status and reason only: the answer's body may quote what was sent.
+            log.warning(
+                "cannot create the seeding key Secret %s/%s (%s %s): its pods will load "
+                "from their node cache instead of by broadcast",
+                namespace,
+                body["metadata"]["name"],
+                exc.status,
+                exc.reason,
+            )
