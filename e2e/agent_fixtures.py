@@ -12,8 +12,13 @@ from kubernetes.client.rest import ApiException
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
 from weightship.dev import testkit
+from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
 CACHE_DIR = "/var/cache/weightship"
+# The agents' install-time S3 credential, as the chart gives it (agent.s3.existingSecret): a
+# Secret of the agents' namespace mounted as files. The agents have no Secret RBAC.
+CREDENTIALS_SECRET = "agent-s3"
+CREDENTIALS_DIR = "/etc/weightship/s3"
 IMAGE = "ghcr.io/weightship/weightship:test"
 PROCESS = {"weightship.io/node-kind": "process"}
 
@@ -29,6 +34,13 @@ def agent_objects(namespace: str) -> dict[str, Any]:
     labels = {"app": "weightship-agent"}
     return {
         "service_account": {"metadata": {"name": "agent"}},
+        "credentials": {
+            "metadata": {"name": CREDENTIALS_SECRET},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY + "\n",  # as --from-file leaves it
+            },
+        },
         "cluster_role": {
             "metadata": {"name": f"{namespace}-agent"},
             "rules": [
@@ -48,8 +60,7 @@ def agent_objects(namespace: str) -> dict[str, Any]:
                     "verbs": ["get", "list", "watch"],
                 },
                 {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
-                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
-            ],
+            ],  # no Secrets, as in the chart
         },
         "cluster_role_binding": {
             "metadata": {"name": f"{namespace}-agent"},
@@ -87,6 +98,10 @@ def agent_objects(namespace: str) -> dict[str, Any]:
                                     {"name": "POD_NAMESPACE", **field("metadata.namespace")},
                                     {"name": "WEIGHTSHIP_CACHE_DIR", "value": CACHE_DIR},
                                     {"name": "WEIGHTSHIP_PEER_PORT", "value": "8479"},
+                                    {
+                                        "name": "WEIGHTSHIP_S3_CREDENTIALS_DIR",
+                                        "value": CREDENTIALS_DIR,
+                                    },
                                     # Only this test's rollouts: other modules share the cluster.
                                     {"name": "WEIGHTSHIP_WATCH_NAMESPACES", "value": namespace},
                                 ],
@@ -107,6 +122,11 @@ def agent_objects(namespace: str) -> dict[str, Any]:
                                 "volumeMounts": [
                                     {"name": "cache", "mountPath": CACHE_DIR},
                                     {"name": "tmp", "mountPath": "/tmp"},
+                                    {
+                                        "name": "s3-credentials",
+                                        "mountPath": CREDENTIALS_DIR,
+                                        "readOnly": True,
+                                    },
                                 ],
                             }
                         ],
@@ -116,6 +136,13 @@ def agent_objects(namespace: str) -> dict[str, Any]:
                                 "hostPath": {"path": CACHE_DIR, "type": "DirectoryOrCreate"},
                             },
                             {"name": "tmp", "emptyDir": {}},
+                            {
+                                "name": "s3-credentials",
+                                "secret": {
+                                    "secretName": CREDENTIALS_SECRET,
+                                    "defaultMode": 0o400,
+                                },
+                            },
                         ],
                     },
                 },

@@ -123,6 +123,7 @@ def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
     for node in cluster.process_nodes:  # every test measures from an empty cache
         shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
     cluster.core.create_namespaced_service_account(namespace, objs["service_account"])
+    cluster.core.create_namespaced_secret(namespace, objs["credentials"])
     rbac.create_cluster_role(objs["cluster_role"])
     rbac.create_cluster_role_binding(objs["cluster_role_binding"])
     cluster.apps.create_namespaced_daemon_set(namespace, objs["daemon_set"])

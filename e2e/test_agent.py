@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from kubernetes import client
 
-from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.agent_fixtures import CACHE_DIR, PROCESS, Agents, cache_root
 from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
@@ -66,6 +67,21 @@ def test_agents_stage_peer_to_peer_before_the_canary(
 ) -> None:
     manifest = read_manifest(cluster.s3_endpoint, models["v1"])
     size, digest = manifest.total_size, manifest.digest
+    # The agents stage with their mounted credential: they may read no Secret at all.
+    for namespace in (agents.namespace, "kube-system"):
+        review = client.AuthorizationV1Api(cluster.api).create_subject_access_review(
+            {
+                "spec": {
+                    "user": f"system:serviceaccount:{agents.namespace}:agent",
+                    "resourceAttributes": {
+                        "verb": "get",
+                        "resource": "secrets",
+                        "namespace": namespace,
+                    },
+                }
+            }
+        )
+        assert not review.status.allowed, namespace
     started = time.monotonic()
     rollouts.create(prefetching_rollout(cluster, models["v1"], "v1"))
 
@@ -94,6 +110,15 @@ def test_agents_stage_peer_to_peer_before_the_canary(
         terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
         keys = {e.key for t in terms.node_selector_terms for e in t.match_expressions or []}
         assert label in keys
+        # Nothing of the node but this model's files, manifest and marker, read-only.
+        host = {v.name: v.host_path.path for v in pod.spec.volumes if v.host_path}
+        model_root = f"{CACHE_DIR}/models/{manifest.digest_hex}/"
+        assert sorted(host.values()) == [
+            model_root + name for name in ("STAGED", "files", "manifest.json")
+        ], host
+        for container in pod.spec.containers:
+            mounts = [m for m in container.volume_mounts or [] if m.name in host]
+            assert len(mounts) == 3 and all(m.read_only for m in mounts), mounts
 
     # The bytes on disk are the manifest's, on every node.
     assert_files_match(cluster, manifest)

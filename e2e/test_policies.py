@@ -1,12 +1,13 @@
 """The chart's ValidatingAdmissionPolicies, applied to the real API server: an agent's
 pod-bound token may write only its own node's WeightCache (the token's node claim), and
 the operator's cluster-wide writes change only its node labels, pod conditions, Service
-selectors and HTTPRoute backend weights. Each policy matches only this test's service
-accounts (named after a release made for the test), so other tests sharing the cluster are
-untouched."""
+selectors and HTTPRoute backend weights, and it touches only its own ReplicaSets. Each
+policy matches only this test's service accounts (named after a release made for the
+test), so other tests sharing the cluster are untouched."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
 from weightship.dev import testkit
@@ -125,7 +127,7 @@ def wait_until_type_checked(admission: client.AdmissionregistrationV1Api, r: Rel
     """The API server type-checks each policy after it is created: no warnings wanted, and
     a short wait so the policies are in force (they load asynchronously)."""
     names = [d["metadata"]["name"] for d in r.docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(names) == 5
+    assert len(names) == 6
     deadline = time.monotonic() + 30
     while True:
         statuses = [admission.read_validating_admission_policy(n).status for n in names]
@@ -376,3 +378,48 @@ def test_the_operator_changes_only_an_httproutes_weights(cluster: Any, release: 
     body = admin.get_namespaced_custom_object(*gw, ns, "httproutes", "llm")
     body["spec"]["hostnames"] = ["other.example.com"]
     admin.replace_namespaced_custom_object(*gw, ns, "httproutes", "llm", body)
+
+
+def test_the_operator_touches_only_its_own_replicasets(cluster: Any, release: Release) -> None:
+    sa = release.named("ServiceAccount", "-operator")["metadata"]["name"]
+    operator = client.AppsV1Api(user_api(cluster, token_for(cluster.core, release.namespace, sa)))
+    admin = client.AppsV1Api(cluster.api)
+    ns = release.namespace
+    rollout = copy.deepcopy(VALID_MANIFEST)
+    rollout["metadata"] = {"name": "llm"}
+    owner = client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
+        GROUP, VERSION, ns, "modelrollouts", rollout
+    )
+
+    def replica_set(name: str, *, mine: bool) -> dict[str, Any]:
+        labels = {"app": name, **({f"{GROUP}/rollout": "llm"} if mine else {})}
+        meta: dict[str, Any] = {"name": name, "labels": labels}
+        if mine:
+            meta["ownerReferences"] = [
+                {"apiVersion": owner["apiVersion"], "kind": "ModelRollout", "name": "llm",
+                 "uid": owner["metadata"]["uid"], "controller": True}
+            ]  # fmt: skip
+        containers = [{"name": "c", "image": "x"}]
+        pod = {"metadata": {"labels": labels}, "spec": {"containers": containers}}
+        spec = {"replicas": 0, "selector": {"matchLabels": labels}, "template": pod}
+        return {"metadata": meta, "spec": spec}
+
+    needle = "only ReplicaSets of a ModelRollout"
+    operator.create_namespaced_replica_set(ns, replica_set("mine", mine=True))
+    operator.patch_namespaced_replica_set("mine", ns, {"spec": {"replicas": 1}})
+    refused(
+        lambda: operator.create_namespaced_replica_set(ns, replica_set("stray", mine=False)),
+        needle,
+    )
+    admin.create_namespaced_replica_set(ns, replica_set("foreign", mine=False))
+    refused(
+        lambda: operator.patch_namespaced_replica_set("foreign", ns, {"spec": {"replicas": 5}}),
+        needle,
+    )
+    adopt = {"metadata": {"labels": {f"{GROUP}/rollout": "llm"}}}
+    refused(lambda: operator.patch_namespaced_replica_set("foreign", ns, adopt), needle)
+    refused(lambda: operator.delete_namespaced_replica_set("foreign", ns), needle)
+    # Dropping the owner from its own is a change to a ReplicaSet that is no longer its.
+    orphan = [{"op": "remove", "path": "/metadata/ownerReferences"}]
+    refused(lambda: operator.patch_namespaced_replica_set("mine", ns, orphan), needle)
+    operator.delete_namespaced_replica_set("mine", ns)

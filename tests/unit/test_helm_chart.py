@@ -147,7 +147,7 @@ def test_rbac_is_least_privilege(scenario: str) -> None:
 
 
 def test_secrets_are_namespaced_when_namespaces_are() -> None:
-    cluster_wide = rules(render(DEFAULT), "ClusterRole", "")
+    cluster_wide = rules(render(DEFAULT), "ClusterRole", "-operator")
     assert any(allows(r, "", "secrets", "get") for r in cluster_wide)
     docs = render(SCOPED)
     assert not any(allows(r, "", "secrets", "get") for r in rules(docs, "ClusterRole", ""))
@@ -155,7 +155,40 @@ def test_secrets_are_namespaced_when_namespaces_are() -> None:
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "serving"]
     for binding in of_kind(docs, "RoleBinding"):
         subjects = {s["name"] for s in binding["subjects"]}
-        assert subjects == {"ws-weightship-operator", "ws-weightship-agent"}
+        assert subjects == {"ws-weightship-operator"}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_agent_has_no_secret_access_at_all(scenario: str) -> None:
+    """A node's agent token reads no tenant's Secret (issue 12, High 4): no verb on
+    secrets in any ClusterRole or Role the agent's service account is bound to."""
+    docs = render(SCENARIOS[scenario])
+    agent = "ws-weightship-agent"
+    bound = {
+        (b["kind"], b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+        for b in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding")
+        if any(s["kind"] == "ServiceAccount" and s["name"] == agent for s in b["subjects"])
+    }
+    assert bound, "the agent is bound to its ClusterRole"
+    for _binding, role_kind, role_name, namespace in bound:
+        (role,) = [
+            d for d in of_kind(docs, role_kind)
+            if d["metadata"]["name"] == role_name and d["metadata"].get("namespace") == namespace
+        ]  # fmt: skip
+        for rule in role["rules"]:
+            assert "secrets" not in rule["resources"], (role_name, rule)
+    # Its S3 credential is a mounted Secret of its own namespace, read as files.
+    custom = render(SCENARIOS[scenario] + ("agent.s3.existingSecret=agent-s3",))
+    pod = one(custom, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "s3-credentials")
+    assert volume["secret"]["secretName"] == "agent-s3"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "s3-credentials")
+    assert mount["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["WEIGHTSHIP_S3_CREDENTIALS_DIR"] == mount["mountPath"]
+    default_pod = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    assert not [v for v in default_pod["volumes"] if "secret" in v]
 
 
 def test_operator_deployment() -> None:
@@ -178,6 +211,11 @@ def test_operator_deployment() -> None:
     assert ports == {"healthz": 8080, "metrics": 9100}
     env = {e["name"]: e for e in container["env"]}
     assert env["WEIGHTSHIP_METRICS_PORT"]["value"] == "9100"
+    # Rollout pods' model mounts are under the agents' cache, not a rollout's choice.
+    assert env["WEIGHTSHIP_CACHE_DIR"]["value"] == "/var/cache/weightship"
+    custom = one(render(("agent.cacheDir=/mnt/nvme/ws",)), "Deployment", "-operator")
+    custom_env = {e["name"]: e for e in custom["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert custom_env["WEIGHTSHIP_CACHE_DIR"]["value"] == "/mnt/nvme/ws"
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     scoped = one(render(SCOPED + EXTRAS), "Deployment", "-operator")
     args = scoped["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -332,9 +370,15 @@ def test_admission_policies_fence_the_agents_and_the_operators_writes(scenario: 
         for key in matched(p)
     }
     for rule in rules(docs, "ClusterRole", "-operator"):
-        if "" in rule["apiGroups"] and {"patch", "update"} & set(rule["verbs"]):
-            for resource in set(rule["resources"]) - {"events"}:  # its own Events' counts
-                assert ("", resource, "UPDATE") in narrowed, resource
+        if {"patch", "update"} & set(rule["verbs"]):
+            for group in rule["apiGroups"]:
+                if group in ("weightship.io", "kopf.dev", "events.k8s.io"):
+                    continue  # its own kinds: rollouts, peering, Events
+                for resource in set(rule["resources"]) - {"events"}:  # its Events' counts
+                    assert (group, resource, "UPDATE") in narrowed, (group, resource)
+    assert ("gateway.networking.k8s.io", "httproutes", "UPDATE") in narrowed
+    # ReplicaSets, the one kind it creates and deletes anywhere: only its own.
+    assert {("apps", "replicasets", op) for op in ("CREATE", "UPDATE", "DELETE")} <= narrowed
     assert not policy_pairs(render(("admissionPolicies.enabled=false",)))
 
 
