@@ -43,6 +43,7 @@ import blake3
 import torch
 from safetensors.torch import load_file, save_file
 
+import weightship.loader.load
 from benchlib import WORK, MiB, gbps, sha256_file, table, verify_files
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.checksum import checksum_bytes
@@ -148,13 +149,20 @@ def measure_once(run: Callable[[], object]) -> tuple[float, float]:
 OURS = "ours verified"
 OURS_V1 = "ours verified, sha256 chunks (v1 manifest)"
 OURS_UNVERIFIED = "ours unverified"
-# load_model (workers, hash_threads) tried by --sweep: threads per chunk against
-# blake3's own threads inside one chunk, and both.
-SWEEP = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
+# load_model (workers, hash_threads, read piece KiB) tried by --sweep: threads per chunk
+# against blake3's own threads inside one chunk, and both; then the read piece's size.
+SWEEP = [(1, 1, 512), (2, 1, 512), (4, 1, 512), (1, 2, 512), (2, 2, 512), (4, 2, 512)]
+SWEEP += [(4, 1, kib) for kib in (128, 256, 1024, 2048, 16384)]
 
 
-def sweep_name(workers: int, hash_threads: int) -> str:
-    return f"ours verified, workers={workers} hash_threads={hash_threads}"
+def sweep_name(workers: int, hash_threads: int, piece_kib: int) -> str:
+    return f"ours verified, workers={workers} hash_threads={hash_threads} piece={piece_kib}K"
+
+
+def load_with_piece(piece_kib: int, *args: Any, **kwargs: Any) -> object:
+    """load_model reading (and hashing) ``piece_kib`` KiB at a time; only in a child."""
+    weightship.loader.load.READ_PIECE = piece_kib * 1024
+    return load_model(*args, **kwargs)
 
 
 def path_runners(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
@@ -173,9 +181,9 @@ def path_runners(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
         OURS_UNVERIFIED: lambda: load_model(model, manifest, verify=False, workers=args.workers),
         "baseline unverified": lambda: load_and_clone(paths),
     }
-    for workers, hash_threads in SWEEP:
-        runners[sweep_name(workers, hash_threads)] = functools.partial(
-            load_model, model, manifest, workers=workers, hash_threads=hash_threads
+    for workers, hash_threads, kib in SWEEP:
+        runners[sweep_name(workers, hash_threads, kib)] = functools.partial(
+            load_with_piece, kib, model, manifest, workers=workers, hash_threads=hash_threads
         )
     return runners
 
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     table_paths = [OURS, OURS_V1, "baseline verified", "baseline verified, 2 hash threads"]
     table_paths += [OURS_UNVERIFIED, "baseline unverified"]
-    swept = [sweep_name(w, h) for w, h in SWEEP] if args.sweep else []
+    swept = [sweep_name(*config) for config in SWEEP] if args.sweep else []
     measured = best_in_fresh_processes(args, table_paths + swept)
     seconds = {k: wall for k, (wall, _) in measured.items()}
     cpu_per_gb = {k: cpu / (size / 1e9) for k, (_, cpu) in measured.items()}

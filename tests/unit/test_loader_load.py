@@ -239,7 +239,7 @@ def test_load_staged_from_the_node_cache(
     with store.begin(manifest) as staging:
         staging.prepare()
         for c in manifest.chunks:
-            staging.put(c.sha256, LocalFolder(root).read_range(c.file, c.offset, c.size))
+            staging.put(c.key, LocalFolder(root).read_range(c.file, c.offset, c.size))
         assert locate_staged(cache, manifest.digest) is None  # not before STAGED
         staging.mark_staged()
 
