@@ -32,6 +32,7 @@ from weightship.core.decide import decide
 from weightship.core.observed import ManifestResolution, Observed, PrefetchObservation
 
 NAMESPACE_PREFIX = "adm-"
+GROUP = "weightship.io"
 MAX_EXAMPLES = 500
 CRD = Path(__file__).resolve().parents[1] / "crds" / "modelrollout.yaml"
 DIGEST = "sha256:" + "a" * 64
@@ -264,6 +265,33 @@ def test_the_issues_manifests_are_refused_at_admission_naming_the_field(
         assert err.value.status == 422, description
         message = json.loads(err.value.body)["message"]
         assert expected in message, f"{description}: {message}"
+
+
+def test_cache_path_is_refused_by_name_not_pruned(
+    custom: client.CustomObjectsApi, namespace: str
+) -> None:
+    """A rollout no longer chooses a host path (issue 12): a manifest that still sets
+    spec.prefetch.cachePath gets an error naming the field and what replaced it, on create
+    and on a later change, instead of the field silently vanishing."""
+    for path in ("/", "/var/cache/weightship"):
+        body = copy.deepcopy(VALID_MANIFEST)
+        body["spec"]["prefetch"]["cachePath"] = path
+        with pytest.raises(ApiException) as err:
+            dry_run(custom, namespace, body)
+        assert err.value.status == 422
+        message = json.loads(err.value.body)["message"]
+        assert "spec.prefetch.cachePath" in message and "agent.cacheDir" in message, message
+    created = dry_run(custom, namespace, VALID_MANIFEST)
+    assert "cachePath" not in created["spec"]["prefetch"]  # no default stored any more
+    body = copy.deepcopy(VALID_MANIFEST)
+    body["metadata"] = {"name": "cache-path", "namespace": namespace}
+    custom.create_namespaced_custom_object(GROUP, "v1alpha1", namespace, "modelrollouts", body)
+    with pytest.raises(ApiException) as err:
+        custom.patch_namespaced_custom_object(
+            GROUP, "v1alpha1", namespace, "modelrollouts", "cache-path",
+            {"spec": {"prefetch": {"cachePath": "/"}}},
+        )  # fmt: skip
+    assert err.value.status == 422 and "agent.cacheDir" in json.loads(err.value.body)["message"]
 
 
 def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(

@@ -10,7 +10,6 @@ import copy
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
@@ -87,8 +86,9 @@ def test_a_digest_that_is_not_hex_never_becomes_a_host_path(digest: str) -> None
         pod_spec(rollout(), digest=digest)
 
 
-def test_cache_path_is_refused_naming_the_field_and_its_replacement() -> None:
-    with pytest.raises(ValidationError) as caught:
-        rollout(cachePath="/")
-    text = str(caught.value)
-    assert "spec.prefetch.cachePath" in text and "agent.cacheDir" in text
+def test_a_stored_cache_path_is_ignored() -> None:
+    """Admission refuses cachePath (e2e/test_admission); a rollout stored before the upgrade
+    keeps the old default unchanged (ratcheting), and it changes nothing at run time."""
+    spec = pod_spec(rollout(cachePath="/"))
+    paths = [v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v]
+    assert len(paths) == 3 and all(p.startswith(f"{CACHE_DIR}/models/{HEX}/") for p in paths)

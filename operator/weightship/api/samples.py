@@ -325,11 +325,6 @@ INVALID_MANIFESTS += [
         "spec.strategy.canary.analysis.metrics[0].query",
     ),
     (
-        "prefetch.cachePath, removed: the node cache is install-time configuration",
-        _mutated(_set("prefetch.cachePath", "/")),
-        "spec.prefetch.cachePath",
-    ),
-    (
         "Prometheus address with a Unicode space",
         _mutated(_set("strategy.canary.analysis.prometheus.address", "http://prom\u00a0x:9090")),
         "spec.strategy.canary.analysis.prometheus.address",

@@ -15,7 +15,6 @@ from pydantic import (
     ConfigDict,
     Field,
     WithJsonSchema,
-    field_validator,
     model_validator,
 )
 
@@ -80,11 +79,11 @@ def quantity_value(text: str) -> Decimal:
     if m is None:
         raise ValueError(f"{text[:64]!r} is not a Kubernetes quantity such as 100Mi")
     number, suffix = Decimal(m.group(1)), m.group(2) or ""
-    if suffix[:1] in ("e", "E"):
-        exponent = int(suffix[1:])
-        if abs(exponent) > 30:
-            raise ValueError(f"{text!r}: exponent out of range")
-        return number * Decimal(10) ** exponent
+    if suffix not in _QUANTITY_SUFFIX:  # an exponent; "1E" alone is an exa, "1Ei" an exbi
+        # The API server admits any exponent ("1e308"). Clamped, the value still compares
+        # with 1 as the real one does (the number has at most 64 digits), in O(1).
+        exponent = max(-1000, min(1000, int(suffix[1:])))
+        return number.scaleb(exponent)
     return number * _QUANTITY_SUFFIX[suffix]
 
 
@@ -355,6 +354,9 @@ class PrefetchSpec(ApiModel):
     )
     # A rollout once chose the hostPath its pods mounted (`cachePath: /` mounted the node's
     # root). Kept in the schema only so admission refuses it by name rather than pruning it.
+    # Not mirrored here, on purpose: rollouts stored before carry the old default (it was
+    # defaulted on every write); CRD validation ratcheting lets them keep it unchanged, and
+    # the controller ignores it, so an upgrade does not stop them (docs/api.md).
     cache_path: str | None = Field(
         None,
         description="Removed: the node cache directory is install-time configuration (Helm "
@@ -385,13 +387,6 @@ class PrefetchSpec(ApiModel):
         ge=0,
         le=100,
     )
-
-    @field_validator("cache_path")
-    @classmethod
-    def _cache_path_removed(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError(CACHE_PATH_REMOVED)
-        return value
 
 
 class SeedingSpec(ApiModel):
