@@ -297,6 +297,7 @@ def test_store_keys_are_under_a_prefix_only_joiners_learn(
     secret_ctl = prefixed(first["storePrefix"] + "ctl/", store)
     secret_ctl.wait([START_KEY], timedelta(seconds=10))  # the 0.5 s window starts the group
     assert not prefixed(guessable + "ctl/", store).check([START_KEY])
+    assert first["storePrefix"] not in json.dumps(seed_root.status_json())  # status is open
     # The next generation of the same group gets a new secret prefix.
     deadline = time.monotonic() + 20
     while not seed_root.history() and time.monotonic() < deadline:
