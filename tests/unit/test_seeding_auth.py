@@ -272,6 +272,8 @@ def test_twenty_groups_cannot_open_more_than_the_limit_and_open_groups_end(
     while len(seed_root.history()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted(r.group for r in seed_root.history()) == ["g0", "g1"]
+    secret_prefixes = [doc["storePrefix"] for _, doc in answers[:2]]
+    assert not any(p in json.dumps(seed_root.status_json()) for p in secret_prefixes)
     assert not any(r.ok for r in seed_root.history())
     assert seed_root.status_json()["active"] == []
     token = mint(KEY, UID, digest, "g2", time.time())

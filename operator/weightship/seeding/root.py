@@ -288,6 +288,8 @@ class SeedRoot:
         seconds, error = self._broadcast(
             len(members) + 1, ctl, transport.prefixed(prefix + "pg/", store)
         )
+        if error is not None:  # store errors name keys: keep the secret prefix out of status
+            error = error.replace(prefix, store_prefix(gen.group, gen.number) + "…/")
         with self._lock:  # the slot is free for the next group from here on
             self._done(gen)
             if error is None:
