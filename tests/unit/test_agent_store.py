@@ -18,7 +18,7 @@ def staged(store: ChunkStore, folder: Path, size: int) -> Manifest:
     with store.begin(manifest) as s:
         s.prepare()
         for c in manifest.chunks:
-            s.put(c.sha256, LocalFolder(folder).read_range(c.file, c.offset, c.size))
+            s.put(c.key, LocalFolder(folder).read_range(c.file, c.offset, c.size))
         s.mark_staged()
     return manifest
 

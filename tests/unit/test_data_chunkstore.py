@@ -12,22 +12,26 @@ from weightship.data.chunkstore import (
     ChunkStore,
     ChunkVerificationError,
     StageBusyError,
-    verify_chunk,
+    chunk_key,
 )
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest
-from weightship.data.modelstaging import ModelStaging
+from weightship.data.modelstaging import Fill, ModelStaging
 
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def test_verify_chunk() -> None:
-    assert verify_chunk(b"abc", sha(b"abc"))
-    assert not verify_chunk(b"abd", sha(b"abc"))
+def test_chunk_keys_name_the_algorithm() -> None:
+    hex_digest = sha(b"abc")
+    assert chunk_key(hex_digest) == "sha256:" + hex_digest  # a bare digest: version 1
+    assert chunk_key("blake3:" + hex_digest) == "blake3:" + hex_digest
+    for bad in ("md5:" + hex_digest, "blake3:" + hex_digest.upper(), hex_digest + "\n"):
+        with pytest.raises(ValueError, match="not a chunk key"):
+            chunk_key(bad)
 
 
-_BLOCKS = {sha(bytes([c]) * 1024): bytes([c]) * 1024 for c in b"sabxyz"}
+_BLOCKS = {"sha256:" + sha(bytes([c]) * 1024): bytes([c]) * 1024 for c in b"sabxyz"}
 
 
 def _bytes_of(digest: str) -> bytes:
@@ -40,14 +44,14 @@ def _manifest(folder: Path, files: dict[str, bytes]) -> Manifest:
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    return build_manifest(LocalFolder(folder), chunk_size=1024)
+    return build_manifest(LocalFolder(folder), chunk_size=1024, version=1)
 
 
 def _stage_all(store: ChunkStore, m: Manifest) -> None:
     with store.begin(m) as staging:
         staging.prepare()
         for c in m.chunks:
-            staging.put(c.sha256, _bytes_of(c.sha256))
+            staging.put(c.key, _bytes_of(c.key))
         staging.mark_staged()
 
 
@@ -78,14 +82,15 @@ def test_put_writes_only_verified_bytes_once_at_their_offsets(tmp_path: Path) ->
     assert again.read_chunk(a_sha) == b"a" * 1024
 
 
-def _filler(data: bytes, seen: list[type]) -> Callable[[memoryview], str]:
-    """A fill that writes ``data`` into the slot it is given and returns its sha256,
+def _filler(data: bytes, seen: list[type]) -> Fill:
+    """A fill that writes ``data`` into the slot it is given (from where it is told),
     noting what holds the slot."""
 
-    def fill(view: memoryview) -> str:
+    def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
         seen.append(type(view.obj))
-        view[:] = data
-        return sha(bytes(view))
+        view[start:] = data[start:]
+        landed(len(view))
+        return len(view)
 
     return fill
 
@@ -127,7 +132,7 @@ def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> No
     store = ChunkStore(tmp_path / "cache")
     s_sha = sha(b"s" * 1024)
 
-    def cut_short(view: memoryview) -> str:
+    def cut_short(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
         view[:10] = b"s" * 10
         raise ConnectionResetError("the origin went away mid-body")
 
@@ -144,7 +149,7 @@ def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> No
     "bad", ["../../etc/passwd", "A" * 64, "sha256:xyz", "0" * 63, "0" * 64 + "\n", "0" * 65]
 )
 def test_chunk_lookups_accept_only_hex_digests(tmp_path: Path, bad: str) -> None:
-    with pytest.raises(ValueError, match="not a sha256 digest"):
+    with pytest.raises(ValueError, match="not a chunk key"):
         ChunkStore(tmp_path).has_chunk(bad)
 
 
@@ -182,13 +187,13 @@ def test_journal_ignores_torn_lines_and_unverified_bytes(tmp_path: Path) -> None
     store = ChunkStore(tmp_path / "cache")
     with store.begin(m) as staging:
         staging.prepare()
-        staging.put(m.chunks[0].sha256, _bytes_of(m.chunks[0].sha256))
+        staging.put(m.chunks[0].key, _bytes_of(m.chunks[0].key))
         staging.record([1])  # journaled, but the write was lost (power cut before writeback)
         (staging.dir / "journal").open("a").write("2")  # torn line, no newline
     with store.begin(m) as staging:  # resume: journaled bytes are verified again
         assert staging.journaled() == {0}
-        assert store.has_chunk(m.chunks[0].sha256)
-        assert not store.has_chunk(m.chunks[1].sha256)
+        assert store.has_chunk(m.chunks[0].key)
+        assert not store.has_chunk(m.chunks[1].key)
 
 
 def test_preallocated_space_counts_as_used(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def model_of(folder: Path, data: bytes) -> Manifest:
     folder.mkdir()
     (folder / "a.bin").write_bytes(b"a" * len(data))
     (folder / "b.bin").write_bytes(b"b" * len(data) + data)
-    return build_manifest(LocalFolder(folder), chunk_size=len(data))
+    return build_manifest(LocalFolder(folder), chunk_size=len(data), version=1)
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def put_all(store: ChunkStore, m: Manifest, folder: Path) -> None:
     with store.begin(m) as staging:
         staging.prepare()
         for c in m.chunks:
-            staging.put(c.sha256, LocalFolder(folder).read_range(c.file, c.offset, c.size))
+            staging.put(c.key, LocalFolder(folder).read_range(c.file, c.offset, c.size))
         staging.mark_staged()
 
 

@@ -8,13 +8,19 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
+import blake3
 import pytest
 from prometheus_client import CollectorRegistry
 
-from weightship.data import chunkstore, rendezvous
-from weightship.data.chunkstore import ChunkStore, ChunkVerificationError, InsufficientSpaceError
+from weightship.data import rendezvous
+from weightship.data.chunkstore import (
+    Buffer,
+    ChunkStore,
+    ChunkVerificationError,
+    InsufficientSpaceError,
+)
 from weightship.data.claims import ClaimBoard
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -23,7 +29,12 @@ from weightship.data.fetcher import (
     Peer,
     TokenBucket,
 )
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.manifest import (
+    LocalFolder,
+    Manifest,
+    build_manifest_with_pieces,
+    is_metadata_path,
+)
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import PeerClient, PeerServer
 from weightship.data.stage import StageProgress, stage
@@ -41,9 +52,13 @@ class CountingOrigin:
         self.fail_after = fail_after
         self.reads = 0
         self.bytes = 0
+        self.metadata_reads = 0
         self._lock = threading.Lock()
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
+        if is_metadata_path(path):  # the piece layer: counted apart from the chunks
+            self.metadata_reads += 1
+            return self.local.read_range(path, offset, size)
         with self._lock:
             if self.fail_after is not None and self.reads >= self.fail_after:
                 raise ConnectionError("origin went away")
@@ -52,11 +67,30 @@ class CountingOrigin:
         return self.local.read_range(path, offset, size)
 
 
+VERSION: list[Literal[1, 2]] = [2]
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["v1-sha256", "v2-blake3"])
+def manifest_version(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Every test here runs on both manifest versions: sha256 chunks, and blake3 chunks
+    with a piece layer (pieces of CHUNK // 4)."""
+    VERSION[0] = request.param
+    yield request.param
+    VERSION[0] = 2
+
+
 def make_model(folder: Path, files: dict[str, bytes]) -> Manifest:
+    """The folder is its own origin: for version 2 its piece layer is written into it."""
     folder.mkdir(parents=True)
     for name, data in files.items():
         (folder / name).write_bytes(data)
-    return build_manifest(LocalFolder(folder), chunk_size=CHUNK)
+    m, pieces = build_manifest_with_pieces(
+        LocalFolder(folder), chunk_size=CHUNK, version=VERSION[0], piece_size=CHUNK // 4
+    )
+    if m.piece_layer_path:
+        (folder / m.piece_layer_path).parent.mkdir(exist_ok=True)
+        (folder / m.piece_layer_path).write_bytes(pieces)
+    return m
 
 
 def random_bytes(n: int, seed: int) -> bytes:
@@ -123,7 +157,7 @@ def test_disk_too_small_fails_before_fetching(
     m = make_model(tmp_path / "src", {"w.bin": random_bytes(4 * CHUNK, 4)})
     store = ChunkStore(tmp_path / "cache")
     real = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(chunkstore.shutil, "disk_usage", lambda _: real._replace(free=3 * CHUNK))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: real._replace(free=3 * CHUNK))
     origin = CountingOrigin(tmp_path / "src")
     with pytest.raises(
         InsufficientSpaceError, match=rf"need {4 * CHUNK} bytes .*{3 * CHUNK} bytes"
@@ -217,19 +251,32 @@ def names_ranked(sha: str, first: str, rest: list[str]) -> str:
     raise AssertionError("no such name")
 
 
+def two_names_ranked(sha: str, first: str, second: str, last: str) -> tuple[str, str]:
+    """Node names starting with ``first`` and ``second`` that rank ahead of ``last``, in
+    that order."""
+    for i in range(1000):
+        for j in range(20):
+            names = [f"{first}-{i}", f"{second}-{j}", last]
+            if rendezvous.rank(names, sha) == names:
+                return names[0], names[1]
+    raise AssertionError("no such names")
+
+
 class MemorySink:
     """A ChunkSink that keeps verified chunks in memory."""
 
     def __init__(self) -> None:
         self.chunks: dict[str, bytes] = {}
 
-    def has(self, sha256: str) -> bool:
-        return sha256 in self.chunks
+    def has(self, key: str) -> bool:
+        return key in self.chunks
 
-    def put(self, sha256: str, data: bytes, *, verified_sha256: str | None = None) -> int:
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise ChunkVerificationError(sha256)
-        self.chunks[sha256] = bytes(data)
+    def put(self, key: str, data: Buffer, *, verified_digest: str | None = None) -> int:
+        algorithm, _, hex_digest = key.partition(":")
+        hasher = hashlib.sha256 if algorithm == "sha256" else blake3.blake3
+        if hasher(data).hexdigest() != hex_digest:
+            raise ChunkVerificationError(key)
+        self.chunks[key] = bytes(data)
         return 1
 
 
@@ -237,7 +284,7 @@ def put_model(store: ChunkStore, m: Manifest, src: Path) -> None:
     with store.begin(m) as staging:
         staging.prepare()
         for c in m.chunks:
-            staging.put(c.sha256, LocalFolder(src).read_range(c.file, c.offset, c.size))
+            staging.put(c.key, LocalFolder(src).read_range(c.file, c.offset, c.size))
         staging.mark_staged()
 
 
@@ -262,15 +309,15 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
     chunk = m.chunks[0]
     bad = canned_peer(respond)
     # Rank: bad peer first (the owner), then the good peer, then this node.
-    ours = names_ranked(chunk.sha256, "bad", ["good", "me"])
-    ranking = rendezvous.rank([ours, "good", "me"], chunk.sha256)
-    assert ranking == [ours, "good", "me"]
+    ours, good = two_names_ranked(chunk.key, "bad", "good", "me")
+    ranking = rendezvous.rank([ours, good, "me"], chunk.key)
+    assert ranking == [ours, good, "me"]
     dp, registry = metrics()
     origin = CountingOrigin(src)
     sink = MemorySink()
     fetcher = ChunkFetcher(
         node="me",
-        peers=[Peer(ours, bad.address), Peer("good", good_address)],
+        peers=[Peer(ours, bad.address), Peer(good, good_address)],
         origin=origin,
         sink=sink,
         metrics=dp,
@@ -278,7 +325,7 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
         policy=FAST,
     )
     assert fetcher.fetch(chunk) == "peer"
-    assert sink.chunks[chunk.sha256] == (src / "w.bin").read_bytes()
+    assert sink.chunks[chunk.key] == (src / "w.bin").read_bytes()
     assert origin.reads == 0
     assert len(bad.requests) == 1
     assert ours in fetcher.health.avoided()
@@ -306,7 +353,7 @@ def test_dead_owner_hands_ownership_to_the_next_node(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
         dead_address = f"127.0.0.1:{s.getsockname()[1]}"
-        dead = names_ranked(chunk.sha256, "dead", ["me"])
+        dead = names_ranked(chunk.key, "dead", ["me"])
         origin = CountingOrigin(src)
         fetcher = ChunkFetcher(
             node="me",
@@ -345,7 +392,7 @@ def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
         for t in threads:
             t.join(timeout=60)
     assert set(results) == set(nodes)
-    owners = rendezvous.balanced_owners([c.sha256 for c in m.chunks], nodes)
+    owners = rendezvous.balanced_owners([c.key for c in m.chunks], nodes)
     loads = Counter(owners.values())
     assert max(loads.values()) - min(loads.values()) <= 1  # balanced, not per-chunk luck
     assert origin.bytes == m.total_size  # each chunk left the origin exactly once
@@ -354,7 +401,7 @@ def test_three_nodes_fetch_each_chunk_from_origin_once(tmp_path: Path) -> None:
         r = results[n]
         assert r.from_origin + r.from_peers == m.total_size and r.from_local == 0
         assert stores[n].is_staged(m.digest) and same_files(m, stores[n], src)
-        owned = sum(c.size for c in m.chunks if owners[c.sha256] == n)
+        owned = sum(c.size for c in m.chunks if owners[c.key] == n)
         assert r.from_origin == owned
     assert (
         registry.get_sample_value("weightship_agent_chunk_bytes_total", {"source": "peer"})
@@ -371,7 +418,8 @@ class NodeOrigin(CountingOrigin):
         self.ranges: list[tuple[str, int]] = []
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
-        self.ranges.append((path, offset))
+        if not is_metadata_path(path):
+            self.ranges.append((path, offset))
         time.sleep(self.delay_s)
         return self.shared.read_range(path, offset, size)
 
@@ -401,8 +449,8 @@ def test_a_node_joining_late_takes_its_own_chunks_from_nodes_that_have_the_model
             holders=early if told else (),
         )
     assert stores["late"].is_staged(m.digest) and same_files(m, stores["late"], src)
-    owned = rendezvous.balanced_owners([c.sha256 for c in m.chunks], sorted(stores))
-    own_bytes = sum(c.size for c in m.chunks if owned[c.sha256] == "late")
+    owned = rendezvous.balanced_owners([c.key for c in m.chunks], sorted(stores))
+    own_bytes = sum(c.size for c in m.chunks if owned[c.key] == "late")
     assert own_bytes > 0
     if told:  # its own share came from the nodes that had it: nothing from the origin
         assert origin.reads == 0 and r.from_peers == m.total_size
@@ -417,8 +465,8 @@ def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
     m = make_model(src, {f"shard-{i}.bin": random_bytes(4 * CHUNK, 20 + i) for i in range(3)})
     origin = CountingOrigin(src)
     nodes = ["node-a", "node-b", "node-c"]
-    owners = rendezvous.balanced_owners([c.sha256 for c in m.chunks], nodes)
-    slow_owned = {(c.file, c.offset) for c in m.chunks if owners[c.sha256] == "node-a"}
+    owners = rendezvous.balanced_owners([c.key for c in m.chunks], nodes)
+    slow_owned = {(c.file, c.offset) for c in m.chunks if owners[c.key] == "node-a"}
     # node-a's own queue takes len(slow_owned) * 0.5 s; the others are fast.
     origins = {n: NodeOrigin(origin, delay_s=0.5 if n == "node-a" else 0.0) for n in nodes}
     stores = {n: ChunkStore(tmp_path / n) for n in nodes}
@@ -472,7 +520,7 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(CHUNK, 8)})
     chunk = m.chunks[0]
-    owner = names_ranked(chunk.sha256, "owner", ["claimant"])
+    owner = names_ranked(chunk.key, "owner", ["claimant"])
     owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
     origin = CountingOrigin(src)
     policy = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, long_poll_s=0.05, steal_after_s=0)
@@ -492,15 +540,15 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
         )
         fetcher.origin_idle.set()  # its own origin queue is done
         # The owner stages the model with the claimant among its peers (stage() does this).
-        owner_store.claims.open([chunk.sha256], [("claimant", claimant_server.address)])
-        claimant_store.claims.open([chunk.sha256], [("third", "127.0.0.1:1")])
-        assert fetcher.owner_of(chunk.sha256) == owner
+        owner_store.claims.open([chunk.key], [("claimant", claimant_server.address)])
+        claimant_store.claims.open([chunk.key], [("third", "127.0.0.1:1")])
+        assert fetcher.owner_of(chunk.key) == owner
         assert fetcher.fetch(chunk) == "origin"  # the owner never got it: claimed, fetched
-        assert owner_store.claims.start(chunk.sha256) == "claimant"
+        assert owner_store.claims.start(chunk.key) == "claimant"
         # A third node asking the claimant for the same chunk is refused: it leaves the
         # origin once.
         client = PeerClient(timeout_s=2)
-        assert client.claim(claimant_server.address, chunk.sha256, "third") == (False, None)
+        assert client.claim(claimant_server.address, chunk.key, "third") == (False, None)
     assert origin.reads == 1
 
 
@@ -523,7 +571,7 @@ def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) ->
             policy=FAST,
             claims=claimant_store.claims,
         )
-        queue = [c.sha256 for c in m.chunks if fetcher.owner_of(c.sha256) == "owner"]
+        queue = [c.key for c in m.chunks if fetcher.owner_of(c.key) == "owner"]
         assert len(queue) == 4
         owner_store.claims.open(queue, [("claimant", claimant_server.address)])
         owner_store.claims.start(queue[1])  # the owner is fetching its second chunk
@@ -548,11 +596,13 @@ def test_owner_of_is_the_head_of_the_ranking(tmp_path: Path) -> None:
         chunks=m.chunks,
         claims=claims,
     )
-    first, second = m.chunks[0].sha256, m.chunks[1].sha256
+    first, second = m.chunks[0].key, m.chunks[1].key
+    claims.open([c.key for c in m.chunks], [("n3", "127.0.0.1:3")])
+    assert fetcher.owners[first] != "n3" or fetcher.owners[second] != "n3"
     claims.grant(first, "n3")  # given away to a known peer
     claims.grant(second, "stranger")  # to a node this one was not told of
     for c in m.chunks:
-        assert fetcher.owner_of(c.sha256) == fetcher.ranking(c.sha256)[0]
+        assert fetcher.owner_of(c.key) == fetcher.ranking(c.key)[0]
     assert fetcher.owner_of(first) == "n3"
 
 
@@ -588,7 +638,7 @@ def test_origin_that_changed_since_the_manifest_fails_clearly(tmp_path: Path) ->
     with pytest.raises(ChunkVerificationError, match="re-run `weightship manifest`"):
         stage(m, store, CountingOrigin(tmp_path / "src"), [], node="n1", metrics=dp, workers=1)
     assert not store.is_staged(m.digest)
-    assert not store.has_chunk(m.chunks[0].sha256)
+    assert not store.has_chunk(m.chunks[0].key)
     failures = registry.get_sample_value(
         "weightship_agent_chunk_verification_failures_total", {"source": "origin"}
     )
@@ -601,7 +651,7 @@ def test_cancel_stops_a_fetch_waiting_on_an_owner_that_never_gets_the_chunk(
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(CHUNK, 9)})
     chunk = m.chunks[0]
-    owner = names_ranked(chunk.sha256, "owner", ["me"])
+    owner = names_ranked(chunk.key, "owner", ["me"])
     empty = ChunkStore(tmp_path / "empty")  # the owner is alive but never gets the chunk
     cancel = threading.Event()
     dp, _ = metrics()

@@ -13,17 +13,40 @@ anything uses it, and then verifies single pieces as they arrive.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import blake3
 
-from weightship.data.manifest import DIGEST_BYTES, ChunkEntry, Manifest, ManifestError
+from weightship.data.manifest import (
+    DIGEST_BYTES,
+    SHA256_HEX,
+    ChunkEntry,
+    Manifest,
+    ManifestError,
+)
 
 Buffer = bytes | bytearray | memoryview
 
+CHUNK_KEY = re.compile(r"(sha256|blake3):[0-9a-f]{64}")
+
 # blake3's own threads pay off only on large inputs: below this, one thread.
 MIN_BYTES_PER_THREAD = 4 * 1024 * 1024
+
+
+def chunk_key(key: str) -> str:
+    """A chunk's key, ``<sha256|blake3>:<64 lowercase hex>`` (``ChunkEntry.key``); a bare
+    hex digest is a version 1 (sha256) chunk. Anything else is refused (ValueError)."""
+    if SHA256_HEX.fullmatch(key):
+        return "sha256:" + key
+    if not CHUNK_KEY.fullmatch(key):
+        raise ValueError(f"not a chunk key: {key[:80]!r}")
+    return key
+
+
+class ChunkVerificationError(ValueError):
+    """Bytes did not match the digest they were fetched for."""
 
 
 class ChunkHasher(Protocol):
@@ -61,7 +84,7 @@ def piece_spans(size: int, piece_size: int) -> Iterator[tuple[int, int]]:
     return ((s, min(size, s + piece_size)) for s in range(0, size, piece_size))
 
 
-class PieceVerificationError(ValueError):
+class PieceVerificationError(ChunkVerificationError):
     """A piece's bytes do not match the piece layer."""
 
     def __init__(self, chunk: ChunkEntry, piece: int) -> None:
@@ -93,7 +116,7 @@ class PieceLayer:
                 f"{manifest.piece_layer}"
             )
         self.piece_size = manifest.piece_size
-        self._data = bytes(data)
+        self._data = self.raw = bytes(data)
         self._first: dict[tuple[str, int], int] = {}  # (file, chunk index) -> first piece
         n = 0
         for c in manifest.chunks:

@@ -5,11 +5,16 @@ files (final or still partial). The index maps a chunk digest to one such place.
 entry is added only after the bytes were verified and written (and journaled), so
 anything the index names can be served to peers and copied for dedupe. Waiters (the
 peer server's long-poll) are woken when a chunk lands.
+
+A chunk still arriving, whose pieces are verified one by one (version 2), is listed as
+``Receiving`` while it lands: its verified prefix only grows, and the bytes below it are
+in place and never written again, so the peer server may stream them on (cut-through).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 
@@ -21,32 +26,109 @@ class ChunkLocation:
     size: int
 
 
+class Receiving:
+    """A chunk landing at ``location``: bytes [0, verified) are verified and in place."""
+
+    def __init__(self, location: ChunkLocation, index_changed: threading.Condition) -> None:
+        self.location = location
+        self.verified = 0
+        self.ended = False  # verified whole (then indexed) or given up
+        self._cond = threading.Condition()
+        self._index_changed = index_changed  # woken by the first verified piece
+
+    def advance(self, verified: int) -> None:
+        with self._cond:
+            first = self.verified == 0 < verified
+            if verified > self.verified:
+                self.verified = verified
+                self._cond.notify_all()
+        if first:
+            with self._index_changed:
+                self._index_changed.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def wait_past(self, sent: int, timeout_s: float) -> int:
+        """The verified prefix, once it is past ``sent`` (or the wait timed out, or the
+        receive ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.verified > sent or self.ended, timeout=timeout_s)
+            return self.verified
+
+
 class ChunkIndex:
     def __init__(self) -> None:
         self._where: dict[str, list[ChunkLocation]] = {}
+        self._receiving: dict[str, Receiving] = {}
         self._changed = threading.Condition()
 
-    def add(self, sha256: str, location: ChunkLocation) -> None:
+    def start_receiving(self, key: str, location: ChunkLocation) -> Receiving:
+        """List a chunk that starts landing at ``location`` (the one already listed for
+        ``key``, if any, is returned)."""
         with self._changed:
-            places = self._where.setdefault(sha256, [])
+            found = self._receiving.get(key)
+            if found is None or found.ended:
+                found = self._receiving[key] = Receiving(location, self._changed)
+            return found
+
+    def stop_receiving(self, key: str, receiving: Receiving) -> None:
+        with self._changed:
+            if self._receiving.get(key) is receiving:
+                del self._receiving[key]
+        receiving.end()
+
+    def receiving(self, key: str) -> Receiving | None:
+        with self._changed:
+            return self._receiving.get(key)
+
+    def wait_any(self, key: str, timeout_s: float) -> ChunkLocation | Receiving | None:
+        """Where the whole verified chunk is, else the chunk's ``Receiving`` once it has
+        a verified byte; waiting up to ``timeout_s`` for either."""
+
+        def found() -> ChunkLocation | Receiving | None:
+            places = self._where.get(key)
+            if places:
+                return places[0]
+            r = self._receiving.get(key)
+            return r if r is not None and r.verified > 0 else None
+
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while (hit := found()) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+            return hit
+
+    def add(self, key: str, location: ChunkLocation) -> None:
+        with self._changed:
+            places = self._where.setdefault(key, [])
             if location not in places:
                 places.append(location)
             self._changed.notify_all()
 
-    def get(self, sha256: str) -> ChunkLocation | None:
+    def get(self, key: str) -> ChunkLocation | None:
         with self._changed:
-            places = self._where.get(sha256)
+            places = self._where.get(key)
             return places[0] if places else None
 
-    def wait(self, sha256: str, timeout_s: float) -> ChunkLocation | None:
+    def wait(self, key: str, timeout_s: float) -> ChunkLocation | None:
         """The chunk's location, waiting up to ``timeout_s`` for it to land."""
         with self._changed:
-            self._changed.wait_for(lambda: sha256 in self._where, timeout=timeout_s)
-            places = self._where.get(sha256)
+            self._changed.wait_for(lambda: key in self._where, timeout=timeout_s)
+            places = self._where.get(key)
             return places[0] if places else None
 
     def drop_model(self, model: str) -> None:
         with self._changed:
+            for key, r in list(self._receiving.items()):
+                if r.location.model == model:
+                    del self._receiving[key]
+                    r.end()
             for sha in list(self._where):
                 kept = [loc for loc in self._where[sha] if loc.model != model]
                 if kept:

@@ -15,6 +15,8 @@ Each verified chunk is written once, with ``pwrite`` at its offset into its file
 ``.partial``. When a file's last chunk is in, the file is fsynced once and renamed into
 ``files/``. There is no separate chunk store: a ``ChunkIndex`` (digest -> model, file,
 offset, size) lets the peer server and dedupe find verified chunks inside the files.
+Chunks are named by key, ``<algorithm>:<hex>`` (``sha256:`` for version 1 manifests,
+``blake3:`` for version 2), so the two kinds of digest can never be confused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import shutil
@@ -31,9 +32,12 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from weightship.data.chunkhash import ChunkVerificationError as ChunkVerificationError
+from weightship.data.chunkhash import chunk_key as chunk_key
+from weightship.data.chunkhash import chunk_matches
 from weightship.data.chunkindex import ChunkIndex, ChunkLocation
 from weightship.data.claims import ClaimBoard
-from weightship.data.manifest import SHA256_HEX, Manifest
+from weightship.data.manifest import SHA256_HEX, ChunkEntry, Manifest
 
 if TYPE_CHECKING:
     from weightship.data.modelstaging import ModelStaging
@@ -45,10 +49,6 @@ FORMAT_FILE = "FORMAT"
 CACHE_FORMAT = "weightship-cache 2"
 PARTIAL_SUFFIX = ".partial"
 Buffer = bytes | bytearray | memoryview
-
-
-class ChunkVerificationError(ValueError):
-    """Bytes did not match the digest they were fetched for."""
 
 
 class InsufficientSpaceError(RuntimeError):
@@ -68,12 +68,8 @@ class StageBusyError(RuntimeError):
     """Another stager holds this model's lock."""
 
 
-def sha256_hex(data: Buffer) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def verify_chunk(data: Buffer, sha256: str) -> bool:
-    return sha256_hex(data) == sha256
+def verify_chunk(chunk: ChunkEntry, data: Buffer, *, max_threads: int = 1) -> bool:
+    return chunk_matches(chunk, data, max_threads=max_threads)
 
 
 def digest_hex(digest: str) -> str:
@@ -153,21 +149,25 @@ class ChunkStore:
 
     # Chunks -----------------------------------------------------------------------------
 
-    def locate(self, sha256: str) -> ChunkLocation | None:
-        return self.index.get(digest_hex(sha256))
+    def locate(self, key: str) -> ChunkLocation | None:
+        return self.index.get(chunk_key(key))
 
-    def has_chunk(self, sha256: str) -> bool:
-        return self.locate(sha256) is not None
+    def has_chunk(self, key: str) -> bool:
+        return self.locate(key) is not None
 
-    def open_chunk(self, sha256: str, wait_s: float = 0.0) -> tuple[BinaryIO, ChunkLocation] | None:
+    def open_chunk(self, key: str, wait_s: float = 0.0) -> tuple[BinaryIO, ChunkLocation] | None:
         """An open file holding the verified chunk, and where in it; None when absent.
 
         ``wait_s`` > 0 waits that long for the chunk to land. The caller closes the file.
         """
-        sha = digest_hex(sha256)
-        loc = self.index.wait(sha, wait_s) if wait_s > 0 else self.index.get(sha)
+        key = chunk_key(key)
+        loc = self.index.wait(key, wait_s) if wait_s > 0 else self.index.get(key)
         if loc is None:
             return None
+        return self.open_location(loc)
+
+    def open_location(self, loc: ChunkLocation) -> tuple[BinaryIO, ChunkLocation] | None:
+        """The file holding ``loc`` (final or still partial), open; None when evicted."""
         mdir = self.root / "models" / loc.model
         final, partial = final_path(mdir, loc.path), partial_path(mdir, loc.path)
         for path in (final, partial, final):  # the partial may be renamed in between
@@ -177,9 +177,9 @@ class ChunkStore:
                 continue
         return None  # evicted meanwhile
 
-    def read_chunk(self, sha256: str, start: int = 0, end: int | None = None) -> bytes | None:
+    def read_chunk(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
         """Bytes [start, end) of a verified chunk, or None when the chunk is absent."""
-        found = self.open_chunk(sha256)
+        found = self.open_chunk(key)
         if found is None:
             return None
         f, loc = found
@@ -206,7 +206,7 @@ class ChunkStore:
         finished = {p for p, size in sizes.items() if size_or_none(final_path(mdir, p)) == size}
         for c in manifest.chunks:
             if c.file in finished:
-                self.index.add(c.sha256, ChunkLocation(mdir.name, c.file, c.offset, c.size))
+                self.index.add(c.key, ChunkLocation(mdir.name, c.file, c.offset, c.size))
 
     # Models -----------------------------------------------------------------------------
 
@@ -226,11 +226,11 @@ class ChunkStore:
         """Record a use of a staged model, for LRU eviction."""
         os.utime(self.model_dir(digest) / STAGED_MARKER)
 
-    def begin(self, manifest: Manifest) -> ModelStaging:
+    def begin(self, manifest: Manifest, *, hash_threads: int = 1) -> ModelStaging:
         """Lock ``manifest``'s model for staging (StageBusyError when another holds it)."""
         from weightship.data.modelstaging import ModelStaging  # it builds on this module
 
-        return ModelStaging(self, manifest)
+        return ModelStaging(self, manifest, hash_threads=hash_threads)
 
     # Space ------------------------------------------------------------------------------
 

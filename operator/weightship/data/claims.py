@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from weightship.data.chunkhash import chunk_key
+
 # A grant the claimant has not made good on by then no longer holds: the owner fetches
 # the chunk itself rather than wait on a claimant that died or lied.
 GRANT_TTL_S = 120.0
@@ -58,12 +60,13 @@ class ClaimBoard:
         """A stage of these chunks begins, with these (node, address) peers. Undone by
         ``forget`` of the same digests."""
         with self._lock:
-            self._wanted.update(set(digests))
+            self._wanted.update({chunk_key(d) for d in digests})
             self._peers.update({node: peer_host(address) for node, address in peers})
 
     def start(self, sha256: str) -> str | None:
         """This node is about to fetch ``sha256`` from the origin. Returns the node it was
         granted to instead (then this node must not fetch it), else marks it started."""
+        sha256 = chunk_key(sha256)
         with self._lock:
             claimant = self._live_claimant(sha256)
             if claimant is None:
@@ -72,6 +75,7 @@ class ClaimBoard:
 
     def wants(self, sha256: str) -> bool:
         """Whether ``sha256`` is a chunk of a model this node is staging."""
+        sha256 = chunk_key(sha256)
         with self._lock:
             return sha256 in self._wanted
 
@@ -87,6 +91,7 @@ class ClaimBoard:
         ``node`` when granted (again, if it asked before), or the node already granted.
         None when this node started it (the claimant should keep waiting for it here), or
         when the chunk is not one this node is staging."""
+        sha256 = chunk_key(sha256)
         with self._lock:
             if sha256 in self._started or sha256 not in self._wanted:
                 return None
@@ -97,6 +102,7 @@ class ClaimBoard:
             return holder
 
     def claimant(self, sha256: str) -> str | None:
+        sha256 = chunk_key(sha256)
         with self._lock:
             return self._live_claimant(sha256)
 
@@ -104,7 +110,7 @@ class ClaimBoard:
         """Drop a finished stage's entries (the peer server refuses claims on chunks this
         node holds, so nothing is granted twice)."""
         with self._lock:
-            for sha in set(digests):
+            for sha in {chunk_key(d) for d in digests}:
                 self._started.discard(sha)
                 self._granted.pop(sha, None)
                 self._wanted[sha] -= 1

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from weightship.data import rendezvous
+from weightship.data.chunkhash import PieceVerificationError
 from weightship.data.chunkstore import Buffer, ChunkVerificationError
 from weightship.data.claims import ClaimBoard
 from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ChunkIncompleteError, Fill, ResumeMovedError
 from weightship.data.peer import (
     ChunkNotOnPeerError,
     PeerBusyError,
@@ -46,33 +48,36 @@ class ChunkOrigin(Protocol):
 
 
 @runtime_checkable
-class HashingOrigin(Protocol):
-    """An origin that hashes the bytes as they arrive (``S3Origin``)."""
-
-    def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[Buffer, str]: ...
-
-
-@runtime_checkable
 class FillingOrigin(Protocol):
-    """An origin that reads a range into the caller's memory and hashes it (``S3Origin``)."""
+    """An origin that reads a range into the caller's memory (``S3Origin``), saying
+    after each read how many bytes are in (``landed``), so pieces can be checked as
+    they arrive."""
 
-    def read_range_into(self, path: str, offset: int, view: memoryview) -> str: ...
+    def read_range_into(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        landed: Callable[[int], None] | None = None,
+    ) -> None: ...
 
 
 @runtime_checkable
 class InPlaceSink(Protocol):
-    """A sink that lets the origin write a chunk straight into its place
-    (``ModelStaging.receive``)."""
+    """A sink that lets a source write a chunk straight into its place and verifies it
+    as it lands (``ModelStaging.receive``)."""
 
-    def receive(self, sha256: str, fill: Callable[[memoryview], str]) -> int: ...
+    def receive(self, key: str, fill: Fill, *, start: int | None = None) -> int: ...
+
+    def resume_point(self, key: str) -> int: ...
 
 
 class ChunkSink(Protocol):
     """Where verified chunks go (``ModelStaging``)."""
 
-    def has(self, sha256: str) -> bool: ...
+    def has(self, key: str) -> bool: ...
 
-    def put(self, sha256: str, data: Buffer, *, verified_sha256: str | None = None) -> int:
+    def put(self, key: str, data: Buffer, *, verified_digest: str | None = None) -> int:
         """Verify and store; raise ChunkVerificationError on a mismatch."""
         ...
 
@@ -166,10 +171,10 @@ def fetch_order(
     step: dict[str, int] = {}
     queue_len: dict[str, int] = {}
     for c in chunks:
-        owner = owner_of(c.sha256)
-        step[c.sha256] = queue_len.get(owner, 0) + (0 if owner == node else lag)
+        owner = owner_of(c.key)
+        step[c.key] = queue_len.get(owner, 0) + (0 if owner == node else lag)
         queue_len[owner] = queue_len.get(owner, 0) + 1
-    return sorted(chunks, key=lambda c: step[c.sha256])
+    return sorted(chunks, key=lambda c: step[c.key])
 
 
 class ChunkFetcher:
@@ -198,7 +203,7 @@ class ChunkFetcher:
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
-        self.owners = rendezvous.balanced_owners((c.sha256 for c in chunks), self.nodes)
+        self.owners = rendezvous.balanced_owners((c.key for c in chunks), self.nodes)
         self.holders = sorted(set(holders) & set(self.address))
         self.origin = origin
         self.sink = sink
@@ -218,25 +223,25 @@ class ChunkFetcher:
         # Chunks this node claimed: set once the claimed fetch is over, so the worker
         # that wants the chunk reports it as from the origin (the claimer counts nothing).
         self._claimed_here: dict[str, threading.Event] = {}
-        self._entries = {c.sha256: c for c in reversed(chunks)}  # first position wins
+        self._entries = {c.key: c for c in reversed(chunks)}  # first position wins
         self._queues: dict[str, list[str]] = {}  # owner -> its chunks, in fetch order
         for sha, owner in self.owners.items():
             self._queues.setdefault(owner, []).append(sha)
 
-    def ranking(self, sha256: str) -> list[str]:
+    def ranking(self, key: str) -> list[str]:
         """Every node, this one included: the chunk's owner first, then its rendezvous
         ranking, which a dead owner's chunk falls through. A chunk this node gave away
         (claims) has its claimant first."""
-        owner = self.claims.claimant(sha256) or self.owners.get(sha256)
-        return rendezvous.rank_with_owner(self.nodes, sha256, owner)
+        owner = self.claims.claimant(key) or self.owners.get(key)
+        return rendezvous.rank_with_owner(self.nodes, key, owner)
 
-    def owner_of(self, sha256: str) -> str:
-        """``ranking(sha256)[0]``, without ranking every node when the owner is known: the
+    def owner_of(self, key: str) -> str:
+        """``ranking(key)[0]``, without ranking every node when the owner is known: the
         stage asks this for every chunk several times, and a ranking hashes each node."""
-        owner = self.claims.claimant(sha256) or self.owners.get(sha256)
+        owner = self.claims.claimant(key) or self.owners.get(key)
         if owner is not None and (owner == self.node or owner in self.address):
             return owner
-        return self.ranking(sha256)[0]
+        return self.ranking(key)[0]
 
     def fetch(self, chunk: ChunkEntry) -> Source:
         """Get one chunk into the store, verified; say where it came from."""
@@ -247,24 +252,24 @@ class ChunkFetcher:
         return source
 
     def _fetch(self, chunk: ChunkEntry) -> Source:
-        if self.sink.has(chunk.sha256):
-            return "origin" if chunk.sha256 in self._claimed_here else "local"
         started = time.monotonic()
         deadline = started + self.policy.owner_wait_s
         while True:
+            if self.sink.has(chunk.key):  # another worker of this node got it meanwhile
+                return "origin" if chunk.key in self._claimed_here else "local"
             if self.cancel.is_set():
                 # The model is no longer wanted: stop waiting on owners at once.
-                raise FetchCancelledError(f"fetch of chunk {chunk.sha256} cancelled")
-            claimed = self._claimed_here.get(chunk.sha256)
+                raise FetchCancelledError(f"fetch of chunk {chunk.key} cancelled")
+            claimed = self._claimed_here.get(chunk.key)
             if claimed is not None:  # another worker of this node claimed it
-                if claimed.wait(0.1) and self.sink.has(chunk.sha256):
+                if claimed.wait(0.1) and self.sink.has(chunk.key):
                     return "origin"
                 if not claimed.is_set():
                     continue
             avoided = self.health.avoided()
-            live = [n for n in self.ranking(chunk.sha256) if n not in avoided]
+            live = [n for n in self.ranking(chunk.key) if n not in avoided]
             if not live or live[0] == self.node:
-                claimant = self.claims.start(chunk.sha256)
+                claimant = self.claims.start(chunk.key)
                 if claimant is None or claimant not in self.address or claimant in avoided:
                     if self._from_holders(chunk, avoided):
                         return "peer"
@@ -273,7 +278,7 @@ class ChunkFetcher:
                 continue  # granted to a peer meanwhile: the ranking now starts with it
             round_started = time.monotonic()
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
-            hint = self._holder_hint.get(chunk.sha256)
+            hint = self._holder_hint.get(chunk.key)
             if hint in live and hint not in asked and hint != self.node:
                 asked.insert(1, hint)  # the node that claimed it from the owner
             # The owner (asked first) may hold the request until the chunk lands; the
@@ -283,7 +288,7 @@ class ChunkFetcher:
                 return "peer"
             now = time.monotonic()
             if now >= deadline:
-                log.info("chunk %s: owner %s too slow, going to origin", chunk.sha256, live[0])
+                log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
                 self._from_origin(chunk)
                 return "origin"
             if self._may_claim(chunk, now - started):
@@ -297,7 +302,7 @@ class ChunkFetcher:
             after is not None
             and waited_s >= after
             and self.origin_idle.is_set()
-            and self.owners.get(chunk.sha256) != self.node  # its own, given away: wait
+            and self.owners.get(chunk.key) != self.node  # its own, given away: wait
         )
 
     def claim_tails(self) -> None:
@@ -366,15 +371,72 @@ class ChunkFetcher:
     def _from_holders(self, chunk: ChunkEntry, avoided: set[str]) -> bool:
         """Ask up to ``peers_per_round`` live holders of the whole model (rendezvous order,
         so the load spreads) before this node fetches a chunk from the origin."""
-        ranked = [n for n in rendezvous.rank(self.holders, chunk.sha256) if n not in avoided]
+        ranked = [n for n in rendezvous.rank(self.holders, chunk.key) if n not in avoided]
         return any(self._from_peer(n, chunk) for n in ranked[: self.policy.peers_per_round])
 
     def _from_peer(self, node: str, chunk: ChunkEntry, wait_s: float = 0.0) -> bool:
+        sink = self.sink
+        if isinstance(sink, InPlaceSink):
+            return self._stream_from_peer(node, chunk, sink, wait_s)
         try:
-            data = self.client.fetch(self.address[node], chunk.sha256, wait_s=wait_s)
-        except (ChunkNotOnPeerError, PeerBusyError):
+            data = self.client.fetch(self.address[node], chunk.key, wait_s=wait_s)
+        except PeerError as exc:
+            self._peer_failed(node, exc)
             return False
-        except PeerUnavailableError as exc:
+        self._throttle(len(data))
+        try:
+            sink.put(chunk.key, data)  # verifies before storing
+        except ChunkVerificationError:
+            self._demote(node, chunk, "bad bytes")
+            return False
+        return True
+
+    def _stream_from_peer(
+        self, node: str, chunk: ChunkEntry, sink: InPlaceSink, wait_s: float
+    ) -> bool:
+        """Receive the chunk from ``node`` into its place, from this node's verified
+        prefix on. A peer still receiving the chunk streams its verified pieces as they
+        land; each piece is verified here as it arrives (version 2), so a bad one is
+        caught at that piece and the peer demoted. A stream that ends early keeps what
+        verified: the next attempt, at any source, starts there."""
+        address = self.address[node]
+        start = sink.resume_point(chunk.key)
+        try:
+            body = self.client.open(address, chunk.key, start=start, wait_s=wait_s)
+        except PeerError as exc:
+            self._peer_failed(node, exc)
+            return False
+        got = [start]
+
+        def fill(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+            def counted(end: int) -> None:
+                self._throttle(end - got[0])
+                got[0] = end
+                landed(end)
+
+            return body.read_into(view, begin, counted)
+
+        try:
+            written = sink.receive(chunk.key, fill, start=start)
+        except PieceVerificationError as exc:
+            self._demote(node, chunk, f"a bad piece ({exc.piece})")
+            return False
+        except ChunkVerificationError:
+            self._demote(node, chunk, "bad bytes")
+            return False
+        except (ChunkIncompleteError, ResumeMovedError):
+            return False  # what verified is kept; ask again
+        except PeerError as exc:
+            self._peer_failed(node, exc)
+            return False
+        finally:
+            body.close()
+        return written > 0 or self.sink.has(chunk.key)
+
+    def _peer_failed(self, node: str, exc: PeerError) -> None:
+        if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
+            return
+        if isinstance(exc, PeerUnavailableError):
             log.info(
                 "peer %s unreachable, skipping it for %ss: %s",
                 node,
@@ -382,52 +444,46 @@ class ChunkFetcher:
                 exc,
             )
             self.health.mark_dead(node, self.policy.dead_cooldown_s)
-            return False
-        except PeerError as exc:
-            log.warning("peer %s: %s", node, exc)
-            return False
-        self._throttle(len(data))
-        try:
-            self.sink.put(chunk.sha256, data)  # verifies before storing
-        except ChunkVerificationError:
-            log.warning("peer %s served bad bytes for chunk %s: demoted", node, chunk.sha256)
-            self.metrics.verification_failures.labels("peer").inc()
-            self.metrics.peer_demotions.inc()
-            self.health.demote(node, self.policy.demote_cooldown_s)
-            return False
-        return True
+            return
+        log.warning("peer %s: %s", node, exc)
+
+    def _demote(self, node: str, chunk: ChunkEntry, what: str) -> None:
+        log.warning("peer %s served %s for chunk %s: demoted", node, what, chunk.key)
+        self.metrics.verification_failures.labels("peer").inc()
+        self.metrics.peer_demotions.inc()
+        self.health.demote(node, self.policy.demote_cooldown_s)
 
     def _from_origin(self, chunk: ChunkEntry) -> None:
         origin, sink = self.origin, self.sink
         for _ in range(self.policy.origin_attempts):
             if isinstance(origin, FillingOrigin) and isinstance(sink, InPlaceSink):
 
-                def fill(view: memoryview) -> str:
-                    digest = origin.read_range_into(chunk.file, chunk.offset, view)
-                    self._throttle(len(view))
-                    return digest
+                def fill(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+                    origin.read_range_into(
+                        chunk.file, chunk.offset + begin, view[begin:], lambda n: landed(begin + n)
+                    )
+                    self._throttle(len(view) - begin)
+                    return len(view)
 
                 try:
-                    sink.receive(chunk.sha256, fill)  # verifies before journaling
+                    sink.receive(chunk.key, fill)  # verifies before journaling
                     return
                 except ChunkVerificationError:
                     self.metrics.verification_failures.labels("origin").inc()
                     continue
-            digest: str | None = None
-            if isinstance(self.origin, HashingOrigin):
-                data, digest = self.origin.read_range_hashed(chunk.file, chunk.offset, chunk.size)
-            else:
-                data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
+                except ChunkIncompleteError:
+                    continue
+            data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
             self._throttle(len(data))
             try:
-                self.sink.put(chunk.sha256, data, verified_sha256=digest)
+                self.sink.put(chunk.key, data)
                 return
             except ChunkVerificationError:
                 self.metrics.verification_failures.labels("origin").inc()
         raise ChunkVerificationError(
             f"origin bytes of {chunk.file} chunk {chunk.index} (offset {chunk.offset}) do not "
-            f"match the manifest's sha256 {chunk.sha256}: the weights changed after the "
-            "manifest was written; re-run `weightship manifest`"
+            f"match the manifest's {chunk.algorithm} {chunk.hexdigest}: the weights changed "
+            "after the manifest was written; re-run `weightship manifest`"
         )
 
     def _throttle(self, n: int) -> None:

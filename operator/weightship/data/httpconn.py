@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import ssl
 import threading
+from collections.abc import Callable
 
 # A reused connection the server closed meanwhile (idle timeout) fails with one of these
 # on the first request; it is retried once on a fresh connection.
@@ -95,14 +96,22 @@ class ThreadConnections:
         return conn, False
 
 
-def read_into(resp: http.client.HTTPResponse, view: memoryview) -> int:
+def read_into(
+    resp: http.client.HTTPResponse,
+    view: memoryview,
+    landed: Callable[[int], None] | None = None,
+    step: int = 1 << 20,
+) -> int:
     """Read the body into ``view``; return the bytes read (fewer than ``len(view)`` when
-    the body ended early). One ``readinto`` per call: the buffered socket reader loops
-    over ``recv`` into ``view`` itself, releasing the GIL for each."""
+    the body ended early). Without ``landed``, one ``readinto`` per call: the buffered
+    socket reader loops over ``recv`` into ``view`` itself, releasing the GIL for each.
+    With it, reads of up to ``step`` bytes, each followed by ``landed(bytes in so far)``."""
     got = 0
     while got < len(view):
-        n = resp.readinto(view[got:])
+        n = resp.readinto(view[got:] if landed is None else view[got : got + step])
         if not n:
             break
         got += n
+        if landed is not None:
+            landed(got)
     return got

@@ -3,11 +3,17 @@
 Each chunk lands at its offset in its file's preallocated ``partial/<path>.partial``:
 either received straight into a shared mapping of its slot (``receive``: the socket's
 bytes are copied once, into the page cache) or written with ``pwrite`` (``put``). It is
-journaled only once its sha256 matched; bytes that did not match stay in the partial
-file unjournaled, so a resume fetches them again. When a file's last chunk is in, the
-file is fsynced once (which also writes pages dirtied through mappings) and renamed into
-``files/``. No file appears under its final name before every one of its chunks
-verified. See ``chunkstore`` for the layout.
+journaled only once its digest matched; bytes that did not match stay in the partial
+file unjournaled, so a resume fetches them again.
+
+With a piece layer (version 2 manifests), ``receive`` verifies each piece as it lands
+and publishes the verified prefix (``ChunkIndex.start_receiving``), so the peer server
+streams those bytes on while the rest arrives. The prefix only grows: a failed attempt
+(bad piece, source gone) keeps it, and the next attempt, from any source, starts there.
+
+When a file's last chunk is in, the file is fsynced once (which also writes pages
+dirtied through mappings) and renamed into ``files/``. No file appears under its final
+name before every one of its chunks verified. See ``chunkstore`` for the layout.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from weightship.data.chunkindex import ChunkLocation
+from weightship.data.chunkhash import PieceLayer, chunk_digest
+from weightship.data.chunkindex import ChunkLocation, Receiving
 from weightship.data.chunkstore import (
     STAGED_MARKER,
     Buffer,
@@ -29,15 +36,31 @@ from weightship.data.chunkstore import (
     ChunkVerificationError,
     ModelLock,
     allocated,
+    chunk_key,
     final_path,
     fsync_dir,
     partial_path,
-    sha256_hex,
     size_or_none,
     start_writeback,
     verify_chunk,
 )
-from weightship.data.manifest import Manifest, validate_relative_path
+from weightship.data.manifest import ChunkEntry, Manifest, validate_relative_path
+
+Landed = Callable[[int], None]
+# fill(view, start, landed): write the chunk's bytes [start, end) into view[start:end] in
+# order, calling landed(n) whenever bytes [0, n) are in; return the end reached.
+Fill = Callable[[memoryview, int, Landed], int]
+
+
+class ChunkIncompleteError(RuntimeError):
+    """The source stopped before the chunk's end (a stream that ended early): what was
+    verified is kept, and the next attempt starts there. Not a verification failure."""
+
+
+class ResumeMovedError(RuntimeError):
+    """The attempt was set up to start at one offset, and the chunk's verified prefix is
+    elsewhere now (another attempt moved it): ask again."""
+
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13
 
@@ -51,9 +74,21 @@ class ModelStaging:
     # False: ``receive`` fills a buffer and writes it with ``pwrite`` (the benchmark's A/B).
     map_partial_files = True
 
-    def __init__(self, store: ChunkStore, manifest: Manifest) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        manifest: Manifest,
+        *,
+        pieces: PieceLayer | None = None,
+        hash_threads: int = 1,
+    ) -> None:
+        """``pieces``: the manifest's piece layer, to verify pieces as they land (None:
+        each chunk is verified whole). ``hash_threads``: BLAKE3 threads for a whole chunk."""
         self.store = store
         self.manifest = manifest
+        self.pieces = pieces
+        self.hash_threads = hash_threads
+        self._receiving: dict[str, Receiving] = {}  # chunks landing piece by piece
         self.dir = store.model_dir(manifest.digest)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = ModelLock(self.dir)
@@ -70,7 +105,7 @@ class ModelStaging:
         self._claimed: set[int] = set()  # chunk indexes being written right now
         self._indexes_of: dict[str, list[int]] = {}
         for i, c in enumerate(manifest.chunks):
-            self._indexes_of.setdefault(c.sha256, []).append(i)
+            self._indexes_of.setdefault(c.key, []).append(i)
         self._sizes = {f.path: f.size for f in manifest.files}
         self._done = self._recover()
         self._remaining = {f.path: 0 for f in manifest.files}
@@ -81,6 +116,9 @@ class ModelStaging:
     def close(self) -> None:
         with self._mutex:
             fds, self._fds = list(self._fds.values()), {}
+            receiving, self._receiving = dict(self._receiving), {}
+        for key, r in receiving.items():
+            self.store.index.stop_receiving(key, r)
         for fd in fds:
             os.close(fd)
         os.close(self._journal)
@@ -101,10 +139,18 @@ class ModelStaging:
         with self._mutex:
             return set(self._done)
 
-    def has(self, sha256: str) -> bool:
-        """Every chunk of the model with this digest is in place."""
+    def has(self, key: str) -> bool:
+        """Every chunk of the model with this key is in place."""
+        key = chunk_key(key)
         with self._mutex:
-            return all(i in self._done for i in self._indexes_of.get(sha256, [-1]))
+            return all(i in self._done for i in self._indexes_of.get(key, [-1]))
+
+    def resume_point(self, key: str) -> int:
+        """Where the next attempt at this chunk starts: its verified prefix when its
+        pieces are verified as they land, else 0."""
+        with self._mutex:
+            r = self._receiving.get(chunk_key(key))
+            return r.verified if r is not None else 0
 
     def file_path(self, path: str) -> Path:
         return final_path(self.dir, validate_relative_path(path))
@@ -125,58 +171,116 @@ class ModelStaging:
             if not self.is_materialized(path):
                 self._finish_file(path)
 
-    def put(self, sha256: str, data: Buffer, *, verified_sha256: str | None = None) -> int:
-        """Verify ``data`` and write it at every not-yet-written chunk with this digest;
+    def put(self, key: str, data: Buffer, *, verified_digest: str | None = None) -> int:
+        """Verify ``data`` and write it at every not-yet-written chunk with this key;
         journal them; finish (fsync, rename) the files it completes. Returns how many
-        chunk positions were written. ``verified_sha256``: the digest the caller already
-        computed over these exact bytes (hashed as they arrived), to skip hashing again.
+        chunk positions were written. ``verified_digest``: the hex digest the caller
+        already computed over these exact bytes, in the chunk's algorithm.
 
         Raises ChunkVerificationError, writing nothing, when the bytes do not match."""
-        actual = verified_sha256 if verified_sha256 is not None else sha256_hex(data)
-        if actual != sha256:
-            raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-        todo = self._claim(sha256)
+        key = chunk_key(key)
+        chunk = self._entry(key)
+        if chunk is None:
+            return 0
+        actual = verified_digest
+        if actual is None and len(data) == chunk.size:
+            actual = chunk_digest(chunk, data, max_threads=self.hash_threads)
+        if actual != chunk.hexdigest or len(data) != chunk.size:
+            raise ChunkVerificationError(f"chunk bytes do not match {key}")
+        todo = self._claim(key)
         try:
             self._write_at(todo, data)
         except BaseException:
             self._unclaim(todo)
             raise
-        return self._commit(sha256, todo)
+        return self._commit(key, todo)
 
-    def receive(self, sha256: str, fill: Callable[[memoryview], str]) -> int:
+    def receive(self, key: str, fill: Fill, *, start: int | None = None) -> int:
         """Like ``put``, with the bytes landing in place: ``fill`` writes the chunk into
         a shared mapping of its slot in the partial file (the first not-yet-written
-        position with this digest) and returns the sha256 of what it wrote. Saves
-        ``put``'s copy through a buffer. Fetches nothing, returning 0, when no position
-        needs the chunk.
+        position with this key). Saves ``put``'s copy through a buffer. Fetches
+        nothing, returning 0, when no position needs the chunk.
 
-        Raises ChunkVerificationError when the digest does not match: the slot keeps the
-        bad bytes but is not journaled, so it is fetched again (now or on resume).
-        Partial files whose space could not be preallocated are filled through a buffer:
-        a write fault on a mapped page with no disk block behind it is a SIGBUS."""
-        todo = self._claim(sha256)
+        With a piece layer each piece is verified as it lands and the verified prefix is
+        published for the peer server; ``fill`` starts at that prefix (``start``, when
+        given, must be it: ResumeMovedError otherwise). Without one the whole chunk is
+        hashed once it is in. Raises ChunkVerificationError (PieceVerificationError for
+        a bad piece) when bytes do not match: the slot keeps them but they are neither
+        journaled nor served, and are fetched again; ChunkIncompleteError when the
+        source stopped early. Partial files whose space could not be preallocated are
+        filled through a buffer: a write fault on a mapped page with no disk block
+        behind it is a SIGBUS."""
+        key = chunk_key(key)
+        todo = self._claim(key)
         if not todo:
             return 0
         first = self.manifest.chunks[todo[0]]
+        receiving: Receiving | None = None
         try:
             fd = self._open_partial(first.file)
-            if not (self.map_partial_files and first.file in self._reserved and first.size):
-                buf = bytearray(first.size)
-                if fill(memoryview(buf)) != sha256:
-                    raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-                self._write_at(todo, buf)
-            else:
-                with _mapped(fd, first.offset, first.size) as view:
-                    if fill(view) != sha256:
-                        raise ChunkVerificationError(f"chunk bytes do not match sha256 {sha256}")
-                    self._write_at(todo[1:], view)
+            checker = self.pieces.checker(first) if self.pieces is not None else None
+            if checker is not None:
+                receiving = self._receiving_for(key, first)
+                checker.start_at(receiving.verified)
+            begin = checker.verified if checker is not None else 0
+            if start is not None and start != begin:
+                raise ResumeMovedError(f"chunk {key}: verified to {begin}, not {start}")
+            mapped = self.map_partial_files and first.file in self._reserved and first.size
+            with _slot(fd, first, mapped=bool(mapped), prefix=begin) as view:
+
+                def landed(end: int) -> None:
+                    if checker is None or receiving is None:
+                        return
+                    before = checker.verified
+                    now = checker.landed(view, end)  # raises at a bad piece
+                    if now > before:
+                        if not mapped:  # the peer server reads the file: write it first
+                            _pwrite_all(fd, view[before:now], first.offset + before)
+                        receiving.advance(now)
+
+                end = fill(view, begin, landed)
+                if checker is not None:
+                    landed(end)
+                    if checker.verified != first.size:
+                        raise ChunkIncompleteError(
+                            f"chunk {key}: the source stopped at {end} of {first.size} bytes"
+                        )
+                else:
+                    if end != first.size:
+                        raise ChunkIncompleteError(
+                            f"chunk {key}: the source stopped at {end} of {first.size} bytes"
+                        )
+                    if not verify_chunk(first, view, max_threads=self.hash_threads):
+                        raise ChunkVerificationError(f"chunk bytes do not match {key}")
+                    if not mapped:
+                        _pwrite_all(fd, view, first.offset)
+                self._write_at(todo[1:], view)
+            if mapped:
                 # Unmapped first: starting the writeback of mapped pages write-protects
                 # them, a TLB shootdown per folio (4 % of the client's CPU in a profile).
                 start_writeback(fd, first.offset, first.size)
         except BaseException:
             self._unclaim(todo)
             raise
-        return self._commit(sha256, todo)
+        n = self._commit(key, todo)
+        if receiving is not None:  # indexed whole now: the server serves it from there
+            with self._mutex:
+                self._receiving.pop(key, None)
+            self.store.index.stop_receiving(key, receiving)
+        return n
+
+    def _receiving_for(self, key: str, chunk: ChunkEntry) -> Receiving:
+        """The chunk's published verified prefix, kept across attempts."""
+        with self._mutex:
+            r = self._receiving.get(key)
+            if r is None:
+                loc = ChunkLocation(self.dir.name, chunk.file, chunk.offset, chunk.size)
+                r = self._receiving[key] = self.store.index.start_receiving(key, loc)
+            return r
+
+    def _entry(self, key: str) -> ChunkEntry | None:
+        indexes = self._indexes_of.get(key)
+        return self.manifest.chunks[indexes[0]] if indexes else None
 
     def record(self, indexes: Iterable[int]) -> None:
         """Append chunk indexes to the journal; one write, so lines never interleave."""
@@ -204,13 +308,13 @@ class ModelStaging:
 
     # ------------------------------------------------------------------------------------
 
-    def _claim(self, sha256: str) -> list[int]:
-        """The chunk positions with this digest that nobody has written or is writing,
+    def _claim(self, key: str) -> list[int]:
+        """The chunk positions with this key that nobody has written or is writing,
         now marked as being written by the caller."""
         with self._mutex:
             todo = [
                 i
-                for i in self._indexes_of.get(sha256, [])
+                for i in self._indexes_of.get(key, [])
                 if i not in self._done and i not in self._claimed
             ]
             self._claimed.update(todo)
@@ -224,12 +328,12 @@ class ModelStaging:
         chunks = self.manifest.chunks
         for i in todo:
             if len(data) != chunks[i].size:
-                raise ChunkVerificationError(f"chunk {chunks[i].sha256} has the wrong size")
+                raise ChunkVerificationError(f"chunk {chunks[i].key} has the wrong size")
             fd = self._open_partial(chunks[i].file)
             _pwrite_all(fd, data, chunks[i].offset)
             start_writeback(fd, chunks[i].offset, chunks[i].size)
 
-    def _commit(self, sha256: str, todo: list[int]) -> int:
+    def _commit(self, key: str, todo: list[int]) -> int:
         """Journal the claimed positions, whose verified bytes are in place; finish the
         files they complete."""
         chunks = self.manifest.chunks
@@ -244,7 +348,7 @@ class ModelStaging:
                     completed.append(chunks[i].file)
         for i in todo:
             c = chunks[i]
-            self.store.index.add(sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+            self.store.index.add(key, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
         for path in completed:
             self._finish_file(path)
         return len(todo)
@@ -298,13 +402,14 @@ class ModelStaging:
             try:
                 for i in indexes:
                     c = chunks[i]
-                    if verify_chunk(os.pread(fd, c.size, c.offset), c.sha256):
+                    data = os.pread(fd, c.size, c.offset)
+                    if verify_chunk(c, data, max_threads=self.hash_threads):
                         done.add(i)
             finally:
                 os.close(fd)
         for i in sorted(done):
             c = chunks[i]
-            self.store.index.add(c.sha256, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+            self.store.index.add(c.key, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
         return done
 
 
@@ -335,6 +440,20 @@ def _mapped(fd: int, offset: int, size: int) -> Iterator[memoryview]:
             yield view
     finally:
         _unmap(mapping)
+
+
+@contextlib.contextmanager
+def _slot(fd: int, chunk: ChunkEntry, *, mapped: bool, prefix: int) -> Iterator[memoryview]:
+    """Where a chunk lands: its mapped slot in the partial file, or a buffer holding the
+    ``prefix`` bytes already in the file (so the whole chunk can be copied elsewhere)."""
+    if mapped:
+        with _mapped(fd, chunk.offset, chunk.size) as view:
+            yield view
+        return
+    buf = bytearray(chunk.size)
+    if prefix:
+        os.preadv(fd, [memoryview(buf)[:prefix]], chunk.offset)
+    yield memoryview(buf)
 
 
 def _unmap(mapping: mmap.mmap) -> None:

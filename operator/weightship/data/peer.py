@@ -1,14 +1,18 @@
 """The peer HTTP server each agent runs, and its client.
 
-The server serves only verified chunks, addressed by digest: the request path must be
-exactly ``/chunks/sha256/<64 lowercase hex>``, checked before anything touches the
-filesystem, so no request can name any other file. The bytes come from the model file
-that holds the chunk (``ChunkStore.open_chunk``: only verified, journaled ranges).
+The server serves only verified bytes of chunks, addressed by key: the request path
+must be exactly ``/chunks/<sha256|blake3>/<64 lowercase hex>``, checked before anything
+touches the filesystem, so no request can name any other file. The bytes come from the
+model file that holds the chunk (``ChunkStore.open_chunk``: only verified, journaled
+ranges).
 
 A GET may carry ``X-Weightship-Wait: <seconds>``: when the chunk is not there yet, the
 server holds the request until it lands (at most ``MAX_WAIT_S``), instead of a 404 that
-the client would poll again. The client keeps one HTTP/1.1 connection per peer per
-thread and reuses it.
+the client would poll again. With ``X-Weightship-Stream: 1`` (cut-through), a chunk this
+node is still receiving piece by piece is streamed as its pieces verify here: a chunked
+body that carries only the verified prefix as it grows, and may end before the chunk's
+end (the client keeps what it got and asks again from there). The client keeps one
+HTTP/1.1 connection per peer per thread and reuses it.
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ import http.client
 import logging
 import re
 import threading
+from collections.abc import Callable
 from typing import BinaryIO
 
-from weightship.data.chunkstore import ChunkStore
+from weightship.data.chunkindex import Receiving
+from weightship.data.chunkstore import ChunkStore, chunk_key
 from weightship.data.httpconn import ThreadConnections
 from weightship.httpserver import BoundedHandler, Server
 
 WAIT_HEADER = "X-Weightship-Wait"
+STREAM_HEADER = "X-Weightship-Stream"  # "1": stream a chunk still arriving (cut-through)
+# A stream whose verified prefix has not grown for this long ends; the client asks again.
+STREAM_STALL_S = 5.0
+READ_STEP = 1024 * 1024  # bytes a client reads before saying they landed
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
@@ -34,8 +44,8 @@ REQUEST_DEADLINE_S = 120.0
 
 log = logging.getLogger(__name__)
 
-CHUNK_PATH = re.compile(r"/chunks/sha256/([0-9a-f]{64})")
-CLAIM_PATH = re.compile(r"/claims/sha256/([0-9a-f]{64})")
+CHUNK_PATH = re.compile(r"/chunks/(sha256|blake3)/([0-9a-f]{64})")
+CLAIM_PATH = re.compile(r"/claims/(sha256|blake3)/([0-9a-f]{64})")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")  # a Kubernetes node name
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
@@ -115,9 +125,11 @@ class _ChunkHandler(BoundedHandler):
         m = CLAIM_PATH.fullmatch(self.path)
         node = self.headers.get(NODE_HEADER, "")
         if not m or not NODE_NAME.fullmatch(node):
-            self._reply(400, b"expected /claims/sha256/<64 lowercase hex> and a node name\n")
+            self._reply(
+                400, b"expected /claims/<sha256|blake3>/<64 lowercase hex> and a node name\n"
+            )
             return
-        sha, board, store = m.group(1), self.server.store.claims, self.server.store
+        sha, board, store = f"{m[1]}:{m[2]}", self.server.store.claims, self.server.store
         if store.has_chunk(sha):
             self._reply(409, b"refused\n")  # take it from here
             return
@@ -153,16 +165,71 @@ class _ChunkHandler(BoundedHandler):
             return
         m = CHUNK_PATH.fullmatch(self.path)
         if not m:
-            self._reply(400, b"expected /chunks/sha256/<64 lowercase hex>\n")
+            self._reply(400, b"expected /chunks/<sha256|blake3>/<64 lowercase hex>\n")
             return
+        key, store = f"{m[1]}:{m[2]}", self.server.store
         wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
-        found = self.server.store.open_chunk(m.group(1), wait_s=wait_s)
+        stream = send_body and self.headers.get(STREAM_HEADER) == "1"
+        if stream:
+            where = store.index.wait_any(key, wait_s)
+            if isinstance(where, Receiving):
+                self._serve_receiving(where)
+                return
+            found = store.open_location(where) if where is not None else None
+        else:
+            found = store.open_chunk(key, wait_s=wait_s)
         if found is None:
             self._reply(404, b"chunk not here\n")
             return
         f, loc = found
         with f:
             self._serve_chunk(f, loc.offset, loc.size, send_body=send_body)
+
+    def _serve_receiving(self, r: Receiving) -> None:
+        """Stream the verified prefix of a chunk still arriving, as it grows (chunked
+        encoding, so the body may end early: at a stall, or when the receive ends short).
+        Never a byte past the verified prefix."""
+        loc = r.location
+        try:
+            span = parse_range(self.headers.get("Range"), loc.size)
+        except ValueError:
+            self._reply(416, headers={"Content-Range": f"bytes */{loc.size}"})
+            return
+        start, end = span or (0, loc.size)
+        if end != loc.size:  # a stream always runs to the chunk's end
+            self._reply(416, headers={"Content-Range": f"bytes */{loc.size}"})
+            return
+        found = self.server.store.open_location(loc)
+        if found is None:
+            self._reply(404, b"chunk not here\n")
+            return
+        if not self.server.transfers.acquire(blocking=False):
+            found[0].close()
+            self._reply(503, b"busy\n", {"Retry-After": "1"})
+            return
+        f = found[0]
+        try:
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Content-Range", f"bytes {start}-{loc.size - 1}/{loc.size}")
+            self.end_headers()
+            sent = start
+            while sent < loc.size:
+                verified = r.wait_past(sent, STREAM_STALL_S)
+                if verified <= sent:
+                    break  # stalled or ended short: the client asks again from here
+                n = verified - sent
+                self.connection.sendall(f"{n:x}\r\n".encode())
+                self.connection.sendfile(f, loc.offset + sent, n)
+                self.connection.sendall(b"\r\n")
+                sent = verified
+            self.connection.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
+        finally:
+            f.close()
+            self.server.transfers.release()
 
     def _serve_chunk(self, f: BinaryIO, offset: int, size: int, *, send_body: bool) -> None:
         try:
@@ -268,37 +335,66 @@ class PeerClient:
     def fetch(
         self,
         address: str,
-        sha256: str,
+        key: str,
         *,
         start: int = 0,
         end: int | None = None,
         wait_s: float = 0.0,
     ) -> bytes:
-        """The chunk's bytes [start, end). ``wait_s`` > 0 lets the peer hold the request
-        that long for a chunk it does not have yet."""
+        """The whole verified chunk's bytes [start, end). ``wait_s`` > 0 lets the peer
+        hold the request that long for a chunk it does not have yet."""
         headers = {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if wait_s > 0:
             headers[WAIT_HEADER] = f"{wait_s:.3f}"
-        status, body = self._request("GET", address, sha256, headers, self.timeout_s + wait_s)
+        status, body = self._request("GET", address, key, headers, self.timeout_s + wait_s)
         if status not in (200, 206):
-            raise PeerError(f"{address} answered {status} for chunk {sha256}")
+            raise PeerError(f"{address} answered {status} for chunk {key}")
         return body
 
-    def has(self, address: str, sha256: str) -> bool:
+    def open(self, address: str, key: str, *, start: int = 0, wait_s: float = 0.0) -> PeerBody:
+        """Ask for the chunk's bytes from ``start`` on, streamed if the peer is still
+        receiving it (cut-through). Returns the body to read; raises ChunkNotOnPeerError,
+        PeerBusyError, PeerUnavailableError or PeerError as ``fetch`` does."""
+        headers = {STREAM_HEADER: "1"}
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        if wait_s > 0:
+            headers[WAIT_HEADER] = f"{wait_s:.3f}"
+        target = _chunk_target(key)
         try:
-            status, _ = self._request("HEAD", address, sha256, {}, self.timeout_s)
+            resp = self._http.request(
+                "GET", address, target, headers, timeout_s=self.timeout_s + wait_s
+            )
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        if resp.status in (200, 206):
+            return PeerBody(self._http, address, resp, start)
+        try:
+            resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._http.drop("http", address)
+            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        self._http.done("http", address, resp)
+        if resp.status == 404:
+            raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
+        if resp.status == 503:
+            raise PeerBusyError(f"{address} is busy")
+        raise PeerError(f"{address} answered {resp.status} for chunk {key}")
+
+    def has(self, address: str, key: str) -> bool:
+        try:
+            status, _ = self._request("HEAD", address, key, {}, self.timeout_s)
         except ChunkNotOnPeerError:
             return False
         return status == 200
 
-    def claim(self, address: str, sha256: str, node: str) -> tuple[bool, str | None]:
+    def claim(self, address: str, key: str, node: str) -> tuple[bool, str | None]:
         """Ask the owner at ``address`` to let ``node`` fetch the chunk from the origin.
         Returns (granted, the node it went to instead when one did)."""
-        status, _, holder = self._call(
-            "POST", address, f"/claims/sha256/{sha256}", {NODE_HEADER: node}, self.timeout_s
-        )
+        target = _chunk_target(key).replace("/chunks/", "/claims/", 1)
+        status, _, holder = self._call("POST", address, target, {NODE_HEADER: node}, self.timeout_s)
         return status == 200, holder
 
     def close(self) -> None:
@@ -306,13 +402,11 @@ class PeerClient:
         self._http.close()
 
     def _request(
-        self, method: str, address: str, sha256: str, headers: dict[str, str], timeout_s: float
+        self, method: str, address: str, key: str, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
-        status, body, _ = self._call(
-            method, address, f"/chunks/sha256/{sha256}", headers, timeout_s
-        )
+        status, body, _ = self._call(method, address, _chunk_target(key), headers, timeout_s)
         if status == 404:
-            raise ChunkNotOnPeerError(f"{address} has no chunk {sha256}")
+            raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
         if status == 503:
             raise PeerBusyError(f"{address} is busy")
         return status, body
@@ -328,3 +422,50 @@ class PeerClient:
             raise PeerUnavailableError(f"{address}: {exc!r}") from exc
         self._http.done("http", address, resp)
         return resp.status, body, resp.getheader(CLAIMANT_HEADER)
+
+
+def _chunk_target(key: str) -> str:
+    algorithm, _, hex_digest = chunk_key(key).partition(":")
+    return f"/chunks/{algorithm}/{hex_digest}"
+
+
+class PeerBody:
+    """The body of one chunk answer, read straight into the chunk's place."""
+
+    def __init__(
+        self, http: ThreadConnections, address: str, resp: http.client.HTTPResponse, start: int
+    ) -> None:
+        self._http, self.address, self._resp, self.start = http, address, resp, start
+        self._finished = False
+
+    def read_into(self, view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+        """Read the body into ``view[begin:]``, calling ``landed(n)`` after each step with
+        bytes [0, n) in; return the end reached. A stream may end before ``len(view)``
+        (cleanly: not an error); a body cut short raises PeerUnavailableError."""
+        if begin != self.start:
+            raise PeerError(f"asked {self.address} from {self.start}, reading from {begin}")
+        resp, pos = self._resp, begin
+        try:
+            while pos < len(view):
+                n = resp.readinto(view[pos : min(len(view), pos + READ_STEP)])
+                if not n:
+                    break
+                pos += n
+                landed(pos)
+            if not resp.chunked and resp.length:  # Content-Length not met: cut short
+                raise http.client.IncompleteRead(b"", resp.length)
+            if resp.chunked and pos == len(view):
+                resp.read()  # the terminating chunk, so the connection can be reused
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            raise PeerUnavailableError(f"{self.address}: {exc!r}") from exc
+        if resp.isclosed():
+            self._finished = True
+            self._http.done("http", self.address, resp)
+        return pos
+
+    def close(self) -> None:
+        """Drop the connection unless the body was read to its end."""
+        if not self._finished:
+            self._finished = True
+            self._http.drop("http", self.address)

@@ -17,7 +17,6 @@ capped) and its chained causes dropped, so a caller may show it as is.
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import math
 import re
@@ -28,7 +27,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
@@ -46,13 +45,15 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 from weightship.data.httpconn import ThreadConnections, read_into
 from weightship.data.manifest import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_PIECE_SIZE,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     LocalFolder,
     Manifest,
     ManifestError,
     ProgressFn,
-    build_manifest,
+    build_manifest_with_pieces,
+    is_metadata_path,
     validate_relative_path,
 )
 from weightship.errortext import error_text, redact
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+LANDED_STEP = 1024 * 1024  # bytes per read when the caller verifies pieces as they land
 PRESIGN_EXPIRES_S = 900
 PRESIGN_REUSE_S = 300  # signing costs ~0.5 ms: one URL per object serves many chunks
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -288,38 +290,50 @@ class S3Origin:
             for page in pages:
                 for obj in page.get("Contents", []):
                     rel = obj["Key"][len(self.location.prefix) :]
-                    if rel and rel != MANIFEST_NAME and not rel.endswith("/"):
+                    if rel and not is_metadata_path(rel) and not rel.endswith("/"):
                         found.append((rel, obj["Size"]))
             return sorted(found)
 
         return self._call(list_all)
 
-    def read_range_hashed(self, path: str, offset: int, size: int) -> tuple[bytearray, str]:
-        """The bytes and their sha256 (see ``read_range_into``)."""
-        buf = bytearray(size)  # the chunk's one buffer, filled in place
-        return buf, self.read_range_into(path, offset, memoryview(buf))
-
-    def read_range_into(self, path: str, offset: int, view: memoryview) -> str:
+    def read_range_into(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` (a chunk's slot in a mapped
-        file, say); return their sha256, hashed once the whole body is in: hashing 1 MiB
-        pieces as they arrived stalled the server's stream between reads and cost 13-15 %
-        more CPU and time (docs/benchmarks.md). Other workers' transfers overlap the hash
-        (hashlib releases the GIL). A retried attempt overwrites what a failed one left."""
-        self._read_into(path, offset, view)
-        return hashlib.sha256(view).hexdigest()
+        file, say). ``landed(n)``, when given, is called with bytes [0, n) in after each
+        read of up to ``LANDED_STEP`` bytes, so the caller can verify pieces as they
+        arrive (BLAKE3 keeps up: sha256 here stalled the server's stream between reads,
+        docs/benchmarks.md). Without it the body is read in one ``readinto``. A retried
+        attempt overwrites what a failed one left, and says so from 0 again."""
+        self._read_into(path, offset, view, landed)
 
     def read_range(self, path: str, offset: int, size: int) -> bytearray:
         buf = bytearray(size)
         self._read_into(path, offset, memoryview(buf))
         return buf
 
-    def _read_into(self, path: str, offset: int, view: memoryview) -> None:
-        key, size = self.location.key(path), len(view)
+    def _read_into(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
+        key, total = self.location.key(path), len(view)
+        # With ``landed``, a retry resumes where the last attempt stopped: bytes already
+        # landed (and maybe verified and served on) are never written again.
+        resume = [0]
 
         def get() -> None:
+            start = resume[0]
+            size, part = total - start, view[start:]
             url = urlsplit(self._presigned(key))
             scheme, host = url.scheme, url.netloc
-            headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
+            headers = {"Range": f"bytes={offset + start}-{offset + total - 1}"}
             try:
                 resp = self._http.request(
                     "GET", host, f"{url.path}?{url.query}", headers, scheme=scheme
@@ -331,10 +345,18 @@ class S3Origin:
                 if resp.length != size:
                     self._http.drop(scheme, host)  # never read a body we did not ask for
                     raise OriginConnectionError(
-                        f"{self.location}{path}: asked for {size} bytes at {offset}, "
+                        f"{self.location}{path}: asked for {size} bytes at {offset + start}, "
                         f"the answer has {resp.length}"
                     )
-                got = read_into(resp, view)
+                if landed is None:
+                    got = read_into(resp, part)
+                else:
+
+                    def progress(n: int) -> None:
+                        resume[0] = start + n
+                        landed(start + n)
+
+                    got = read_into(resp, part, progress, LANDED_STEP)
             except OriginConnectionError:
                 raise
             except (OSError, http.client.HTTPException) as exc:
@@ -399,7 +421,13 @@ class S3Origin:
             raise ManifestError(f"{source} is invalid: {exc}") from None
         return Manifest.parse(data, source=source)
 
-    def write_manifest(self, manifest: Manifest) -> None:
+    def write_manifest(self, manifest: Manifest, pieces: bytes | None = None) -> None:
+        """Write the manifest, its piece layer (version 2) first: a manifest at the
+        origin means everything it names is there."""
+        if manifest.piece_layer_path is not None:
+            if pieces is None:
+                raise ValueError(f"manifest {manifest.digest} needs its piece layer")
+            self.put_bytes(manifest.piece_layer_path, pieces)
         self.put_bytes(MANIFEST_NAME, manifest.canonical_bytes())
 
     def upload_file(
@@ -463,15 +491,21 @@ def publish(
     workers: int = 8,
     on_hashed: ProgressFn | None = None,
     on_uploaded: ProgressFn | None = None,
+    version: Literal[1, 2] = 2,
+    piece_size: int = DEFAULT_PIECE_SIZE,
 ) -> Manifest:
-    """Hash ``folder``, upload every file, then the manifest.
+    """Hash ``folder``, upload every file, then the piece layer and the manifest.
 
     The manifest goes last: its presence at the origin means every file it lists is there.
     """
     local = LocalFolder(folder)
-    # version 1 until staging verifies version 2 chunks (issue 15, in progress)
-    manifest = build_manifest(
-        local, chunk_size=chunk_size, workers=workers, on_bytes=on_hashed, version=1
+    manifest, pieces = build_manifest_with_pieces(
+        local,
+        chunk_size=chunk_size,
+        workers=workers,
+        on_bytes=on_hashed,
+        version=version,
+        piece_size=piece_size,
     )
     for entry in manifest.files:
         origin.upload_file(
@@ -481,5 +515,5 @@ def publish(
             workers=workers,
             on_bytes=on_uploaded,
         )
-    origin.write_manifest(manifest)
+    origin.write_manifest(manifest, pieces)
     return manifest

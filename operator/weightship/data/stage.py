@@ -6,7 +6,9 @@ fetched again, and the model is marked staged only after every file is in place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightship.data.chunkhash import PieceLayer
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -27,10 +30,13 @@ from weightship.data.fetcher import (
     fetch_order,
 )
 from weightship.data.lanes import IntakePacer, KeyedLane
-from weightship.data.manifest import ChunkEntry, Manifest
+from weightship.data.manifest import DIGEST_BYTES, ChunkEntry, Manifest, ManifestError
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient
+from weightship.errortext import error_text
+
+log = logging.getLogger(__name__)
 
 ORIGIN_LANE_WORKERS = 1  # with peers: workers fetching this node's own chunks from origin
 PEER_LANE_MAX = 16  # peer-lane workers at most (PER_OWNER per other owner below that)
@@ -105,6 +111,7 @@ def stage(
     progress: ProgressCallback | None = None,
     cancel: threading.Event | None = None,
     holders: Collection[str] = (),
+    hash_threads: int = 1,
 ) -> StageResult:
     """Stage ``manifest`` into ``store``; return where its files are and where bytes came from.
 
@@ -113,12 +120,13 @@ def stage(
     evicted to make room. ``per_owner``: peer fetches in flight from one
     owner at most (None: no limit, a worker per other owner); ``pace_intake``: peer fetches
     keep pace with this node's own origin queue (lanes.IntakePacer). Both are on by
-    default; the benchmark turns them off for its baseline.
+    default; the benchmark turns them off for its baseline. ``hash_threads``: BLAKE3
+    threads for a chunk verified whole (resume, dedupe, a manifest without pieces).
     Raises InsufficientSpaceError before fetching anything when the model cannot fit.
     """
     started = time.monotonic()
     tally = _Tally(manifest.total_size, progress)
-    with store.begin(manifest) as staging:
+    with store.begin(manifest, hash_threads=hash_threads) as staging:
         if not staging.is_staged:
             fetcher = ChunkFetcher(
                 node=node,
@@ -136,12 +144,14 @@ def stage(
             )
             # Peers may claim this model's chunks while it stages, and only they (claims.py).
             store.claims.open(
-                (c.sha256 for c in manifest.chunks), ((p.node, p.address) for p in peers)
+                (c.key for c in manifest.chunks), ((p.node, p.address) for p in peers)
             )
             try:
+                # After the claims open: until then every claim would be granted.
+                staging.pieces = load_piece_layer(staging, origin)
                 _stage(staging, fetcher, tally, pinned, workers, per_owner, pace_intake)
             finally:
-                store.claims.forget(c.sha256 for c in manifest.chunks)
+                store.claims.forget(c.key for c in manifest.chunks)
         else:
             tally.add("local", manifest.total_size)
         store.touch(manifest.digest)
@@ -152,6 +162,35 @@ def stage(
         path=store.files_dir(manifest.digest),
         seconds=time.monotonic() - started,
     )
+
+
+def load_piece_layer(staging: ModelStaging, origin: ChunkOrigin) -> PieceLayer | None:
+    """The manifest's piece layer, from the model's folder or else from the origin (then
+    kept there for a resume); checked against the manifest either way. None when the
+    manifest has none, or when it cannot be had: chunks are then verified whole (no
+    cut-through), which is as safe, with a warning."""
+    manifest = staging.manifest
+    path = manifest.piece_layer_path
+    if path is None:
+        return None
+    saved = staging.dir / "pieces"
+    with contextlib.suppress(FileNotFoundError, ManifestError):
+        return PieceLayer(manifest, saved.read_bytes())
+    try:
+        pieces = PieceLayer(
+            manifest, origin.read_range(path, 0, DIGEST_BYTES * manifest.piece_count)
+        )
+    except Exception as exc:  # any failure: verify whole chunks instead
+        log.warning(
+            "staging %s without piece verification (chunks verified whole): %s",
+            manifest.digest,
+            error_text(exc),
+        )
+        return None
+    tmp = staging.store._temp_path("pieces")
+    tmp.write_bytes(pieces.raw)
+    tmp.replace(saved)
+    return pieces
 
 
 def _stage(
@@ -171,17 +210,17 @@ def _stage(
     todo: dict[str, list[int]] = defaultdict(list)  # digest -> chunk indexes needing it
     for i, c in enumerate(chunks):
         if i not in done:
-            todo[c.sha256].append(i)
+            todo[c.key].append(i)
     store.ensure_space(staging.missing_bytes(), {*pinned, manifest.digest})
     staging.prepare()
 
     # Chunks this node already holds (another model's, or this one's at another index)
     # are copied locally and verified again; nothing is fetched for them.
-    for sha, indexes in list(todo.items()):
-        data = store.read_chunk(sha)
-        if data is not None and staging.put(sha, data):
+    for key, indexes in list(todo.items()):
+        data = store.read_chunk(key)
+        if data is not None and staging.put(key, data):
             tally.add("local", chunks[indexes[0]].size * len(indexes))
-            del todo[sha]
+            del todo[key]
 
     def fetch_one(chunk: ChunkEntry) -> None:
         if cancel.is_set():
@@ -190,7 +229,7 @@ def _stage(
             source = fetcher.fetch(chunk)
         except FetchCancelledError as e:
             raise StageCancelledError(f"staging {manifest.digest} cancelled") from e
-        n = len(todo[chunk.sha256])
+        n = len(todo[chunk.key])
         tally.add(source, chunk.size)
         tally.add("local", chunk.size * (n - 1))
 
@@ -198,11 +237,11 @@ def _stage(
     order = fetch_order(unique, fetcher.node, fetcher.owner_of, lag=workers)
     # Two lanes: the chunks this node owns (from the origin, the stream every other node
     # waits for) never queue behind peer fetches that are waiting for a chunk to land.
-    owned = [c for c in order if fetcher.owner_of(c.sha256) == fetcher.node]
-    others = [c for c in order if fetcher.owner_of(c.sha256) != fetcher.node]
+    owned = [c for c in order if fetcher.owner_of(c.key) == fetcher.node]
+    others = [c for c in order if fetcher.owner_of(c.key) != fetcher.node]
     # The peer lane runs at most PER_OWNER fetches per owner, so the workers waiting on
     # a slow owner never hold up the chunks the others already have (lanes.py).
-    other_owners = len({fetcher.owner_of(c.sha256) for c in others})
+    other_owners = len({fetcher.owner_of(c.key) for c in others})
     origin_workers = max(1, ORIGIN_LANE_WORKERS if others else workers)
     per_owner_workers = per_owner or 1  # None: a worker per other owner, one FIFO queue
     peer_workers = max(
@@ -220,10 +259,10 @@ def _stage(
 
     def fetch_own(chunk: ChunkEntry) -> None:
         try:
-            if fetcher.claims.claimant(chunk.sha256):
+            if fetcher.claims.claimant(chunk.key):
                 # A peer claimed it: it comes from that peer, on the peer lane, so this
                 # node's origin stream goes on with its next chunk.
-                claimant = fetcher.owner_of(chunk.sha256)
+                claimant = fetcher.owner_of(chunk.key)
                 deferred.append(peer_lane.submit(claimant, functools.partial(fetch_one, chunk)))
             else:
                 fetch_one(chunk)
@@ -244,7 +283,7 @@ def _stage(
         if others:  # then the origin lane takes slow owners' tails (fetcher.claim_tails)
             futures.append(origin_lane.submit(fetcher.claim_tails))
         futures += [
-            peer_lane.submit(fetcher.owner_of(c.sha256), functools.partial(fetch_other, c))
+            peer_lane.submit(fetcher.owner_of(c.key), functools.partial(fetch_other, c))
             for c in others
         ]
         finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
