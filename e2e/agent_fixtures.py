@@ -3,6 +3,7 @@ the WeightCaches it writes. The `agents` fixture is in conftest.py."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,18 @@ class Agents:
         folder = Path(self.cluster.paths.root) / "nodes" / node / "logs"
         texts = [p.read_text(errors="replace") for p in folder.glob(f"{self.namespace}*agent*")]
         return "\n".join(texts)[-3000:]
+
+
+def forget_staging(cluster: Any) -> None:
+    """What agents leave on the process nodes: WeightCaches, staged labels, cache files."""
+    custom = client.CustomObjectsApi(cluster.api)
+    for node in cluster.process_nodes:
+        delete_if_present(custom.delete_cluster_custom_object, GROUP, VERSION, "weightcaches", node)
+        labels = cluster.core.read_node(node).metadata.labels or {}
+        staged = {k: None for k in labels if k.startswith(f"staged.{GROUP}/")}
+        if staged:
+            cluster.core.patch_node(node, {"metadata": {"labels": staged}})
+        shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
 
 
 def delete_if_present(fn: Any, *args: Any) -> None:

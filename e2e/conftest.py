@@ -16,10 +16,8 @@ import pytest
 from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
-from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present
+from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present, forget_staging
 from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import VERSION
 from weightship.dev import cluster as local_cluster
 from weightship.dev import nodes, testkit
 from weightship.dev.install import apply_crds
@@ -154,15 +152,7 @@ def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
     finally:
         delete_if_present(cluster.apps.delete_namespaced_daemon_set, "agent", namespace)
         testkit.wait_until(lambda: not handle.pods(), timeout=60, what="agent pods gone")
-        for node in cluster.process_nodes:
-            delete_if_present(
-                handle.custom.delete_cluster_custom_object, GROUP, VERSION, "weightcaches", node
-            )
-            labels = cluster.core.read_node(node).metadata.labels or {}
-            staged = {k: None for k in labels if k.startswith(f"staged.{GROUP}/")}
-            if staged:
-                cluster.core.patch_node(node, {"metadata": {"labels": staged}})
-            shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
+        forget_staging(cluster)
         delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
         delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
 

@@ -1,5 +1,8 @@
 """The Helm chart installs into the local cluster, and the operator it runs, as a
-non-root pod with a read-only root and the chart's least-privilege RBAC, drives a rollout."""
+non-root pod with a read-only root and the chart's least-privilege RBAC, drives a rollout.
+With its agents (run this module under `flock /work/coord/agents.lock`: they write the
+process nodes' WeightCaches), they stage with the credential the chart mounts and no
+Secret RBAC, through the admission policies, as non-root."""
 
 from __future__ import annotations
 
@@ -8,15 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
+from e2e.agent_fixtures import PROCESS, forget_staging
 from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
     rollout_body,
     s3_secret,
 )
+from weightship.controller.builders import GROUP, staged_node_label
+from weightship.controller.kube import VERSION
 from weightship.dev import testkit
-from weightship.dev.install import apply_crds, helm, install_chart
+from weightship.dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
+from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
 NAMESPACE_PREFIX = "ch-"
 
@@ -55,6 +63,91 @@ def test_chart_installs_and_its_operator_runs_a_rollout(
             lambda s: s.get("phase") == "Healthy",
             timeout=120,
         )
+    finally:
+        testkit.empty_bucket(s3, bucket)
+        s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
+    apply_crds(cluster.api)
+    forget_staging(cluster)
+    prepare_cache_dirs(cluster.paths)  # docs/helm.md: a cache directory the agent owns
+    cluster.core.create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "agent-s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            },
+        },
+    )
+    name = testkit.unique_name("ws")
+    install_chart(
+        cluster.paths, name, namespace, [namespace],
+        "agent.s3.existingSecret=agent-s3",
+        "agent.extraEnv[0].name=WEIGHTSHIP_WATCH_NAMESPACES",
+        f"agent.extraEnv[0].value={namespace}",
+        agent=True,
+    )  # fmt: skip
+    try:
+        yield name
+    finally:
+        helm(cluster.paths, "uninstall", name, "-n", namespace, "--wait", "--timeout", "60s")
+        testkit.wait_until(
+            lambda: (
+                not cluster.core.list_namespaced_pod(
+                    namespace, label_selector="app.kubernetes.io/component=agent"
+                ).items
+            ),
+            timeout=60,
+            what="the chart's agents gone",
+        )
+        forget_staging(cluster)
+
+
+def test_the_charts_agents_stage_with_the_mounted_credential_and_no_secret_rbac(
+    cluster: Any, namespace: str, release_with_agents: str, tmp_path: Path
+) -> None:
+    agent_sa = f"system:serviceaccount:{namespace}:{release_with_agents}-weightship-agent"
+    review = client.AuthorizationV1Api(cluster.api).create_subject_access_review(
+        {
+            "spec": {
+                "user": agent_sa,
+                "resourceAttributes": {
+                    "verb": "get",
+                    "resource": "secrets",
+                    "namespace": namespace,
+                },
+            }
+        }
+    )
+    assert not review.status.allowed
+    s3 = testkit.s3_client(cluster.s3_endpoint)
+    bucket = testkit.unique_name("chart")
+    s3.create_bucket(Bucket=bucket)
+    try:
+        uris = publish_models(cluster.s3_endpoint, bucket, tmp_path, ["v1"])
+        s3_secret(cluster.core, namespace)  # the rollout's: only the operator reads it
+        rollouts = Rollouts(cluster.api, namespace)
+        body = rollout_body("llm", uris["v1"], "v1", [{"setWeight": 100}], cluster.s3_endpoint)
+        body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS}
+        rollouts.create(body)
+        final = rollouts.wait(
+            "llm",
+            "Healthy, staged by the chart's agents",
+            lambda s: s.get("phase") == "Healthy",
+            timeout=180,
+        )
+        digest = final["status"]["stableRevision"]["manifestDigest"]
+        custom = client.CustomObjectsApi(cluster.api)
+        for node in cluster.process_nodes:
+            cache = custom.get_cluster_custom_object(GROUP, VERSION, "weightcaches", node)
+            states = {m["digest"]: m["state"] for m in cache["status"]["manifests"]}
+            assert states.get(digest) == "Staged", (node, states)
+            labels = cluster.core.read_node(node).metadata.labels or {}
+            assert labels.get(staged_node_label(digest)) == "true", node
     finally:
         testkit.empty_bucket(s3, bucket)
         s3.delete_bucket(Bucket=bucket)

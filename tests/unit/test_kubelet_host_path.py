@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weightship.dev.kubelet.podspec import PodSpecError
-from weightship.dev.kubelet.volumes import host_path
+from weightship.dev.kubelet.volumes import host_path, materialize
 
 
 def test_directory_and_file_must_exist_as_such(tmp_path: Path) -> None:
@@ -41,3 +41,29 @@ def test_a_host_path_never_leaves_the_node_root(tmp_path: Path) -> None:
     for path in ("/../../etc", "/link/elsewhere"):
         with pytest.raises(PodSpecError, match="leaves the node's root"):
             host_path(node, path, "DirectoryOrCreate")
+
+
+def test_a_secret_volume_is_readable_by_the_pods_fs_group(tmp_path: Path) -> None:
+    """The agents' credential Secret is mounted 0400; a non-root agent reads it through the
+    pod's fsGroup, as on a real kubelet."""
+
+    class Objects:
+        def secret(self, namespace: str, name: str, optional: bool) -> dict[str, str]:
+            return {"AWS_ACCESS_KEY_ID": "a"}
+
+    pod = {
+        "metadata": {"name": "agent", "namespace": "ns"},
+        "spec": {"securityContext": {"fsGroup": 65532}},
+    }
+    volume = {"name": "s3", "secret": {"secretName": "s3", "defaultMode": 0o400}}
+    target = materialize(
+        pod,
+        volume,
+        pod_dir=tmp_path / "pod",
+        node_root=tmp_path / "root",
+        source=Objects(),  # type: ignore[arg-type]
+        pod_ip="10.0.0.2",
+        host_ip="10.0.0.1",
+    )
+    info = (target / "AWS_ACCESS_KEY_ID").stat()
+    assert (info.st_gid, info.st_mode & 0o777) == (65532, 0o440)

@@ -47,6 +47,9 @@ from weightship.testing.tinyvllm import deploy as vllm
 
 NAMESPACE = "demo"
 SYSTEM_NAMESPACE = "weightship-system"
+# The agents' install-time S3 credential (chart agent.s3.existingSecret): agents read no
+# Secret through the API, the kubelet mounts this one.
+AGENT_S3_SECRET = "weightship-agent-s3"  # noqa: S105
 BUCKET = "demo-models"
 STEPS = [
     {"setWeight": 33},
@@ -174,9 +177,15 @@ class Demo:
             },
         )
         install.prepare_cache_dirs(self.paths)
+        _agent_credentials(core)
         with self.console.status("helm upgrade --install weightship (operator and agents)"):
             install.install_chart(
-                self.paths, "weightship", SYSTEM_NAMESPACE, [NAMESPACE], agent=True
+                self.paths,
+                "weightship",
+                SYSTEM_NAMESPACE,
+                [NAMESPACE],
+                f"agent.s3.existingSecret={AGENT_S3_SECRET}",
+                agent=True,
             )
         self.console.print(
             f"operator installed in {SYSTEM_NAMESPACE}, watching {NAMESPACE}; "
@@ -434,3 +443,20 @@ def _exists(core: client.CoreV1Api, name: str) -> bool:
 
 def main() -> None:
     Demo(Console()).run()
+
+
+def _agent_credentials(core: client.CoreV1Api) -> None:
+    """The agents' S3 credential in the release namespace, made before the chart's
+    DaemonSet mounts it (the local S3 server's one user)."""
+    if not _exists(core, SYSTEM_NAMESPACE):
+        core.create_namespace({"metadata": {"name": SYSTEM_NAMESPACE}})
+    body = {
+        "metadata": {"name": AGENT_S3_SECRET},
+        "stringData": {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY},
+    }
+    try:
+        core.create_namespaced_secret(SYSTEM_NAMESPACE, body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        core.replace_namespaced_secret(AGENT_S3_SECRET, SYSTEM_NAMESPACE, body)

@@ -5,6 +5,7 @@ hostPath maps into the node's own root directory, so two process nodes have two 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,8 +112,14 @@ def materialize(
         kinds = sorted(k for k in volume if k != "name")
         raise PodSpecError(f"volume {name!r}: {', '.join(kinds)} is not supported on process nodes")
     target.mkdir(parents=True, exist_ok=True)
+    # As the kubelet does for these read-only volumes: owned by the pod's fsGroup and
+    # group-readable, so a non-root container reads a 0400 Secret.
+    fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
     for rel, data_str, file_mode in files:
-        _write(_safe_join(target, rel), data_str, file_mode)
+        path = _safe_join(target, rel)
+        _write(path, data_str, file_mode if fs_group is None else file_mode | 0o440)
+        if fs_group is not None:
+            os.chown(path, -1, int(fs_group))
     return target
 
 
