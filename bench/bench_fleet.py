@@ -36,6 +36,7 @@ from benchlib import (
     local_origin,
     make_model,
     manifest_for,
+    manifest_path,
     model_location,
     table,
     versitygw,
@@ -99,7 +100,7 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint: str) -> dict:
+def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint: str) -> dict:
     """Start every node, release them together, wait (bounded) for all, collect results."""
     shutil.rmtree(RUN_DIR, ignore_errors=True)
     RUN_DIR.mkdir(parents=True)
@@ -115,7 +116,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_path: Path, endpoint
             *("--node", name, "--listen", f"{node_ip(i)}:{PEER_PORT}"),
             *("--peers", "" if mode == "origin-only" else peers),
             *("--endpoint", endpoint, "--bucket", BUCKET, "--prefix", location.prefix),
-            *("--manifest", str(manifest_path), "--cache", str(cache_root / name)),
+            *("--manifest", str(manifest_file), "--cache", str(cache_root / name)),
             *("--run-dir", str(RUN_DIR), "--workers", str(args.workers)),
             *("--timeout", str(args.timeout)),
             *(["--no-claims"] if mode == "p2p-no-claims" else []),
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = make_model(size)
     args.model = str(model)
     manifest = manifest_for(model, args.chunk_mib * MiB)
-    manifest_path = WORK / f"{model.name}.c{args.chunk_mib * MiB}.json"
+    manifest_file = manifest_path(model, args.chunk_mib * MiB)
     results: dict[str, Any] = {
         "size_bytes": manifest.total_size,
         "digest": manifest.digest,
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["rounds"] = []
             for _ in range(args.rounds):  # interleaved, so load drifts hit every mode alike
                 for mode in args.modes.split(","):
-                    results[mode] = run_fleet(mode, args, manifest_path, endpoint)
+                    results[mode] = run_fleet(mode, args, manifest_file, endpoint)
                     results["rounds"].append(summary(results[mode], manifest.total_size, rate))
     finally:
         cleanup()
@@ -284,8 +285,8 @@ def report(r: dict[str, Any]) -> None:
             continue
         m = r[mode]
         print(
-            f"\n{mode}: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.3), origin egress "
-            f"{m['origin_tx_bytes'] / size:.3f}x S on the wire (target ≤ 1.05), "
+            f"\n{mode}: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.15), origin egress "
+            f"{m['origin_tx_bytes'] / size:.3f}x S on the wire (target ≤ 1.02), "
             f"slowest/p50 {m['seconds'] / m['p50_seconds']:.2f}"
         )
         if "origin-only" in r:

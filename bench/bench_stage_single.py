@@ -1,11 +1,14 @@
 """One node: stage() from a local S3 server (versitygw on loopback) against s5cmd.
 
-Both read the same objects from the same server. Ours verifies every chunk's sha256,
-writes it once at its offset into the preallocated file (starting its writeback at once),
-and fsyncs each file once; s5cmd only downloads, so it is shown alone and with a separate
-sha256 pass over what it wrote (verified against verified). Ours runs two ways, rounds
-interleaved: "mapped" (the default: the socket's bytes land in the file's shared mapping)
-and "pwrite" (into a buffer, then ``pwrite``), to A/B the copy the mapping saves.
+Both read the same objects from the same server. Ours verifies every byte (version 2:
+BLAKE3 of each 1 MiB piece as it lands, against the manifest's piece layer; version 1:
+the chunk's sha256 once it is in), writes it once at its offset into the preallocated
+file (starting its writeback at once), and fsyncs each file once; s5cmd only downloads,
+so it is shown alone and with a separate sha256 pass over what it wrote (verified
+against verified). Ours runs two ways, rounds interleaved: "mapped" (the default: the
+socket's bytes land in the file's shared mapping) and "pwrite" (into a buffer, then
+``pwrite``), to A/B the copy the mapping saves; ``--versions 2,1`` adds the sha256
+manifest to the same rounds.
 
     sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
     .venv/bin/python bench/bench_stage_single.py --quick         # 128 MiB, fewer configs
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 from prometheus_client import CollectorRegistry
 
 from benchlib import (
@@ -184,14 +188,14 @@ def profile_ours(origin: S3Origin, manifest: Manifest, workers: int, path: str) 
     """One staging run with the library's phases timed (bench-side wrappers, no edits)."""
     t = Timers()
     with (
-        patched(origin, "read_range_into", t.wrap("S3 GET + sha256", origin.read_range_into)),
+        patched(origin, "read_range_into", t.wrap("S3 GET + verify", origin.read_range_into)),
         patched(ModelStaging, "receive", t.wrap("store", ModelStaging.receive)),
         patched(os, "fsync", t.wrap("fsync (file)", os.fsync)),
     ):
         wall = run_ours(origin, manifest, workers, path).seconds
     s = t.seconds
     # receive() runs the GET inside it, into the mapping or (pwrite) a buffer
-    s["write + journal"] = s["store"] - s["S3 GET + sha256"] - s["fsync (file)"]
+    s["write + journal"] = s["store"] - s["S3 GET + verify"] - s["fsync (file)"]
     s["wall"] = wall
     return dict(s)
 
@@ -211,11 +215,19 @@ def ceilings(origin: S3Origin, manifest: Manifest, workers: int) -> dict[str, fl
         return time.perf_counter() - started
 
     blob = os.urandom(manifest.chunk_size)
+    piece = 1 << 20
+
+    def pieces(data: Any) -> None:
+        view = memoryview(data)
+        for s in range(0, len(view), piece):
+            blake3.blake3(view[s : s + piece]).digest()
+
     with patched(os, "fsync", lambda fd: None):
         no_fsync = run_ours(origin, manifest, workers).seconds
     return {
         "S3 GET only (bytes dropped)": timed(get, chunks),
-        "S3 GET, then sha256, in memory": timed(lambda c: hashlib.sha256(get(c)).digest(), chunks),
+        "S3 GET, then blake3 pieces, in memory": timed(lambda c: pieces(get(c)), chunks),
+        "blake3 1 MiB pieces only, in memory": timed(lambda _: pieces(blob), chunks),
         "sha256 only, in memory": timed(lambda _: hashlib.sha256(blob).digest(), chunks),
         "stage() with fsync disabled": no_fsync,
     }
@@ -228,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--chunk-mib", default="4,16", help="comma-separated chunk sizes")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated: mapped, pwrite")
     p.add_argument(
+        "--versions", default="2", help="manifest versions: 2 (blake3 pieces), 1 (sha256)"
+    )
+    p.add_argument(
         "--repeats", type=int, default=3, help="rounds (s5cmd, then every config); best counts"
     )
     p.add_argument("--quick", action="store_true", help="128 MiB, 3 workers, 16 MiB, 1 repeat")
@@ -239,12 +254,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workers = [int(w) for w in args.workers.split(",")]
     chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]
     paths = args.paths.split(",")
+    versions = [int(v) for v in args.versions.split(",")]
     version = subprocess.run(
         [str(s5cmd_path()), "version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout.strip()
 
     model = make_model(size)
-    manifests = {c: manifest_for(model, c) for c in chunks}
+    manifests = {
+        (c, v): manifest_for(model, c, version=1 if v == 1 else 2) for c in chunks for v in versions
+    }
     result: dict[str, Any] = {"size_bytes": size, "s5cmd_version": version}
     result["loadavg_before"] = os.getloadavg()
     try:
@@ -252,21 +270,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             origin = S3Origin(client, model_location(model))
             # Rounds interleave the baseline with every config, so a change in the shared
             # machine's load hits both sides alike; the best of the rounds counts.
-            configs = [(c, w, path) for c in chunks for w in workers for path in paths]
+            configs = [
+                (c, w, path, v) for v in versions for c in chunks for w in workers for path in paths
+            ]
             runs: list[tuple[Run, Run]] = []
-            mine: dict[tuple[int, int, str], list[Run]] = {k: [] for k in configs}
+            mine: dict[tuple[int, int, str, int], list[Run]] = {k: [] for k in configs}
             for _ in range(args.repeats):
-                runs.append(run_s5cmd(endpoint, model, manifests[chunks[0]]))
-                for c, w, path in configs:
-                    mine[(c, w, path)].append(run_ours(origin, manifests[c], w, path))
+                runs.append(run_s5cmd(endpoint, model, manifests[(chunks[0], versions[0])]))
+                for c, w, path, v in configs:
+                    mine[(c, w, path, v)].append(run_ours(origin, manifests[(c, v)], w, path))
             s5_dl, s5_hash = min(runs, key=lambda r: r[0].seconds)
             ours: list[dict[str, Any]] = []
-            for (c, w, path), tries in mine.items():
+            for (c, w, path, v), tries in mine.items():
                 fastest = min(tries, key=lambda r: r.seconds)
-                ours.append({"chunk_mib": c // MiB, "workers": w, "path": path, **asdict(fastest)})
-            best = min(ours, key=lambda r: r["seconds"])
+                ours.append(
+                    {"chunk_mib": c // MiB, "workers": w, "path": path, "version": v}
+                    | asdict(fastest)
+                )
+            # The headline is the first version asked for (2 by default).
+            best = min((o for o in ours if o["version"] == versions[0]), key=lambda r: r["seconds"])
             if not args.no_profile:
-                m = manifests[best["chunk_mib"] * MiB]
+                m = manifests[(best["chunk_mib"] * MiB, best["version"])]
                 result["profile"] = profile_ours(origin, m, best["workers"], best["path"])
                 result["ceilings"] = ceilings(origin, m, best["workers"])
     finally:
@@ -304,7 +328,8 @@ def report(r: dict[str, Any]) -> None:
         row("s5cmd + sha256 pass (2 threads)", both),
     ]
     for o in r["ours"]:
-        name = f"stage() {o['path']}, {o['workers']} workers, {o['chunk_mib']} MiB chunks"
+        verify = "blake3 pieces" if o["version"] == 2 else "sha256 chunks"
+        name = f"stage() {o['path']}, {o['workers']} workers, {o['chunk_mib']} MiB chunks, {verify}"
         rows.append(row(name, o))
     before, after = r["loadavg_before"][0], r["loadavg_after"][0]
     print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback")
@@ -313,7 +338,8 @@ def report(r: dict[str, Any]) -> None:
     print(table(header, rows))
     b = r["best"]
     print(
-        f"\nbest ours ({b['path']}, {b['workers']} workers, {b['chunk_mib']} MiB): "
+        f"\nbest ours (v{b['version']}, {b['path']}, {b['workers']} workers, "
+        f"{b['chunk_mib']} MiB): "
         f"ours/s5cmd = {r['ratio']:.2f}x, verified vs verified = {r['ratio_verified']:.2f}x "
         "(target >= 1.0x)"
     )
@@ -330,7 +356,7 @@ def report(r: dict[str, Any]) -> None:
             f"\n### Where the time goes (one run, {b['path']}, {b['workers']} workers; "
             "thread-seconds)\n"
         )
-        names = ["S3 GET + sha256", "write + journal", "fsync (file)"]
+        names = ["S3 GET + verify", "write + journal", "fsync (file)"]
         rows = [[n, f"{prof.get(n, 0.0):.2f}", f"{prof.get(n, 0.0) / wall:.2f}"] for n in names]
         print(table(["phase", "thread-s", "per wall-s"], [*rows, ["wall", f"{wall:.2f}", "1"]]))
         print()

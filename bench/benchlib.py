@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from botocore.exceptions import ClientError
 
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest_with_pieces
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
 
 if TYPE_CHECKING:
@@ -136,17 +136,41 @@ def ensure_published(client: S3Client, model: Path) -> None:
     marker.touch()
 
 
-def manifest_for(model: Path, chunk_size: int) -> Manifest:
-    """The manifest of ``model`` at ``chunk_size``, cached. The bytes are the ones the S3
-    server holds, so staging may use any chunk size without uploading again."""
-    cached = WORK / f"{model.name}.c{chunk_size}.json"
+def manifest_path(model: Path, chunk_size: int, version: int = 2) -> Path:
+    return WORK / f"{model.name}.c{chunk_size}.v{version}.json"
+
+
+def manifest_for(model: Path, chunk_size: int, version: Literal[1, 2] = 2) -> Manifest:
+    """The manifest of ``model`` at ``chunk_size``, cached, with its piece layer (version
+    2) beside it; ``local_origin`` puts the piece layers on the S3 server. The bytes are
+    the ones the S3 server holds, so staging may use any chunk size without uploading
+    the weights again."""
+    cached = manifest_path(model, chunk_size, version)
     if cached.exists():
         return Manifest.parse(cached.read_bytes())
-    manifest = build_manifest(LocalFolder(model), chunk_size=chunk_size, workers=2)
+    manifest, pieces = build_manifest_with_pieces(
+        LocalFolder(model), chunk_size=chunk_size, workers=2, version=version
+    )
+    if manifest.piece_layer_path:
+        cached.with_suffix(".pieces").write_bytes(pieces)
     tmp = cached.with_suffix(".tmp")
     tmp.write_bytes(manifest.canonical_bytes())
     tmp.replace(cached)
     return manifest
+
+
+def upload_piece_layers(client: S3Client, model: Path) -> None:
+    """Put every cached manifest's piece layer of ``model`` on the S3 server (once)."""
+    for cached in WORK.glob(f"{model.name}.c*.v2.json"):
+        manifest = Manifest.parse(cached.read_bytes())
+        path, pieces = manifest.piece_layer_path, cached.with_suffix(".pieces")
+        if path is None or not pieces.exists():
+            continue
+        key = model_location(model).key(path)
+        try:
+            client.head_object(Bucket=BUCKET, Key=key)
+        except ClientError:
+            client.put_object(Bucket=BUCKET, Key=key, Body=pieces.read_bytes())
 
 
 @contextmanager
@@ -155,6 +179,7 @@ def local_origin(model: Path) -> Iterator[tuple[str, S3Client]]:
     with versitygw("127.0.0.1", free_port()) as endpoint:
         client = make_client(settings(endpoint))
         ensure_published(client, model)
+        upload_piece_layers(client, model)
         yield endpoint, client
 
 

@@ -56,6 +56,11 @@ class CountingClient(PeerClient):
         return body
 
 
+def staged_with_pieces(store: ChunkStore, manifest: Manifest) -> bool:
+    """Whether the stage verified pieces as they landed (its piece layer is kept)."""
+    return (store.model_dir(manifest.digest) / "pieces").is_file()
+
+
 def wait_for(path: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -123,6 +128,12 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "peer_answers": client.counts,
             "cpu_s": cpu_s,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
+            "peer_verification_failures": registry.get_sample_value(
+                "weightship_agent_chunk_verification_failures_total", {"source": "peer"}
+            )
+            or 0,
+            "demotions": registry.get_sample_value("weightship_agent_peer_demotions_total") or 0,
+            "piece_verified": staged_with_pieces(store, manifest),
             "timeline": timeline,
         }
         write_json(run_dir / f"{args.node}.json", doc)
