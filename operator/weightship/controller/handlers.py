@@ -28,6 +28,7 @@ from prometheus_client import start_http_server
 
 from weightship.controller import cache, metrics
 from weightship.controller.builders import CACHE_DIR_ENV, DEFAULT_CACHE_DIR, GROUP, ROLLOUT_LABEL
+from weightship.controller.events import EventPoster
 from weightship.controller.informer import Informer
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
@@ -42,6 +43,7 @@ INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods")
 # A WeightCache changes up to once per node per 10 s while it stages: a rollout that
 # waits for staging reconciles at most once a second for all of its nodes together.
 STAGING_WAKE_DELAY_S = 1.0
+EVENT_THREADS = 2
 
 
 @kopf.on.startup(id="configure")
@@ -66,7 +68,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.startup(id="start-workers")
 async def start_workers(memo: Any, **kwargs: Any) -> None:
     """The queue, the caches' view and the worker threads (kopf passes the indexes)."""
-    api = await asyncio.to_thread(load_client)
+    reconcile_workers = int(os.environ.get("WEIGHTSHIP_RECONCILE_WORKERS", "16"))
+    verify_workers = int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))
+    # One connection per thread that calls the API (the 2 informers' watches hold theirs):
+    # past its pool size urllib3 opens and drops a TLS connection per request.
+    api = await asyncio.to_thread(
+        _client, reconcile_workers + verify_workers + EVENT_THREADS + 2 + 4
+    )
     kube = Kube(api)
     queue: WorkQueue[cache.RolloutKey] = WorkQueue()
     loop = asyncio.get_running_loop()
@@ -85,7 +93,6 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, nodes, caches, loop)
     # The node cache the agents stage into (the chart gives both the same agent.cacheDir).
     cache_dir = os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
-    verify_workers = int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))
     reconciler = Reconciler(
         kube,
         view,
@@ -93,6 +100,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         verifier=Verifier(kube, workers=verify_workers, cache_dir=cache_dir),
         requeue=queue.add,
         cache_dir=cache_dir,
+        events=EventPoster(kube.event, threads=EVENT_THREADS),
     )
 
     def failed(key: cache.RolloutKey, error: BaseException) -> None:
@@ -101,7 +109,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     workers = Workers(
         queue,
         lambda key: reconciler.once(*key),
-        int(os.environ.get("WEIGHTSHIP_RECONCILE_WORKERS", "8")),
+        reconcile_workers,
         on_error=failed,
         requeue_now=(Conflict,),
     )
@@ -125,6 +133,12 @@ async def stop_workers(memo: Any, **_: Any) -> None:
         memo.reconciler.close()
     for informer in getattr(memo, "informers", ()):
         await asyncio.to_thread(informer.stop)
+
+
+def _client(connections: int) -> client.ApiClient:
+    configuration = load_client().configuration
+    configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
 
 
 def _enqueue(memo: Any, namespace: str | None, name: str | None) -> None:

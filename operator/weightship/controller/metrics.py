@@ -19,6 +19,9 @@ RECONCILE_SECONDS = Histogram(
 )
 QUEUE_DEPTH = Gauge("weightship_workqueue_depth", "Rollouts ready to reconcile, not yet taken")
 QUEUE_WAITING = Gauge("weightship_workqueue_waiting", "Rollouts waiting on a requeue timer")
+EVENTS_DROPPED = Counter(
+    "weightship_events_dropped", "Kubernetes Events not posted: the API server was too far behind"
+)
 ROLLOUT_PHASE = Gauge(
     "weightship_rollout_phase", "1 for the rollout's current phase", ["namespace", "name", "phase"]
 )

@@ -20,6 +20,7 @@ from weightship.api.status import ModelRolloutStatus
 from weightship.controller import apply, metrics
 from weightship.controller.builders import DEFAULT_CACHE_DIR
 from weightship.controller.cache import ClusterView, RolloutKey
+from weightship.controller.events import EventPoster
 from weightship.controller.kube import Kube
 from weightship.controller.observe import (
     ManifestResolver,
@@ -59,6 +60,8 @@ class Reconciler:
     requeue: Callable[[RolloutKey], None] = _never
     """Called when a lookup the reconcile did not wait for completes (the work queue's add)."""
     cache_dir: str = DEFAULT_CACHE_DIR  # the node cache (install-time: WEIGHTSHIP_CACHE_DIR)
+    events: EventPoster | None = None
+    """Posts Events off the worker (None: the reconcile posts them itself)."""
     manifests: ManifestResolver = field(init=False)
     measurements: Measurements = field(init=False)
     templates: Templates = field(init=False)
@@ -72,12 +75,15 @@ class Reconciler:
     def close(self) -> None:
         self.manifests.lookups.shutdown()
         self.measurements.lookups.shutdown()
+        if self.events is not None:
+            self.events.close()
 
     def once(self, namespace: str, name: str) -> float | None:
         """Reconcile one rollout. Returns seconds until the next run (None: it is gone)."""
         started = time.monotonic()
+        laps = _Laps(started)
         try:
-            return self._once(namespace, name)
+            return self._once(namespace, name, laps)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             raise
@@ -86,10 +92,13 @@ class Reconciler:
             metrics.RECONCILES.inc()
             metrics.RECONCILE_SECONDS.observe(seconds)
             if seconds >= SLOW_RECONCILE_SECONDS:
-                log.info("reconciling %s/%s took %.2f s", namespace, name, seconds)
+                log.info(
+                    "reconciling %s/%s took %.2f s (%s)", namespace, name, seconds, laps.summary()
+                )
 
-    def _once(self, namespace: str, name: str) -> float | None:
+    def _once(self, namespace: str, name: str, laps: _Laps) -> float | None:
         objects = self.view.rollout_objects(namespace, name)
+        laps.lap("read")
         if objects is None:
             metrics.forget_rollout(namespace, name)
             return None
@@ -108,13 +117,17 @@ class Reconciler:
         observation = observe(
             self.view, objects, rollout, self.manifests, self.measurements, self.templates, now
         )
+        laps.lap("observe")
         if observation is None:
             return None  # the manifest is being read; its completion requeues the rollout
         observed = observation.observed
         decision = decide(rollout, observed, now, self.gates)
+        laps.lap("decide")
         apply.carry_out(self.kube, rollout, decision, cache_dir=self.cache_dir)
+        laps.lap("apply")
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
+        laps.lap("status")
         metrics.record_rollout(namespace, name, decision.status)
         delay = IDLE_RECHECK_SECONDS if decision.requeue_after is None else decision.requeue_after
         if observation.waiting:
@@ -135,7 +148,11 @@ class Reconciler:
             self.kube.patch_rollout_status(meta["namespace"], meta["name"], resource_version, patch)
         # Events and messages only after the status write succeeded: a 409 retries
         # without duplicates.
-        apply.apply_events(self.kube, dict(body), decision)
+        if self.events is None:
+            apply.apply_events(self.kube, dict(body), decision)
+        else:
+            for event in decision.events:
+                self.events.submit(dict(body), event.type, event.reason, event.message)
         if decision.notifications:
             self._notify(dict(body), decision)
 
@@ -163,6 +180,23 @@ class Reconciler:
                     body, "Warning", "NotificationFailed", error
                 ),
             )
+
+
+class _Laps:
+    """Where one reconcile's time went, for the slow-reconcile log line: seconds per
+    stage (read the caches, observe, decide, apply's writes, the status write)."""
+
+    def __init__(self, started: float) -> None:
+        self.last = started
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.monotonic()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
+        self.last = now
+
+    def summary(self) -> str:
+        return ", ".join(f"{stage} {s:.2f}" for stage, s in self.seconds.items()) or "-"
 
 
 def _first_error(error: ValidationError) -> str:
