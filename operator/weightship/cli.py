@@ -183,10 +183,11 @@ def retry_command(name: str, namespace: str, wait: bool) -> None:
 
 
 def _register_data_commands() -> None:
-    from weightship.data.cli import manifest_command, publish_command
+    from weightship.data.cli import manifest_command, publish_command, verify_files_command
 
     main.add_command(manifest_command, "manifest")
     main.add_command(publish_command, "publish")
+    main.add_command(verify_files_command, "verify-files")
 
 
 _register_data_commands()

@@ -1,10 +1,12 @@
-"""`weightship manifest` and `weightship publish`."""
+"""`weightship manifest`, `weightship publish` and `weightship verify-files`."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,13 +22,15 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from weightship.data.chunkstore import STAGED_MARKER, digest_hex
 from weightship.data.manifest import (
     MANIFEST_NAME,
     ByteSource,
     LocalFolder,
+    Manifest,
     ManifestError,
     ProgressFn,
-    build_manifest,
+    build_manifest_with_pieces,
 )
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
 
@@ -115,7 +119,9 @@ def manifest_command(
 ) -> None:
     """Hash the weights at SOURCE (s3://bucket/prefix/ or a folder) into a manifest.
 
-    Prints the manifest unless --write is given; the digest always goes to stderr.
+    Prints the manifest unless --write is given; the digest always goes to stderr. A
+    version 2 manifest names its piece layer, which --write puts beside it (a printed
+    manifest stages only once that is there too).
     """
     with _clear_errors():
         origin = _origin(source, endpoint, region) if source.startswith("s3://") else None
@@ -125,7 +131,7 @@ def manifest_command(
         reader: ByteSource = origin or LocalFolder(Path(source))
         total = sum(size for _, size in reader.list_files())
         with _progress(("hashing", total)) as (advance,):
-            manifest = build_manifest(
+            manifest, pieces = build_manifest_with_pieces(
                 reader,
                 chunk_size=chunk_size,
                 workers=workers,
@@ -133,9 +139,13 @@ def manifest_command(
                 on_bytes=advance,
             )
         if write and origin:
-            origin.write_manifest(manifest)
+            origin.write_manifest(manifest, pieces)  # the piece layer first
             console.print(f"wrote {origin.location}{MANIFEST_NAME}")
         elif write and folder:
+            if manifest.piece_layer_path:
+                layer = folder / manifest.piece_layer_path
+                layer.parent.mkdir(exist_ok=True)
+                layer.write_bytes(pieces)
             tmp = folder / f".{MANIFEST_NAME}.tmp"
             tmp.write_bytes(manifest.canonical_bytes())
             tmp.replace(folder / MANIFEST_NAME)
@@ -178,3 +188,61 @@ def publish_command(
             )
         console.print(f"published {manifest.total_size} bytes to {origin.location}")
         console.print(f"digest {manifest.digest}")
+
+
+_HASH_BLOCK = 8 * 1024 * 1024
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def mismatched_files(folder: Path, manifest: Manifest, workers: int = 2) -> list[str]:
+    """The manifest's files under ``folder`` that are missing or whose whole-file sha256
+    (the one Hugging Face and most tools publish) differs from the manifest's."""
+
+    def bad(path: str, size: int, want: str) -> str | None:
+        p = folder / path
+        ok = p.is_file() and p.stat().st_size == size and file_sha256(p) == want
+        return None if ok else path
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        found = pool.map(lambda f: bad(f.path, f.size, f.sha256), manifest.files)
+        return [p for p in found if p]
+
+
+@click.command("verify-files")
+@click.argument("cache_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("digests", nargs=-1)
+@_workers
+def verify_files_command(cache_dir: Path, digests: tuple[str, ...], workers: int) -> None:
+    """Check the staged files in a node cache (CACHE_DIR, the agent's cacheDir) against
+    each file's sha256 in its manifest: every staged model, or the DIGESTS given
+    (sha256:<hex>). Staging verified BLAKE3 chunk and piece digests; this re-reads every
+    byte with the whole-file sha256s computed at publish time. Exits 1 on a mismatch."""
+    with _clear_errors():
+        models = cache_dir / "models"
+        wanted = [digest_hex(d) for d in digests] or sorted(
+            p.name for p in models.iterdir() if (p / STAGED_MARKER).is_file()
+        )
+        failed = False
+        for hex_digest in wanted:
+            mdir = models / hex_digest
+            if not (mdir / STAGED_MARKER).is_file():
+                console.print(f"sha256:{hex_digest}: not staged in {cache_dir}")
+                failed = True
+                continue
+            manifest_file = mdir / "manifest.json"
+            manifest = Manifest.parse(manifest_file.read_bytes(), source=str(manifest_file))
+            bad = mismatched_files(mdir / "files", manifest, workers)
+            for path in bad:
+                click.echo(f"sha256:{hex_digest}: {path} does not match its sha256")
+            verdict = f"{len(bad)} of {len(manifest.files)} files bad" if bad else "all match"
+            click.echo(f"sha256:{hex_digest}: {len(manifest.files)} files, {verdict}")
+            failed = failed or bool(bad)
+        if failed:
+            raise SystemExit(1)

@@ -232,11 +232,14 @@ class ModelStaging:
                     if checker is None or receiving is None:
                         return
                     before = checker.verified
-                    now = checker.landed(view, end)  # raises at a bad piece
-                    if now > before:
-                        if not mapped:  # the peer server reads the file: write it first
-                            _pwrite_all(fd, view[before:now], first.offset + before)
-                        receiving.advance(now)
+                    try:
+                        checker.landed(view, end)
+                    finally:  # at a bad piece too: the good pieces before it are kept
+                        now = checker.verified
+                        if now > before:
+                            if not mapped:  # the peer server reads the file: write it first
+                                _pwrite_all(fd, view[before:now], first.offset + before)
+                            receiving.advance(now)
 
                 end = fill(view, begin, landed)
                 if checker is not None:

@@ -1,0 +1,240 @@
+"""Version 2 staging: pieces verified as they land, streamed on while the chunk is still
+arriving (cut-through), a bad piece caught at that piece, and the files' sha256 check."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
+
+from weightship.data import peer as peer_module
+from weightship.data import rendezvous
+from weightship.data.chunkhash import PieceLayer, PieceVerificationError
+from weightship.data.chunkstore import ChunkStore
+from weightship.data.cli import verify_files_command
+from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
+from weightship.data.manifest import LocalFolder, Manifest, build_manifest_with_pieces
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.peer import PeerClient, PeerServer
+from weightship.httpserver import Server
+
+PIECE = 16 * 1024
+CHUNK = 4 * PIECE
+DATA = bytes(range(256)) * (2 * CHUNK // 256)  # two chunks
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> tuple[Manifest, PieceLayer, Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(DATA)
+    m, layer = build_manifest_with_pieces(LocalFolder(src), chunk_size=CHUNK, piece_size=PIECE)
+    return m, PieceLayer(m, layer), src
+
+
+def _bytes(m: Manifest, src: Path, index: int) -> bytes:
+    c = m.chunks[index]
+    return (src / c.file).read_bytes()[c.offset : c.offset + c.size]
+
+
+def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peer_module, "STREAM_STALL_S", 0.3)
+    monkeypatch.setattr(peer_module, "READ_STEP", PIECE)  # the reader's step: one piece
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    owner_store = ChunkStore(tmp_path / "owner")
+    gate = [threading.Event() for _ in range(4)]
+    verified_at: list[int] = []  # the owner's verified prefix each time the reader got bytes
+
+    with owner_store.begin(m) as owner, PeerServer(owner_store, "127.0.0.1") as server:
+        owner.pieces = pieces
+        owner.prepare()
+
+        def slow_fill(bad_piece: int | None) -> Callable[..., int]:
+            def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+                for p in range(start // PIECE, 4):
+                    gate[p].wait(5)
+                    data = bytearray(good[p * PIECE : (p + 1) * PIECE])
+                    if p == bad_piece:
+                        data[7] ^= 1
+                    view[p * PIECE : (p + 1) * PIECE] = data
+                    landed((p + 1) * PIECE)
+                return CHUNK
+
+            return fill
+
+        errors: list[BaseException] = []
+
+        def owner_receives() -> None:
+            try:
+                owner.receive(chunk.key, slow_fill(bad_piece=2))  # a bad piece from its source
+            except PieceVerificationError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=owner_receives)
+        t.start()
+        gate[0].set()
+        client = PeerClient(timeout_s=5)
+        body = client.open(server.address, chunk.key, wait_s=2)  # held until piece 0 verified
+        got = bytearray(CHUNK)
+
+        def landed(end: int) -> None:
+            verified_at.append(owner_store.index.receiving(chunk.key).verified)  # type: ignore[union-attr]
+            assert end <= verified_at[-1]  # never a byte the owner has not verified
+            if end == PIECE:
+                gate[1].set()
+                gate[2].set()
+
+        end = body.read_into(memoryview(got), 0, landed)
+        body.close()
+        t.join(5)
+        # Piece 2 failed at the owner: the stream ended cleanly after the 2 verified pieces.
+        assert len(errors) == 1 and errors[0].piece == 2  # type: ignore[attr-defined]
+        assert end == 2 * PIECE and bytes(got[:end]) == good[: 2 * PIECE]
+        assert not owner_store.has_chunk(chunk.key)
+        assert owner.resume_point(chunk.key) == 2 * PIECE  # kept for the next attempt
+
+        # The owner's next attempt starts at its prefix; the reader resumes at its own.
+        gate[3].set()
+        t = threading.Thread(target=lambda: owner.receive(chunk.key, slow_fill(None)))
+        t.start()
+        body = client.open(server.address, chunk.key, start=end, wait_s=2)
+        end = body.read_into(memoryview(got), end, lambda n: None)
+        body.close()
+        t.join(5)
+        assert end == CHUNK and bytes(got) == good
+        assert owner_store.has_chunk(chunk.key)
+        assert verified_at and verified_at[0] < CHUNK  # bytes moved before the chunk was whole
+
+
+class _Canned:
+    """A peer answering GET /chunks/... with ``data`` (honouring ``Range: bytes=a-``),
+    one piece corrupted when ``bad_piece`` is set; records the ranges asked."""
+
+    def __init__(self, data: bytes, bad_piece: int | None) -> None:
+        self.ranges: list[str | None] = []
+        canned = self
+        body = bytearray(data)
+        if bad_piece is not None:
+            body[bad_piece * PIECE + 3] ^= 1
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                rng = self.headers.get("Range")
+                canned.ranges.append(rng)
+                m = re.fullmatch(r"bytes=(\d+)-", rng or "bytes=0-")
+                start = int(m[1]) if m else 0
+                self.send_response(206 if start else 200)
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                self.wfile.write(body[start:])
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def canned() -> Iterator[Callable[[bytes, int | None], _Canned]]:
+    made: list[_Canned] = []
+
+    def make(data: bytes, bad_piece: int | None) -> _Canned:
+        made.append(_Canned(data, bad_piece))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _ranked(key: str) -> tuple[str, str]:
+    for i in range(1000):
+        for j in range(20):
+            names = [f"liar-{i}", f"honest-{j}", "me"]
+            if rendezvous.rank(names, key) == names:
+                return names[0], names[1]
+    raise AssertionError("no such names")
+
+
+class _NoOrigin:
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        raise AssertionError("nothing should come from the origin")
+
+
+def test_a_corrupt_piece_from_a_peer_is_caught_at_that_piece_and_the_rest_fetched_elsewhere(
+    tmp_path: Path,
+    model: tuple[Manifest, PieceLayer, Path],
+    canned: Callable[[bytes, int | None], _Canned],
+) -> None:
+    m, pieces, src = model
+    chunk, good = m.chunks[1], _bytes(m, src, 1)
+    liar, honest = canned(good, 2), canned(good, None)
+    liar_name, honest_name = _ranked(chunk.key)
+    registry = CollectorRegistry()
+    store = ChunkStore(tmp_path / "me")
+    with store.begin(m) as staging:
+        staging.pieces = pieces
+        staging.prepare()
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(liar_name, liar.address), Peer(honest_name, honest.address)],
+            origin=_NoOrigin(),
+            sink=staging,
+            metrics=DataPlaneMetrics.create(registry),
+            chunks=m.chunks,
+            policy=FetchPolicy(peer_timeout_s=2, owner_wait_s=10, poll_interval_s=0.01),
+        )
+        assert fetcher.fetch(chunk) == "peer"
+        assert store.read_chunk(chunk.key) == good
+    # The liar's pieces 0 and 1 verified and were kept; piece 2 failed; the honest peer
+    # was asked for the rest only, from piece 2 on.
+    assert liar.ranges == [None]
+    assert honest.ranges == [f"bytes={2 * PIECE}-"]
+    assert fetcher.health.demotions == {liar_name: 1}
+    assert liar_name in fetcher.health.avoided()
+    assert registry.get_sample_value("weightship_agent_peer_demotions_total") == 1
+    failures = registry.get_sample_value(
+        "weightship_agent_chunk_verification_failures_total", {"source": "peer"}
+    )
+    assert failures == 1
+
+
+def test_verify_files_checks_staged_files_against_their_sha256(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    m, _pieces, src = model
+    store = ChunkStore(tmp_path / "cache")
+    with store.begin(m) as staging:
+        staging.prepare()
+        for i, c in enumerate(m.chunks):
+            staging.put(c.key, _bytes(m, src, i))
+        staging.mark_staged()
+    runner = CliRunner()
+    ok = runner.invoke(verify_files_command, [str(store.root)])
+    assert ok.exit_code == 0, ok.output
+    assert f"{m.digest}: 1 files, all match" in ok.output
+    staged = store.files_dir(m.digest) / "w.bin"
+    data = bytearray(staged.read_bytes())
+    data[100] ^= 1
+    staged.write_bytes(data)
+    bad = runner.invoke(verify_files_command, [str(store.root), m.digest])
+    assert bad.exit_code == 1
+    assert "w.bin does not match its sha256" in bad.output
