@@ -30,6 +30,7 @@ from weightship.api.models import ModelRollout
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.core.decide import decide
 from weightship.core.observed import ManifestResolution, Observed, PrefetchObservation
+from weightship.dev import testkit
 
 NAMESPACE_PREFIX = "adm-"
 GROUP = "weightship.io"
@@ -292,6 +293,71 @@ def test_cache_path_is_refused_by_name_not_pruned(
             {"spec": {"prefetch": {"cachePath": "/"}}},
         )  # fmt: skip
     assert err.value.status == 422 and "agent.cacheDir" in json.loads(err.value.body)["message"]
+
+
+def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
+    cluster: Any, namespace: str
+) -> None:
+    """The upgrade path docs/api.md promises, on the real API server: a rollout stored by
+    the previous CRD (which defaulted cachePath) stays writable under the new one as long as
+    cachePath is unchanged (validation ratcheting), and the controller ignores the value.
+    A copy of both CRDs under a throwaway group, so the shared one is untouched."""
+    group = f"{testkit.unique_name('ratchet')}.weightship-test.io"
+    name = f"modelrollouts.{group}"
+    ext = client.ApiextensionsV1Api(cluster.api)
+    custom = client.CustomObjectsApi(cluster.api)
+
+    def crd(text: str) -> dict[str, Any]:
+        body: dict[str, Any] = yaml.safe_load(text)
+        body["metadata"] = {"name": name}
+        body["spec"]["group"] = group
+        body["spec"]["names"].update(shortNames=[], categories=[])
+        return body
+
+    def established() -> bool:
+        conditions = ext.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    old = crd(CRD.read_text())  # as the CRD was: cachePath defaulted, no rule
+    prefetch = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    cache_path = prefetch["properties"]["prefetch"]["properties"]["cachePath"]
+    del cache_path["x-kubernetes-validations"]
+    cache_path["default"] = "/var/cache/weightship"
+    ext.create_custom_resource_definition(old)
+    try:
+        testkit.wait_until(established, timeout=30, what=f"CRD {name}")
+        body = copy.deepcopy(VALID_MANIFEST)
+        body["apiVersion"], body["metadata"] = f"{group}/v1alpha1", {"name": "old"}
+        args = (group, "v1alpha1", namespace, "modelrollouts")
+        stored = custom.create_namespaced_custom_object(*args, body)
+        assert stored["spec"]["prefetch"]["cachePath"] == "/var/cache/weightship"
+        new = crd(CRD.read_text())  # the CRD now
+        new["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(
+            name
+        ).metadata.resource_version
+        ext.replace_custom_resource_definition(name, new)
+
+        def ratcheted() -> bool:
+            try:
+                custom.patch_namespaced_custom_object(*args, "old", {"spec": {"replicas": 5}})
+            except ApiException:
+                return False
+            return True
+
+        # Edits that leave cachePath alone are admitted (once the new schema is served) ...
+        testkit.wait_until(ratcheted, timeout=30, what="an unchanged cachePath admitted")
+        custom.patch_namespaced_custom_object_status(*args, "old", {"status": {"message": "m"}})
+        # ... changing it is refused, as on create ...
+        with pytest.raises(ApiException) as err:
+            custom.patch_namespaced_custom_object(
+                *args, "old", {"spec": {"prefetch": {"cachePath": "/"}}}
+            )
+        assert err.value.status == 422 and "agent.cacheDir" in err.value.body
+        # ... and the controller reads the stored object, ignoring the old value.
+        stored = custom.get_namespaced_custom_object(*args, "old")
+        assert ModelRollout.model_validate(stored).spec.prefetch.cache_path is not None
+    finally:
+        ext.delete_custom_resource_definition(name)
 
 
 def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
