@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
@@ -45,6 +46,33 @@ def test_a_write_masks_the_version_it_was_made_against_until_the_watch_moves_on(
     newer = overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "5", replicas=3)])
     assert newer[0]["metadata"]["resourceVersion"] == "5"
     assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])[0]["spec"]["replicas"] == 1
+
+
+def test_two_writes_in_a_row_the_watch_bringing_the_first_keeps_the_second() -> None:
+    overlay = WriteOverlay()
+    overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "1")])
+    overlay.record(OWNER, "ReplicaSet", rs("llm-aaa", "2", replicas=2))
+    overlay.record(OWNER, "ReplicaSet", rs("llm-aaa", "3", replicas=4))
+    for cached in ("1", "2"):  # the watch brings the first write, not yet the second
+        merged = overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", cached, replicas=2)])
+        assert merged[0]["metadata"]["resourceVersion"] == "3"
+    # A version this operator did not write wins: the watch has moved past both.
+    merged = overlay.merge(OWNER, "ReplicaSet", [rs("llm-aaa", "9", replicas=4)])
+    assert merged[0]["metadata"]["resourceVersion"] == "9"
+
+
+def test_a_created_then_changed_object_stands_in_until_the_watch_brings_the_change() -> None:
+    overlay = WriteOverlay()
+    overlay.merge(OWNER, "ReplicaSet", [])
+    overlay.record(OWNER, "ReplicaSet", rs("llm-bbb", "7", replicas=1))
+    overlay.record(OWNER, "ReplicaSet", rs("llm-bbb", "8", replicas=2))
+    assert overlay.merge(OWNER, "ReplicaSet", [])[0]["metadata"]["resourceVersion"] == "8"
+    created = overlay.merge(OWNER, "ReplicaSet", [rs("llm-bbb", "7", replicas=1)])
+    assert created[0]["metadata"]["resourceVersion"] == "8"
+    assert overlay.merge(OWNER, "ReplicaSet", [rs("llm-bbb", "8", replicas=2)])[0]["spec"] == {
+        "replicas": 2,
+        "template": {"spec": {"containers": [{"name": "x"}]}},
+    }
 
 
 def test_a_created_object_is_seen_before_the_watch_brings_it_and_dropped_once_gone() -> None:
@@ -201,3 +229,47 @@ def test_the_view_reads_a_selector_and_a_digest_on_the_event_loop() -> None:
     assert gone is None
     assert view.node_has_label("n1", "gpu", "h100") and not view.node_has_label("n3", "gpu", "x")
     assert [e["state"] for e in cache_informer.values("sha256:b")] == ["Staging"]
+
+
+class _Raw:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.data = json.dumps(body).encode()
+
+    def release_conn(self) -> None:
+        pass
+
+
+def test_the_informer_lists_in_pages_then_watches_from_the_listings_version() -> None:
+    nodes = [{"metadata": {"name": f"n{i}", "labels": {"gpu": "h100"}}} for i in range(5)]
+    calls: list[dict[str, Any]] = []
+    informer: Informer
+
+    def list_fn(**kwargs: Any) -> _Raw:
+        calls.append(kwargs)
+        if kwargs.get("watch"):
+            informer._stop.set()  # one watch request is all this test needs
+            raise RuntimeError("stop")
+        start = int(kwargs["_continue"] or 0)
+        end = start + kwargs["limit"]
+        meta: dict[str, Any] = {"resourceVersion": "42"}
+        if end < len(nodes):
+            meta["continue"] = str(end)
+        return _Raw({"metadata": meta, "items": nodes[start:end]})
+
+    informer = Informer("nodes", list_fn, index_node_labels, page_size=2, retry_s=0)
+    informer._run()
+    lists = [c for c in calls if not c.get("watch")]
+    assert [(c["limit"], c["_continue"]) for c in lists] == [(2, None), (2, "2"), (2, "4")]
+    assert informer.synced.is_set() and len(informer.items()) == 5
+    assert calls[-1]["watch"] and calls[-1]["resource_version"] == "42"
+
+
+def test_node_labels_are_kept_as_shared_strings() -> None:
+    first, second = (
+        # Strings made at run time, as json.loads makes them: equal, not the same object.
+        index_node_labels({"metadata": {"name": n, "labels": {"".join("gpu"): "".join("h100")}}})
+        for n in ("a", "b")
+    )
+    ((key_a, value_a),) = first["a"].items()
+    ((key_b, value_b),) = second["b"].items()
+    assert key_a is key_b and value_a is value_b
