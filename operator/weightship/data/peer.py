@@ -33,7 +33,7 @@ WAIT_HEADER = "X-Weightship-Wait"
 STREAM_HEADER = "X-Weightship-Stream"  # "1": stream a chunk still arriving (cut-through)
 # A stream whose verified prefix has not grown for this long ends; the client asks again.
 STREAM_STALL_S = 5.0
-READ_STEP = 1024 * 1024  # bytes a client reads before saying they landed
+READ_STEP = 256 * 1024  # bytes a client reads before saying they landed
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there

@@ -45,7 +45,6 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 from weightship.data.httpconn import ThreadConnections, read_into
 from weightship.data.manifest import (
     DEFAULT_CHUNK_SIZE,
-    DEFAULT_PIECE_SIZE,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     LocalFolder,
@@ -64,7 +63,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-LANDED_STEP = 1024 * 1024  # bytes per read when the caller verifies pieces as they land
+LANDED_STEP = 256 * 1024  # bytes per read when the caller verifies pieces as they land
 PRESIGN_EXPIRES_S = 900
 PRESIGN_REUSE_S = 300  # signing costs ~0.5 ms: one URL per object serves many chunks
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -492,7 +491,7 @@ def publish(
     on_hashed: ProgressFn | None = None,
     on_uploaded: ProgressFn | None = None,
     version: Literal[1, 2] = 2,
-    piece_size: int = DEFAULT_PIECE_SIZE,
+    piece_size: int | None = None,
 ) -> Manifest:
     """Hash ``folder``, upload every file, then the piece layer and the manifest.
 
