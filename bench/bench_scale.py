@@ -31,9 +31,7 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -60,6 +58,7 @@ from weightship.dev import testkit
 from weightship.dev.install import apply_crds
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship.dev.nodes import admin_api, kwok_node_body
+from weightship.dev.operatorproc import OperatorProcess
 from weightship.dev.scale import Fleet, healthy_on
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,19 +196,13 @@ class CacheLoad:
 # ---- the operator's side --------------------------------------------------------------
 class Operator:
     """`weightship operator` from `ref`'s tree (git archive into a temp dir, on PYTHONPATH),
-    or from the working tree when ref is None."""
+    or from the working tree when ref is None; the e2e tests' OperatorProcess runs it."""
 
     def __init__(
         self, design: str, ref: str | None, kubeconfig: Path, glob: str, log: Path
     ) -> None:
         self.design, self.port = design, free_port()
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(kubeconfig),
-            "WEIGHTSHIP_METRICS_PORT": str(self.port),
-            "PYTHONPATH": str(HOOK),
-        }
-        cwd = REPO
+        pythonpath, cwd = str(HOOK), REPO
         self.tree: Path | None = None
         if ref is not None:
             old = Path(tempfile.mkdtemp(prefix=f"ws-{design}-"))
@@ -219,26 +212,19 @@ class Operator:
                 capture_output=True,
             ).stdout
             subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-            env["PYTHONPATH"] = f"{HOOK}:{old / 'operator'}"
+            pythonpath = f"{HOOK}:{old / 'operator'}"
             cwd, self.tree = old, old
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "weightship",
-                "operator",
-                "--standalone",
-                "--liveness",
-                "",
-                f"--namespace={glob}",
-            ],
-            env=env,
+        self.process = OperatorProcess(
+            kubeconfig,
+            log,
+            (glob,),
+            env={"PYTHONPATH": pythonpath},
             cwd=cwd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            metrics_port=self.port,
         )
+        self.process.start()
+        assert self.process.proc is not None
+        self.proc = self.process.proc
         self.peak_rss_mb, self.peak_threads = 0.0, 0
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
@@ -285,14 +271,7 @@ class Operator:
 
     def stop(self) -> None:
         self._stop.set()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+        self.process.stop(timeout_s=20)
         if self.tree is not None:
             shutil.rmtree(self.tree, ignore_errors=True)
 
@@ -576,6 +555,18 @@ def report_design(r: dict[str, Any]) -> None:
             print(f"{name}: operator's writes {r[name]['writes']}")
             print(f"{name}: cluster-wide writes {r[name]['cluster_writes']}")
             print(f"{name}: cluster-wide LIST/GET {r[name]['cluster_reads']}")
+    if "cpu" in r.get("revision", {}):
+        f = r["revision"]
+        writes = sum(f["cluster_writes"].values())
+        cpu_s = f["cpu"].get("kube-apiserver", 0.0) * f["seconds"]
+        if writes:
+            # What the API server alone needs for the phase's writes (and the watch events
+            # each fans out), were it given both cores: a floor for the phase's time.
+            print(
+                f"revision: {writes} writes cluster-wide in {f['seconds']:.1f} s, API server "
+                f"{cpu_s:.1f} CPU-s ({1000 * cpu_s / writes:.1f} ms a write): at least "
+                f"{cpu_s / 2:.1f} s on 2 cores"
+            )
     if "big_skipped" in r:
         print(f"big: not run: {r['big_skipped']}")
     for name in ("solo", "revision", "big"):

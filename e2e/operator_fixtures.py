@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,65 +15,12 @@ from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import testkit
 from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
 from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+from weightship.dev.operatorproc import OperatorProcess as OperatorProcess  # re-exported
 from weightship.testing.tinyllm import Variant
 from weightship.testing.tinyllm import deploy as tinyllm
 from weightship.testing.tinyllm.build import publish_versions
 
 PROCESS_NODES = {"weightship.io/node-kind": "process"}
-
-
-@dataclass
-class OperatorProcess:
-    """`weightship operator` run as its own process, so tests can kill -9 it."""
-
-    kubeconfig: Path
-    log_path: Path
-    namespaces: tuple[str, ...] = ()
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "WEIGHTSHIP_METRICS_PORT": "0"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "weightship",
-                    "operator",
-                    "--standalone",
-                    "--liveness",
-                    "",
-                    *(f"--namespace={n}" for n in self.namespaces),
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as when a node dies under the operator."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
 
 def publish_models(
