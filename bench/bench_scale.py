@@ -68,6 +68,16 @@ NODE_START = 20000  # kwok-gpu-20000…: apart from the cluster's own and the e2
 READS = ("LIST", "GET")
 RESOURCES = ("modelrollouts", "replicasets", "pods", "nodes", "weightcaches", "secrets")
 STEADY_S = 30.0
+LATENCY_OF = (
+    "PATCH modelrollouts/status",
+    "POST replicasets",
+    "PATCH replicasets",
+    "POST secrets",
+    "POST events",
+    "POST pods",
+    "DELETE pods",
+    "PUT leases",
+)
 
 
 # ---- the cluster's side ---------------------------------------------------------------
@@ -78,17 +88,32 @@ class ApiCounts:
         self.api = api
 
     def read(self) -> Counter[tuple[str, str]]:
+        return self.read_all()[0]
+
+    def read_all(self) -> tuple[Counter[tuple[str, str]], dict[str, dict[float, float]]]:
+        """The counts, and apiserver_request_duration_seconds' buckets of the writes in
+        LATENCY_OF (the API server's own time for them: what a slow reconcile waits on)."""
         raw = self.api.rest_client.pool_manager.request(
             "GET", self.api.configuration.host + "/metrics"
         ).data.decode()
         out: Counter[tuple[str, str]] = Counter()
+        latency: dict[str, dict[float, float]] = {}
         for line in raw.splitlines():
+            if line.startswith("apiserver_request_duration_seconds_bucket{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                sub = labels.get("subresource")
+                kind = f"{labels.get('verb')} {labels.get('resource')}" + (f"/{sub}" if sub else "")
+                if kind in LATENCY_OF:
+                    buckets = latency.setdefault(kind, {})
+                    le = float(labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+                continue
             if not line.startswith("apiserver_request_total{"):
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             if labels.get("resource") in RESOURCES and not labels.get("subresource"):
                 out[(labels["verb"], labels["resource"])] += int(float(line.rsplit(" ", 1)[1]))
-        return out
+        return out, latency
 
 
 def make_nodes(api: client.ApiClient, count: int) -> list[str]:
@@ -334,7 +359,8 @@ def phase(
 ) -> Iterator[dict[str, Any]]:
     """Figures between entering and leaving: API requests (the bench's own LISTs of
     modelrollouts taken off), reconciles and their p50/p99, CPU by component."""
-    api_before, m_before, lists_before = counts.read(), op.metrics(), sum(f.lists for f in fleets)
+    (api_before, latency_before), m_before = counts.read_all(), op.metrics()
+    lists_before = sum(f.lists for f in fleets)
     cpu_before, busy = cpu.read(), machine_busy()
     next(busy)
     started = time.monotonic()
@@ -343,7 +369,15 @@ def phase(
     wall = time.monotonic() - started
     result["cpu"] = CpuMeter.shares(cpu_before, cpu.read(), wall)
     result["machine_busy"] = next(busy)
-    api_after, m_after = counts.read(), op.metrics()
+    (api_after, latency_after), m_after = counts.read_all(), op.metrics()
+    result["api_latency"] = {
+        kind: (
+            quantile(latency_before.get(kind, {}), buckets, 0.5),
+            quantile(latency_before.get(kind, {}), buckets, 0.99),
+        )
+        for kind, buckets in sorted(latency_after.items())
+        if quantile(latency_before.get(kind, {}), buckets, 0.5) is not None
+    }
     delta = api_after - api_before
     delta[("LIST", "modelrollouts")] -= sum(f.lists for f in fleets) - lists_before
     reconciles = m_after["reconciles"] - m_before["reconciles"]
@@ -567,6 +601,14 @@ def report_design(r: dict[str, Any]) -> None:
                 f"{cpu_s:.1f} CPU-s ({1000 * cpu_s / writes:.1f} ms a write): at least "
                 f"{cpu_s / 2:.1f} s on 2 cores"
             )
+    if r.get("revision", {}).get("api_latency"):
+        print(
+            "revision: the API server's own time per write, p50/p99 (bucket bounds): "
+            + ", ".join(
+                f"{kind} {_fmt(p50, ' s', 3)}/{_fmt(p99, ' s', 3)}"
+                for kind, (p50, p99) in r["revision"]["api_latency"].items()
+            )
+        )
     if "big_skipped" in r:
         print(f"big: not run: {r['big_skipped']}")
     for name in ("solo", "revision", "big"):
