@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--modes",
         default="p2p,origin-only",
         help="p2p, p2p-no-claims (tail claims off), p2p-unpaced (peer intake not paced), "
-        "p2p-round2 (neither paced nor a per-owner limit: the code before round 3), origin-only",
+        "p2p-round2 (neither paced nor a per-owner limit: the code before round 3), "
+        "p2p-v1 (a version 1 manifest: sha256 chunks, store-and-forward), origin-only",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -211,6 +212,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.model = str(model)
     manifest = manifest_for(model, args.chunk_mib * MiB)
     manifest_file = manifest_path(model, args.chunk_mib * MiB)
+    v1_file = None
+    if "p2p-v1" in args.modes.split(","):
+        manifest_for(model, args.chunk_mib * MiB, version=1)
+        v1_file = manifest_path(model, args.chunk_mib * MiB, 1)
     results: dict[str, Any] = {
         "size_bytes": manifest.total_size,
         "digest": manifest.digest,
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["rounds"] = []
             for _ in range(args.rounds):  # interleaved, so load drifts hit every mode alike
                 for mode in args.modes.split(","):
-                    results[mode] = run_fleet(mode, args, manifest_file, endpoint)
+                    chosen = v1_file if mode == "p2p-v1" and v1_file else manifest_file
+                    results[mode] = run_fleet(mode, args, chosen, endpoint)
                     results["rounds"].append(summary(results[mode], manifest.total_size, rate))
     finally:
         cleanup()
@@ -261,6 +267,7 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-no-claims", 1),
         ("p2p-unpaced", 1),
         ("p2p-round2", 1),
+        ("p2p-v1", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -280,7 +287,7 @@ def report(r: dict[str, Any]) -> None:
         )
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
-    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2"):
+    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1"):
         if mode not in r:
             continue
         m = r[mode]
