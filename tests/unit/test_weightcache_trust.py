@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from weightship.agent.desired import cache_node, live_peers, staged_on
+from weightship.controller.cache import caches_for, index_cache_entries
 from weightship.controller.snapshot import prefetch_observation
 
 
@@ -21,6 +22,15 @@ def test_a_weightcache_naming_another_node_is_ignored() -> None:
     observed = prefetch_observation("sha256:a", ["n1", "n2"], caches)
     states = {n.name: n.state for n in observed.nodes}
     assert states == {"n1": "Staging", "n2": "Pending"}
+
+
+def test_the_operators_cache_index_ignores_a_weightcache_naming_another_node() -> None:
+    """The informer path: entries indexed from n2's object claiming n1 mark nobody Staged."""
+    caches = [cache("n1", "n1", "Staging"), cache("n2", "n1", "Staged"), cache("n3", None, "Staged")]
+    entries = [e for body in caches for e in index_cache_entries(body).values()]
+    observed = prefetch_observation("sha256:a", ["n1", "n2", "n3"], caches_for(entries))
+    states = {n.name: n.state for n in observed.nodes}
+    assert states == {"n1": "Staging", "n2": "Pending", "n3": "Staged"}
 
 
 def test_a_weightcache_without_a_node_name_speaks_for_its_name() -> None:

@@ -128,8 +128,13 @@ def index_node_labels(body: Mapping[str, Any]) -> dict[Hashable, Any]:
 
 
 def index_cache_entries(body: Mapping[str, Any]) -> dict[Hashable, Any]:
-    """One WeightCache's manifest entries by digest, each with its node."""
-    node = (body.get("spec") or {}).get("nodeName") or (body.get("metadata") or {})["name"]
+    """One WeightCache's manifest entries by digest, each with its node: the one it is
+    named after (the admission policy lets an agent write only that one). One whose
+    spec.nodeName names another node is a claim about a node it is not, and is left out,
+    as snapshot.prefetch_observation and the agents' readers leave it out."""
+    node = (body.get("metadata") or {})["name"]
+    if (body.get("spec") or {}).get("nodeName") not in (None, node):
+        return {}
     out: dict[Hashable, Any] = {}
     for entry in (body.get("status") or {}).get("manifests") or []:
         digest = entry.get("digest")
