@@ -26,7 +26,11 @@ def test_a_weightcache_naming_another_node_is_ignored() -> None:
 
 def test_the_operators_cache_index_ignores_a_weightcache_naming_another_node() -> None:
     """The informer path: entries indexed from n2's object claiming n1 mark nobody Staged."""
-    caches = [cache("n1", "n1", "Staging"), cache("n2", "n1", "Staged"), cache("n3", None, "Staged")]
+    caches = [
+        cache("n1", "n1", "Staging"),
+        cache("n2", "n1", "Staged"),  # n2 speaking for n1
+        cache("n3", None, "Staged"),
+    ]
     entries = [e for body in caches for e in index_cache_entries(body).values()]
     observed = prefetch_observation("sha256:a", ["n1", "n2", "n3"], caches_for(entries))
     states = {n.name: n.state for n in observed.nodes}
