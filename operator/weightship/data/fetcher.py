@@ -431,7 +431,8 @@ class ChunkFetcher:
             return False
         finally:
             body.close()
-        return written > 0 or self.sink.has(chunk.key)
+        # Nothing written: another worker of this node holds it (the loop says where from).
+        return written > 0
 
     def _peer_failed(self, node: str, exc: PeerError) -> None:
         if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
