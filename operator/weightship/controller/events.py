@@ -20,7 +20,7 @@ from weightship.controller import metrics
 
 log = logging.getLogger(__name__)
 
-Post = Callable[[dict[str, Any], str, str, str], None]  # (rollout body, type, reason, message)
+Post = Callable[[dict[str, Any], str, str, str], object]  # (rollout body, type, reason, message)
 
 
 class EventPoster:
