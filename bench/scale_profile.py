@@ -210,7 +210,9 @@ def hop_table(marks: dict[str, dict[str, float]]) -> list[list[str]]:
                 continue
             ends.append(m[key])
             before = m.get(previous, 0.0) if previous else 0.0
-            spans.append(m[key] - before)
+            # 0 when it came first (the operator saw the pods Ready before the
+            # ReplicaSet's status said so).
+            spans.append(max(0.0, m[key] - before))
         previous = key
         if not spans:
             rows.append([what, who, "0", "-", "-", "-"])
