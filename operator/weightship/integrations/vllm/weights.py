@@ -1,10 +1,11 @@
 """Verified weights for vLLM: by broadcast from a verified replica, else from the node cache.
 
 Every byte is checked against the manifest the operator pinned before vLLM sees it: the
-node-cache path verifies each chunk's sha256 (weightship.loader), the broadcast path each
-tensor's checksum (weightship.seeding). Then ``checked_tensors`` hashes each raw tensor
-once more as it is handed to ``model.load_weights``, before vLLM fuses or quantizes
-anything, so what entered vLLM is what the manifest lists. No vLLM imports.
+node-cache path verifies each chunk's digest, BLAKE3 or sha256 as its manifest says
+(weightship.loader), the broadcast path each tensor's checksum (weightship.seeding).
+Then ``checked_tensors`` hashes each raw tensor once more as it is handed to
+``model.load_weights``, before vLLM fuses or quantizes anything, so what entered vLLM is
+what the manifest lists. No vLLM imports.
 """
 
 from __future__ import annotations
