@@ -241,7 +241,9 @@ class ModelStaging:
                                 _pwrite_all(fd, view[before:now], first.offset + before)
                             receiving.advance(now)
 
-                end = fill(view, begin, landed)
+                # Every piece verified in an attempt that failed after (a peer gone while
+                # ending its answer): nothing left to fetch.
+                end = begin if begin == first.size else fill(view, begin, landed)
                 if checker is not None:
                     landed(end)
                     if checker.verified != first.size:

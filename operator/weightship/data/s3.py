@@ -326,6 +326,8 @@ class S3Origin:
         # With ``landed``, a retry resumes where the last attempt stopped: bytes already
         # landed (and maybe verified and served on) are never written again.
         resume = [0]
+        if not total:
+            return
 
         def get() -> None:
             start = resume[0]
