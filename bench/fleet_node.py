@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             progress=progress,
             policy=FetchPolicy(steal_after_s=None) if args.no_claims else None,
             per_owner=args.per_owner or None,
-            pace_intake=not args.no_pacing,
+            pace_intake=False if args.no_pacing else None,
         )
         seconds = time.time() - start_at
         cpu_s = time.process_time() - cpu_before  # every thread of this node, peer server too

@@ -105,7 +105,7 @@ def stage(
     policy: FetchPolicy | None = None,
     workers: int = 4,
     per_owner: int | None = PER_OWNER,
-    pace_intake: bool = True,
+    pace_intake: bool | None = None,
     bandwidth: TokenBucket | None = None,
     client: PeerClient | None = None,
     progress: ProgressCallback | None = None,
@@ -149,7 +149,8 @@ def stage(
             try:
                 # After the claims open: until then every claim would be granted.
                 staging.pieces = load_piece_layer(staging, origin)
-                _stage(staging, fetcher, tally, pinned, workers, per_owner, pace_intake)
+                pace = staging.pieces is None if pace_intake is None else pace_intake
+                _stage(staging, fetcher, tally, pinned, workers, per_owner, pace)
             finally:
                 store.claims.forget(c.key for c in manifest.chunks)
         else:
