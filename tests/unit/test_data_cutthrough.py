@@ -22,6 +22,7 @@ from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
 from weightship.data.manifest import LocalFolder, Manifest, build_manifest_with_pieces
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import PeerClient, PeerServer
+from weightship.data.stage import stage
 from weightship.httpserver import Server
 
 PIECE = 16 * 1024
@@ -238,3 +239,50 @@ def test_verify_files_checks_staged_files_against_their_sha256(
     bad = runner.invoke(verify_files_command, [str(store.root), m.digest])
     assert bad.exit_code == 1
     assert "w.bin does not match its sha256" in bad.output
+
+
+class _Folder:
+    """The model folder as origin (``read_range`` only), optionally with a bad piece layer."""
+
+    def __init__(self, src: Path, layer: bytes | None) -> None:
+        self.local, self.layer = LocalFolder(src), layer
+        self.layer_reads = 0
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        if path.startswith("weightship-pieces/"):
+            self.layer_reads += 1
+            if self.layer is None:
+                raise FileNotFoundError(path)
+            return self.layer[offset : offset + size]
+        return self.local.read_range(path, offset, size)
+
+
+@pytest.mark.parametrize("layer", [None, b"\0" * 32 * 8], ids=["missing", "forged"])
+def test_without_a_valid_piece_layer_chunks_are_verified_whole(
+    tmp_path: Path,
+    model: tuple[Manifest, PieceLayer, Path],
+    layer: bytes | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m, _pieces, src = model
+    store = ChunkStore(tmp_path / "cache")
+    origin = _Folder(src, layer)
+    metrics = DataPlaneMetrics.create(CollectorRegistry())
+    result = stage(m, store, origin, [], node="n1", metrics=metrics)
+    assert store.is_staged(m.digest) and result.from_origin + result.from_local == m.total_size
+    assert (store.files_dir(m.digest) / "w.bin").read_bytes() == DATA
+    assert origin.layer_reads == 1
+    assert not (store.model_dir(m.digest) / "pieces").exists()
+    assert "without piece verification" in caplog.text
+    assert store.index.receiving(m.chunks[0].key) is None
+
+
+def test_a_staged_piece_layer_is_kept_and_nothing_stays_listed_as_arriving(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    m, pieces, src = model
+    store = ChunkStore(tmp_path / "cache")
+    origin = _Folder(src, pieces.raw)
+    stage(m, store, origin, [], node="n1", metrics=DataPlaneMetrics.create(CollectorRegistry()))
+    assert (store.model_dir(m.digest) / "pieces").read_bytes() == pieces.raw
+    assert all(store.index.receiving(c.key) is None for c in m.chunks)
