@@ -369,8 +369,11 @@ class PeerClient:
             )
         except (OSError, http.client.HTTPException) as exc:
             raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-        if resp.status in (200, 206):
+        if resp.status == 206 or (resp.status == 200 and not start):
             return PeerBody(self._http, address, resp, start)
+        if resp.status == 200:  # the whole chunk where a range was asked: never misplace it
+            self._http.drop("http", address)
+            raise PeerError(f"{address} ignored the range from {start} of chunk {key}")
         try:
             resp.read()
         except (OSError, http.client.HTTPException) as exc:
