@@ -51,7 +51,7 @@ from kubernetes.client.rest import ApiException
 from benchlib import free_port, table
 from scale_profile import HOP_HEADER, CpuMeter, Timeline, hop_table, machine_busy
 from weightship.controller.builders import GROUP
-from weightship.controller.kube import VERSION
+from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship.dev import cluster as local_cluster
 from weightship.dev import testkit
@@ -497,8 +497,27 @@ def run_design(
     finally:
         timeline.__exit__()
         op.stop()
+        release_finalizers(api, namespace)
         testkit.delete_namespace(api, namespace)
     return out
+
+
+def release_finalizers(api: client.ApiClient, namespace: str) -> None:
+    """The baseline design's kopf finalizers, with its operator gone, would hold the
+    namespace in Terminating for good (and its rollouts would wait for the next run's
+    operator of that design): drop them."""
+    custom = client.CustomObjectsApi(api)
+    for rollout in custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
+        if rollout["metadata"].get("finalizers"):
+            with suppress(ApiException):
+                custom.patch_namespaced_custom_object(
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    PLURAL,
+                    rollout["metadata"]["name"],
+                    {"metadata": {"finalizers": None}},
+                )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
