@@ -436,8 +436,11 @@ def run_design(
         if fleet not in fleets:
             fleets.append(fleet)
         interval = 0.25 if len(fleet.names) == 1 else 0.5  # one LIST per interval
+        # A fleet's progress is rollouts getting there; one rollout's (the big one's) is
+        # its pods, which this does not see: it gets the whole timeout.
+        stall = args.stall if len(fleet.names) > 1 else None
         done, _listing = fleet.wait(
-            healthy_on(revision), timeout=timeout, interval=interval, stall_s=args.stall
+            healthy_on(revision), timeout=timeout, interval=interval, stall_s=stall
         )
         return done, len(fleet.names)
 
