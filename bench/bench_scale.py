@@ -15,11 +15,14 @@ kubernetes-client requests, counted in the process by scale_hook/sitecustomize.p
 the API server's apiserver_request_total before and after (the whole shared cluster,
 other tests included; minus the bench's own LISTs); operator RSS and threads (peak);
 reconcile p50/p99 (the operator's own histogram); time from spec change to all Healthy;
-how many finished. The baseline is the design before the work queue (commit 07fb27b, run
-from `git archive` in a temp dir with PYTHONPATH pointing at it), in the same run.
+how many finished; where each rollout's time went, hop by hop, and CPU per component
+(scale_profile.py); the API server's own latency per write kind. The baseline is the
+design before the work queue (commit 07fb27b, run from `git archive` in a temp dir with
+PYTHONPATH pointing at it), in the same run.
 
-    .venv/bin/python bench/bench_scale.py                      # 5,000 nodes, 100 rollouts
-    .venv/bin/python bench/bench_scale.py --nodes 200 --rollouts 20 --big 50   # quick
+    .venv/bin/python bench/bench_scale.py --timeout 300 --stall 60   # 5,000 nodes, 100 rollouts
+    .venv/bin/python bench/bench_scale.py --nodes 200 --rollouts 100 --big 100 --timeout 120 \
+        --designs new                                                 # quick
 
 The cluster is shared: the bench removes its nodes, WeightCaches and namespaces after.
 """
