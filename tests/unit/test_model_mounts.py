@@ -78,6 +78,11 @@ def test_a_template_cannot_smuggle_a_host_path_under_the_models_volume_names() -
 def test_without_prefetch_nothing_of_the_node_is_mounted() -> None:
     spec = pod_spec(rollout(enabled=False))
     assert not [v for v in spec["volumes"] if "hostPath" in v]
+    # ...nor named: a server told of a cache path it was not given would read whatever a
+    # node leaves there (on process nodes: the host's own /var/cache) instead of its origin.
+    names = {e["name"] for c in spec["containers"] for e in c.get("env") or []}
+    assert "WEIGHTSHIP_MANIFEST_DIGEST" in names
+    assert not names & {"WEIGHTSHIP_CACHE_DIR", "WEIGHTSHIP_MODEL_DIR"}
 
 
 @pytest.mark.parametrize("digest", [f"sha256:{HEX}\n", "sha256:../../etc", f"sha256:{HEX}/.."])

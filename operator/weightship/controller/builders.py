@@ -73,15 +73,22 @@ def replicaset_name(rollout_name: str, revision_hash: str) -> str:
 def model_env(
     rollout: ModelRollout, manifest_digest: str, cache_dir: str = DEFAULT_CACHE_DIR
 ) -> list[dict[str, Any]]:
-    """What the pod's servers read: the model, and where its staged copy is mounted (the
-    same paths as on the node, so `locate_staged(WEIGHTSHIP_CACHE_DIR, digest)` finds it)."""
+    """What the pod's servers read: the model, and, with prefetch on, where its staged copy
+    is mounted (the same paths as on the node, so `locate_staged(WEIGHTSHIP_CACHE_DIR,
+    digest)` finds it). With prefetch off nothing of the node is mounted, so no cache path
+    is named either: a server then fetches its own weights."""
     model = rollout.spec.model
+    cache_env: list[dict[str, Any]] = []
+    if rollout.spec.prefetch.enabled:
+        cache_env = [
+            {"name": CACHE_DIR_ENV, "value": cache_dir},
+            {"name": MODEL_DIR_ENV, "value": staged_model_dir(cache_dir, manifest_digest) or ""},
+        ]
     env: list[dict[str, Any]] = [
         {"name": "WEIGHTSHIP_MODEL_URI", "value": model.source.uri},
         {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
         {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
-        {"name": CACHE_DIR_ENV, "value": cache_dir},
-        {"name": MODEL_DIR_ENV, "value": staged_model_dir(cache_dir, manifest_digest) or ""},
+        *cache_env,
         # Who this replica is and where peers reach it, for broadcast seeding.
         {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
