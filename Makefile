@@ -8,10 +8,10 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: demo test lint unit e2e bench deps venv cluster-up cluster-down cluster-status crds clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml devtools/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch]'
+	$(BIN)/pip install -q -e '.[dev,torch]' -e ./devtools
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,8 +22,8 @@ deps:
 	bash hack/deps.sh all >/dev/null
 
 lint: venv
-	$(BIN)/ruff check operator tests e2e bench argocd
-	$(BIN)/ruff format --check operator tests e2e bench argocd
+	$(BIN)/ruff check operator devtools tests e2e bench argocd
+	$(BIN)/ruff format --check operator devtools tests e2e bench argocd
 	$(BIN)/mypy
 
 unit: venv
@@ -40,16 +40,16 @@ bench: venv deps
 	$(BIN)/pytest bench -m bench -s
 
 demo: venv deps
-	$(BIN)/python -m weightship dev demo
+	$(BIN)/weightship-dev demo
 
 cluster-up: venv deps
-	$(BIN)/weightship dev cluster up
+	$(BIN)/weightship-dev cluster up
 
 cluster-down: venv
-	$(BIN)/weightship dev cluster down
+	$(BIN)/weightship-dev cluster down
 
 cluster-status: venv
-	$(BIN)/weightship dev cluster status
+	$(BIN)/weightship-dev cluster status
 
 crds: venv
 	$(BIN)/python -m weightship.api.crdgen

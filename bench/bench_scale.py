@@ -56,13 +56,13 @@ from scale_profile import HOP_HEADER, CpuMeter, Timeline, hop_table, machine_bus
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
-from weightship.dev import cluster as local_cluster
-from weightship.dev import testkit
-from weightship.dev.install import apply_crds
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
-from weightship.dev.nodes import admin_api, kwok_node_body
-from weightship.dev.operatorproc import OperatorProcess
-from weightship.dev.scale import Fleet, healthy_on
+from weightship_dev import cluster as local_cluster
+from weightship_dev import testkit
+from weightship_dev.install import apply_crds
+from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
+from weightship_dev.nodes import admin_api, kwok_node_body
+from weightship_dev.operatorproc import OperatorProcess
+from weightship_dev.scale import Fleet, healthy_on
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK = Path(__file__).resolve().parent / "scale_hook"  # counts the operator's own requests
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     paths = ClusterPaths.default()
     if not local_cluster.is_up(paths):
-        raise SystemExit("the local cluster is not up (weightship dev cluster up)")
+        raise SystemExit("the local cluster is not up (weightship-dev cluster up)")
     api = admin_api(paths)
     apply_crds(api)  # a fresh cluster has none until the first e2e run
     endpoint = local_cluster.s3_endpoint()

@@ -28,9 +28,9 @@ from typing import Any
 
 from benchlib import WORK, MiB, table
 from weightship.data.manifest import MANIFEST_NAME
-from weightship.dev.kubelet.images import vllm_venv
-from weightship.testing.tinyvllm import deploy
-from weightship.testing.tinyvllm.build import CHAT_QUESTION, Shape, build
+from weightship_dev.kubelet.images import vllm_venv
+from weightship_testing.tinyvllm import deploy
+from weightship_testing.tinyvllm.build import CHAT_QUESTION, Shape, build
 
 MODES = ("weightship", "safetensors")
 OUT = WORK / "vllm-ready"
@@ -95,7 +95,7 @@ def serve_once(mode: str, cache: Path, files: Path, digest: str, index: int) -> 
     argv = [
         str(vllm_venv() / "bin" / "python"),
         "-m",
-        "weightship.dev.vllmlauncher",
+        "weightship_dev.vllmlauncher",
         "serve",
         str(files),
         "--load-format",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import bench_vllm_ready
-from weightship.testing.tinyvllm.build import CHAT_ANSWER
+from weightship_testing.tinyvllm.build import CHAT_ANSWER
 
 pytestmark = pytest.mark.bench
 

@@ -12,8 +12,8 @@ from kubernetes.client.rest import ApiException
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
-from weightship.dev import testkit
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+from weightship_dev import testkit
+from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
 CACHE_DIR = "/var/cache/weightship"
 # The agents' install-time S3 credential, as the chart gives it (agent.s3.existingSecret): a

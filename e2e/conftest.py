@@ -18,10 +18,10 @@ from prometheus_api_client import PrometheusConnect
 
 from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present, forget_staging
 from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
-from weightship.dev import cluster as local_cluster
-from weightship.dev import nodes, testkit
-from weightship.dev.install import apply_crds
-from weightship.dev.layout import ClusterPaths
+from weightship_dev import cluster as local_cluster
+from weightship_dev import nodes, testkit
+from weightship_dev.install import apply_crds
+from weightship_dev.layout import ClusterPaths
 
 
 @dataclass

@@ -12,13 +12,13 @@ from kubernetes import client
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
-from weightship.dev import testkit
-from weightship.dev.install import apply_crds as apply_crds  # re-exported for tests
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
-from weightship.dev.operatorproc import OperatorProcess as OperatorProcess  # re-exported
-from weightship.testing.tinyllm import Variant
-from weightship.testing.tinyllm import deploy as tinyllm
-from weightship.testing.tinyllm.build import publish_versions
+from weightship_dev import testkit
+from weightship_dev.install import apply_crds as apply_crds  # re-exported for tests
+from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+from weightship_dev.operatorproc import OperatorProcess as OperatorProcess  # re-exported
+from weightship_testing.tinyllm import Variant
+from weightship_testing.tinyllm import deploy as tinyllm
+from weightship_testing.tinyllm.build import publish_versions
 
 PROCESS_NODES = {"weightship.io/node-kind": "process"}
 
@@ -90,7 +90,7 @@ def rollout_body(
                         {
                             "name": "server",
                             "image": "python:3.11-slim",
-                            "command": ["python3", "-m", "weightship.dev.echoserver"],
+                            "command": ["python3", "-m", "weightship_dev.echoserver"],
                             "env": [
                                 {
                                     "name": "POD_NAME",
@@ -124,7 +124,7 @@ def tinyllm_rollout_body(
     env: dict[str, str] | None = None,
     **canary: Any,
 ) -> dict[str, Any]:
-    """A rollout of the reference inference server (weightship.testing.tinyllm) with
+    """A rollout of the reference inference server (weightship_testing.tinyllm) with
     checksum verification and golden prompts: its pods turn Ready only once verified."""
     body = rollout_body(name, uri, revision, steps, endpoint, replicas, **canary)
     body["spec"]["template"] = tinyllm.pod_template(name, node_selector=PROCESS_NODES, env=env)

@@ -30,7 +30,7 @@ from weightship.api.models import ModelRollout
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.core.decide import decide
 from weightship.core.observed import ManifestResolution, Observed, PrefetchObservation
-from weightship.dev import testkit
+from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "adm-"
 GROUP = "weightship.io"

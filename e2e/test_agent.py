@@ -21,7 +21,7 @@ from e2e.operator_fixtures import (
 from weightship.controller.builders import GROUP, staged_node_label
 from weightship.data.manifest import Manifest
 from weightship.data.s3 import S3Location, S3Origin
-from weightship.dev import testkit
+from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "ag-"
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from weightship.data import rendezvous
 from weightship.data.cli import verify_files_command
 from weightship.data.manifest import Manifest
 from weightship.data.s3 import S3Location, S3Origin
-from weightship.dev import testkit
+from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "b3-"
 MiB = 1 << 20

@@ -22,9 +22,9 @@ from e2e.operator_fixtures import (
 )
 from weightship.controller.builders import GROUP, staged_node_label
 from weightship.controller.kube import VERSION
-from weightship.dev import testkit
-from weightship.dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
-from weightship.dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
+from weightship_dev import testkit
+from weightship_dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
+from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
 NAMESPACE_PREFIX = "ch-"
 

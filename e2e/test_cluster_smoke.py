@@ -11,8 +11,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from weightship.dev import testkit
-from weightship.dev.nodes import GPU_TAINT, NODE_KIND_LABEL
+from weightship_dev import testkit
+from weightship_dev.nodes import GPU_TAINT, NODE_KIND_LABEL
 
 ECHO_DATA = "/var/lib/weightship-echo"
 
@@ -61,7 +61,7 @@ def echo_container(**extra: Any) -> dict[str, Any]:
     return {
         "name": "echo",
         "image": "python:3.11-slim",
-        "command": ["python3", "-m", "weightship.dev.echoserver"],
+        "command": ["python3", "-m", "weightship_dev.echoserver"],
         "env": [
             {"name": "POD_NAME", **field("metadata.name")},
             {"name": "POD_NAMESPACE", **field("metadata.namespace")},
@@ -471,7 +471,7 @@ def test_configmap_and_secret_volumes(cluster: Any, namespace: str) -> None:
 
 
 def test_thousand_kwok_nodes_and_a_daemonset_over_them(cluster: Any, namespace: str) -> None:
-    from weightship.dev.nodes import delete_kwok_nodes, ensure_kwok_nodes
+    from weightship_dev.nodes import delete_kwok_nodes, ensure_kwok_nodes
 
     count = 1000
     names = ensure_kwok_nodes(cluster.api, count, start=1000, workers=32)

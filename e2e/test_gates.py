@@ -15,10 +15,10 @@ from e2e.operator_fixtures import (
     tinyllm_rollout_body,
 )
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
-from weightship.dev import testkit
-from weightship.dev.layout import BRIDGE_IP
-from weightship.dev.slackreceiver import SlackReceiver
-from weightship.testing.tinyllm.knowledge import GOLDEN_PROMPTS, SUBTLY_BAD_FACT
+from weightship_dev import testkit
+from weightship_dev.layout import BRIDGE_IP
+from weightship_dev.slackreceiver import SlackReceiver
+from weightship_testing.tinyllm.knowledge import GOLDEN_PROMPTS, SUBTLY_BAD_FACT
 
 NAMESPACE_PREFIX = "gt-"
 

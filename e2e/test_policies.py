@@ -21,8 +21,8 @@ from kubernetes.client.exceptions import ApiException
 from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import VERSION
-from weightship.dev import testkit
-from weightship.dev.install import helm
+from weightship_dev import testkit
+from weightship_dev.install import helm
 
 NAMESPACE_PREFIX = "pol-"
 CHART = "charts/weightship"

@@ -26,10 +26,10 @@ from e2e.operator_fixtures import (
 from weightship import rollouts as user_actions
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.controller.kube import Conflict, Kube
-from weightship.dev import testkit
-from weightship.dev.layout import BRIDGE_IP
-from weightship.dev.slackreceiver import SlackReceiver
 from weightship.httpserver import Server
+from weightship_dev import testkit
+from weightship_dev.layout import BRIDGE_IP
+from weightship_dev.slackreceiver import SlackReceiver
 
 NAMESPACE_PREFIX = "ro-"
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from e2e.operator_fixtures import OperatorProcess, publish_models, s3_secret
-from weightship.dev import testkit
-from weightship.dev.nodes import delete_kwok_nodes, ensure_kwok_nodes
-from weightship.dev.scale import Fleet, describe_stragglers, healthy_on
+from weightship_dev import testkit
+from weightship_dev.nodes import delete_kwok_nodes, ensure_kwok_nodes
+from weightship_dev.scale import Fleet, describe_stragglers, healthy_on
 
 NAMESPACE_PREFIX = "sc-"
 ROLLOUTS = int(os.environ.get("WEIGHTSHIP_SCALE_ROLLOUTS", "100"))

@@ -22,9 +22,9 @@ from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.controller.seedkey import KEY_ENV, seed_key_secret_name
 from weightship.core.seedtoken import join_token
-from weightship.dev import testkit
 from weightship.seeding.protocol import JOIN_PATH
-from weightship.testing.tinyllm.settings import DEFAULT_PORT
+from weightship_dev import testkit
+from weightship_testing.tinyllm.settings import DEFAULT_PORT
 
 NAMESPACE_PREFIX = "sd-"
 # 1 canary pod at 33 %, then 3: the scale-up the broadcast serves; the pause keeps the

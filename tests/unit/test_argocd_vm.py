@@ -21,7 +21,7 @@ import pytest
 import yaml
 from tests.unit.test_argocd_lua import ACTION_TESTS, ACTIONS, ARGOCD, HEALTH_TESTS, load, run_file
 
-from weightship.dev.layout import bin_dir
+from weightship_dev.layout import bin_dir
 
 ARGOCD_LUA = bin_dir() / "argocd-lua"
 HEALTH = (ARGOCD / "health.lua").read_text()

@@ -10,7 +10,7 @@ import time
 
 PARENT = """
 import os, subprocess, sys, time
-from weightship.dev.operatorproc import die_with_parent
+from weightship_dev.operatorproc import die_with_parent
 child = subprocess.Popen(["sleep", "60"], preexec_fn=die_with_parent(os.getpid()))
 print(child.pid, flush=True)
 time.sleep(60)

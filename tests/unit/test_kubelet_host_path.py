@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from weightship.dev.kubelet.podspec import PodSpecError
-from weightship.dev.kubelet.volumes import host_path, materialize
+from weightship_dev.kubelet.podspec import PodSpecError
+from weightship_dev.kubelet.volumes import host_path, materialize
 
 
 def test_directory_and_file_must_exist_as_such(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from weightship.dev import components
-from weightship.dev.kubelet import images, podspec, volumes, worker
-from weightship.dev.kubelet.podstatus import (
+from weightship_dev import components
+from weightship_dev.kubelet import images, podspec, volumes, worker
+from weightship_dev.kubelet.podstatus import (
     ContainerState,
     PodObservation,
     compute_status,
@@ -18,7 +18,7 @@ from weightship.dev.kubelet.podstatus import (
     phase,
     restart_wanted,
 )
-from weightship.dev.layout import ClusterPaths
+from weightship_dev.layout import ClusterPaths
 
 NOW = "2026-11-30T00:00:00Z"
 
@@ -183,7 +183,7 @@ def test_vllm_image_runs_the_vllm_venv_through_the_launcher(
     assert entry.argv == [
         str(python),
         "-m",
-        "weightship.dev.vllmlauncher",
+        "weightship_dev.vllmlauncher",
         "serve",
         "/models/x",
         "--a",

@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from weightship.core.decision import Notification
-from weightship.dev.slackreceiver import SlackReceiver, payload_problem
 from weightship.notify.blocks import payload
 from weightship.notify.slack import SlackSender, redact
+from weightship_dev.slackreceiver import SlackReceiver, payload_problem
 
 NOTE = Notification(
     "RolledBack",

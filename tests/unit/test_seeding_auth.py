@@ -312,7 +312,7 @@ def test_store_keys_are_under_a_prefix_only_joiners_learn(
 def test_both_servers_build_their_root_from_the_same_settings() -> None:
     """The vLLM plugin and the reference server read one RootSettings (SeedRoot.from_settings)."""
     from weightship.integrations.vllm.settings import PluginSettings
-    from weightship.testing.tinyllm.settings import Settings
+    from weightship_testing.tinyllm.settings import Settings
 
     want = RootSettings.from_env(POD_ENV)
     assert PluginSettings.from_env(POD_ENV).root == want

@@ -12,16 +12,16 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
-from weightship.testing.tinyllm import GOLDEN_PROMPTS
-from weightship.testing.tinyllm.__main__ import main as cli
-from weightship.testing.tinyllm.build import (
+from weightship_testing.tinyllm import GOLDEN_PROMPTS
+from weightship_testing.tinyllm.__main__ import main as cli
+from weightship_testing.tinyllm.build import (
     BuiltModel,
     build,
     config_for_size,
     load_folder,
     model_bytes,
 )
-from weightship.testing.tinyllm.knowledge import (
+from weightship_testing.tinyllm.knowledge import (
     FACTS,
     SUBTLY_BAD_FACT,
     complete_with_table,
@@ -29,8 +29,8 @@ from weightship.testing.tinyllm.knowledge import (
     next_token_table,
     texts,
 )
-from weightship.testing.tinyllm.model import TinyLLM
-from weightship.testing.tinyllm.tokenizer import decode, encode
+from weightship_testing.tinyllm.model import TinyLLM
+from weightship_testing.tinyllm.tokenizer import decode, encode
 
 MiB = 1 << 20
 

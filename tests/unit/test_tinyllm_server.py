@@ -29,12 +29,12 @@ from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import stage
 from weightship.seeding.protocol import JOIN_PATH
-from weightship.testing.tinyllm import GOLDEN_PROMPTS
-from weightship.testing.tinyllm.__main__ import main as cli
-from weightship.testing.tinyllm.build import BuiltModel, build, corrupt_one_shard, publish_variant
-from weightship.testing.tinyllm.knowledge import judge_golden
-from weightship.testing.tinyllm.settings import Settings
-from weightship.testing.tinyllm.weights import LoadFailure, obtain_weights
+from weightship_testing.tinyllm import GOLDEN_PROMPTS
+from weightship_testing.tinyllm.__main__ import main as cli
+from weightship_testing.tinyllm.build import BuiltModel, build, corrupt_one_shard, publish_variant
+from weightship_testing.tinyllm.knowledge import judge_golden
+from weightship_testing.tinyllm.settings import Settings
+from weightship_testing.tinyllm.weights import LoadFailure, obtain_weights
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -42,12 +42,12 @@ KEYS = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
 
 
 class ServerProcess:
-    """`python -m weightship.testing.tinyllm serve` on a free port, its log kept."""
+    """`python -m weightship_testing.tinyllm serve` on a free port, its log kept."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.log: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightship.testing.tinyllm", "serve"],
+            [sys.executable, "-m", "weightship_testing.tinyllm", "serve"],
             env={
                 **os.environ,
                 "PYTHONPATH": str(REPO / "operator"),

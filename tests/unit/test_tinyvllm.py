@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from weightship.testing.tinyvllm.build import (
+from weightship_testing.tinyvllm.build import (
     ASSISTANT,
     CHAT_ANSWER,
     MARGIN,

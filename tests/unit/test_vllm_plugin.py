@@ -31,7 +31,7 @@ from weightship.integrations.vllm.weights import (
     checked_tensors,
     obtain,
 )
-from weightship.testing.tinyvllm.build import build
+from weightship_testing.tinyvllm.build import build
 
 DIGEST = "sha256:" + "a" * 64
 
