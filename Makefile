@@ -34,7 +34,7 @@ e2e: venv deps
 
 # The whole suite: lint, unit and e2e (the e2e tests start the local cluster if needed).
 test: venv deps lint
-	$(BIN)/pytest -m "not bench"
+	$(BIN)/pytest -m "not bench" --durations=25
 
 bench: venv deps
 	$(BIN)/pytest bench -m bench -s
