@@ -20,8 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_valid_manifest_parses_with_defaults() -> None:
     rollout = ModelRollout.model_validate(VALID_MANIFEST)
     spec = rollout.spec
-    assert spec.prefetch.chunk_size_bytes == 16 * 1024 * 1024
-    assert spec.prefetch.cache_path is None  # removed: install-time agent.cacheDir
+    # Removed (refused at admission, ignored when stored): cachePath is install-time
+    # agent.cacheDir, tolerations the agent DaemonSet's, the chunk size the manifest's.
+    assert spec.prefetch.cache_path is None
+    assert spec.prefetch.tolerations is None
+    assert spec.prefetch.chunk_size_bytes is None
     assert spec.prefetch.peer_to_peer is True
     assert spec.seeding.backend == "auto"
     assert spec.seeding.timeout_seconds == 300

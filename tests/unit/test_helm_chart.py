@@ -155,11 +155,32 @@ def test_secrets_are_namespaced_when_namespaces_are() -> None:
     assert any(allows(r, "", "secrets", "get") for r in cluster_wide)
     docs = render(SCOPED)
     assert not any(allows(r, "", "secrets", "get") for r in rules(docs, "ClusterRole", ""))
-    roles = of_kind(docs, "Role")
+    roles = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-secrets")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "serving"]
     for binding in of_kind(docs, "RoleBinding"):
         subjects = {s["name"] for s in binding["subjects"]}
         assert subjects == {"ws-weightship-operator"}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_workload_deployments_are_only_resized(scenario: str) -> None:
+    """spec.workloadRef: the operator may change a Deployment's size (deployments/scale)
+    and nothing else of it, in the watched namespaces only when those are set."""
+    docs = render(SCENARIOS[scenario])
+    scoped = "operator.watchNamespaces={serving,ml}" in SCENARIOS[scenario]
+    everything = [r for kind in ("ClusterRole", "Role") for r in rules(docs, kind, "")]
+    for verb in ("patch", "update", "create", "delete"):
+        assert not any(allows(r, "apps", "deployments", verb) for r in everything), verb
+    cluster_wide = rules(docs, "ClusterRole", "-operator")
+    assert any(allows(r, "apps", "deployments/scale", "patch") for r in cluster_wide) != scoped
+    roles = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-workloads")]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == (
+        ["ml", "serving"] if scoped else []
+    )
+    for role in roles:
+        assert role["rules"] == [
+            {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]}
+        ]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -378,7 +399,9 @@ def test_admission_policies_fence_the_agents_and_the_operators_writes(scenario: 
             for group in rule["apiGroups"]:
                 if group in ("weightship.io", "kopf.dev", "events.k8s.io"):
                     continue  # its own kinds: rollouts, peering, Events
-                for resource in set(rule["resources"]) - {"events"}:  # its Events' counts
+                # Events: their counts. deployments/scale: a Scale carries nothing but the
+                # replica count, so the subresource is itself the narrowing.
+                for resource in set(rule["resources"]) - {"events", "deployments/scale"}:
                     assert (group, resource, "UPDATE") in narrowed, (group, resource)
     assert ("gateway.networking.k8s.io", "httproutes", "UPDATE") in narrowed
     # ReplicaSets, the one kind it creates and deletes anywhere: only its own.

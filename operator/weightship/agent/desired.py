@@ -1,8 +1,8 @@
 """Which manifests this node wants, given the rollouts and the node's labels. Pure.
 
-A rollout targets this node when its prefetch is enabled and `spec.prefetch.nodeSelector`
-matches the node's labels (an empty selector matches every node, as the operator counts
-it). It wants three digests: the canary's (to stage before the canary starts), the
+A rollout targets this node when its prefetch is enabled and its staging selector matches
+the node's labels (`staging_selector`: the one the operator resolved and counts; an empty
+selector matches every node). It wants three digests: the canary's (to stage before the canary starts), the
 stable's and the retiring revision's (pins, so a rollback needs no download).
 """
 
@@ -87,6 +87,20 @@ def selector_matches(selector: Mapping[str, str] | None, labels: Mapping[str, st
     return all(labels.get(k) == v for k, v in (selector or {}).items())
 
 
+def staging_selector(rollout: Mapping[str, Any]) -> Mapping[str, str]:
+    """The nodes a rollout stages onto: status.prefetchNodeSelector, which the operator
+    resolves from spec.prefetch.nodeSelector or the pod template's (a workloadRef's
+    Deployment, which agents may not read) and counts for minStagedPercent. Without it (an
+    operator from before, or none resolved: every node) spec.prefetch.nodeSelector, which
+    is then what the operator counts."""
+    resolved = (rollout.get("status") or {}).get("prefetchNodeSelector")
+    if isinstance(resolved, Mapping) and resolved:
+        return resolved
+    prefetch = (rollout.get("spec") or {}).get("prefetch") or {}
+    selector = prefetch.get("nodeSelector")
+    return selector if isinstance(selector, Mapping) else {}
+
+
 def namespace_allowed(namespace: str, patterns: Collection[str]) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(namespace, p) for p in patterns)
 
@@ -126,7 +140,7 @@ def wanted(
         prefetch = spec.get("prefetch") or {}
         if not prefetch.get("enabled", True):
             continue
-        if not selector_matches(prefetch.get("nodeSelector"), node_labels):
+        if not selector_matches(staging_selector(r), node_labels):
             continue
         source = _source(namespace, spec)
         try:

@@ -210,11 +210,6 @@ INVALID_MANIFESTS: list[tuple[str, Manifest, str]] = [
         "spec.validation.goldenPrompts[0].maxTokens",
     ),
     (
-        "chunk size below 1 MiB",
-        _mutated(_set("prefetch.chunkSizeBytes", 4096)),
-        "spec.prefetch.chunkSizeBytes",
-    ),
-    (
         "minStagedPercent above 100",
         _mutated(_set("prefetch.minStagedPercent", 101)),
         "spec.prefetch.minStagedPercent",

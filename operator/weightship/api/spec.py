@@ -238,8 +238,10 @@ class PodTemplate(ApiModel):
 
 
 class WorkloadRef(ApiModel):
-    """An existing Deployment whose pod template the rollout manages instead of spec.template.
-    The operator scales that Deployment to zero once its own ReplicaSets are ready."""
+    """An existing Deployment whose pod template the rollout runs instead of spec.template.
+    Once the rollout's stable ReplicaSet has all spec.replicas (at least one) available, the
+    operator records the Deployment's replica count in status.workload and scales it to
+    zero; deleting the rollout, or pointing it elsewhere, scales it back to that count."""
 
     api_version: Literal["apps/v1"] = Field("apps/v1", description="API version of the workload.")
     kind: Literal["Deployment"] = Field("Deployment", description="Kind of the workload.")
@@ -333,6 +335,18 @@ CACHE_PATH_REMOVED = (
     "configuration (the Helm value agent.cacheDir, given to the agents and the operator), "
     "and pods mount only their model's files; remove the field"
 )
+TOLERATIONS_REMOVED = (
+    "spec.prefetch.tolerations is no longer supported: staging runs wherever the agent "
+    "DaemonSet runs, whose tolerations are install-time configuration (the Helm value "
+    "agent.tolerations); the rollout's pods take theirs from the pod template; remove the field"
+)
+CHUNK_SIZE_REMOVED = (
+    "spec.prefetch.chunkSizeBytes is no longer supported: the chunk size is the weights "
+    "manifest's, chosen when it is written (`weightship publish --chunk-size` or "
+    "`weightship manifest --chunk-size`); remove the field"
+)
+OLD_DEFAULT_CHUNK_SIZE = 16 * MiB
+"""What the CRD once defaulted chunkSizeBytes to, so every stored rollout carries it."""
 
 
 class PrefetchSpec(ApiModel):
@@ -341,22 +355,17 @@ class PrefetchSpec(ApiModel):
     enabled: bool = Field(True, description="Stage weights onto nodes before scaling the canary.")
     node_selector: LabelMap = Field(
         default_factory=dict,
-        description="Nodes to stage onto. Empty means the nodes the pod template selects.",
+        description="Nodes to stage onto (and count for minStagedPercent). Empty means the "
+        "pod template's spec.nodeSelector (for workloadRef, the Deployment's), and all nodes "
+        "when that is empty too; node affinity and taints are not considered. The operator "
+        "publishes the result in status.prefetchNodeSelector, which the agents follow.",
     )
-    tolerations: list[
-        Annotated[
-            dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
-        ]
-    ] = Field(
-        default_factory=list,
-        description="core/v1 Tolerations, so that staging reaches tainted GPU nodes.",
-        max_length=32,
-    )
-    # A rollout once chose the hostPath its pods mounted (`cachePath: /` mounted the node's
-    # root). Kept in the schema only so admission refuses it by name rather than pruning it.
-    # Not mirrored here, on purpose: rollouts stored before carry the old default (it was
-    # defaulted on every write); CRD validation ratcheting lets them keep it unchanged, and
-    # the controller ignores it, so an upgrade does not stop them (docs/api.md).
+    # Fields a rollout once set that nothing read, or that it should not choose. Kept in
+    # the schema only so admission refuses them by name rather than pruning them silently.
+    # Not mirrored here, on purpose: rollouts stored before carry old values (cachePath and
+    # chunkSizeBytes were defaulted on every write); CRD validation ratcheting lets them
+    # keep them unchanged, and the controller ignores them, so an upgrade stops none of
+    # them (docs/api.md).
     cache_path: str | None = Field(
         None,
         description="Removed: the node cache directory is install-time configuration (Helm "
@@ -366,11 +375,34 @@ class PrefetchSpec(ApiModel):
             cel("false", CACHE_PATH_REMOVED, reason="FieldValueForbidden")
         ),
     )
-    chunk_size_bytes: int = Field(
-        16 * MiB,
-        description="Size of content-addressed chunks, in bytes (1 MiB to 256 MiB).",
-        ge=MiB,
-        le=256 * MiB,
+    tolerations: (
+        list[
+            Annotated[
+                dict[str, Any],
+                Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
+            ]
+        ]
+        | None
+    ) = Field(
+        None,
+        description="Removed: staging runs where the agent DaemonSet runs (Helm value "
+        "agent.tolerations). Only an empty list is admitted.",
+        max_length=32,
+        json_schema_extra=validations(
+            cel("size(self) == 0", TOLERATIONS_REMOVED, reason="FieldValueForbidden")
+        ),
+    )
+    chunk_size_bytes: int | None = Field(
+        None,
+        description="Removed: the chunk size is the manifest's (`weightship publish "
+        "--chunk-size`). Only the old default, 16777216, is admitted, and it is ignored.",
+        json_schema_extra=validations(
+            cel(
+                f"self == {OLD_DEFAULT_CHUNK_SIZE}",
+                CHUNK_SIZE_REMOVED,
+                reason="FieldValueForbidden",
+            )
+        ),
     )
     peer_to_peer: bool = Field(
         True, description="Fetch chunks from peer nodes before the origin (S3)."

@@ -300,6 +300,19 @@ class AbortRequest(ControlRequest):
     )
 
 
+class WorkloadStatus(ApiModel):
+    """The spec.workloadRef Deployment this rollout scaled to zero, and what it gets back."""
+
+    name: str = Field(
+        description="Name of the Deployment, in the rollout's namespace.", max_length=MAX_NAME
+    )
+    replicas: int = Field(
+        description="Its spec.replicas when the rollout took over: restored when the rollout "
+        "is deleted or no longer refers to it.",
+        ge=0,
+    )
+
+
 class ControlStatus(ApiModel):
     """Imperative actions. They live in status, never in spec, so GitOps shows no drift."""
 
@@ -357,6 +370,18 @@ class ModelRolloutStatus(ApiModel):
     )
     control: ControlStatus | None = Field(
         None, description="Imperative requests (promote, abort, retry); see ControlRequest."
+    )
+    prefetch_node_selector: dict[str, str] | None = Field(
+        None,
+        description="The nodes that stage the weights, as the operator resolved them: "
+        "spec.prefetch.nodeSelector, else the pod template's nodeSelector (for workloadRef, "
+        "the Deployment's). Unset means every node. The node agents follow it.",
+        max_length=64,
+    )
+    workload: WorkloadStatus | None = Field(
+        None,
+        description="Set while the spec.workloadRef Deployment is scaled to zero by this "
+        "rollout (its deletion then waits until the Deployment has its replicas back).",
     )
 
     def condition(self, type_: ConditionType) -> Condition | None:

@@ -8,6 +8,7 @@ repaired by the next reconcile, which observes and decides again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from weightship.api.models import ModelRollout
@@ -22,7 +23,7 @@ from weightship.controller.builders import (
 )
 from weightship.controller.kube import Kube
 from weightship.controller.seedkey import ensure_seed_key
-from weightship.core.decision import CreateReplicaSet, Decision
+from weightship.core.decision import CreateReplicaSet, Decision, ScaleWorkload
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def carry_out(
     cache the pods' model mounts are under (the operator's install-time setting)."""
     apply_replica_sets(kube, rollout, decision, cache_dir=cache_dir)
     apply_traffic(kube, rollout, decision)
+    apply_workloads(kube, rollout.metadata.namespace or "default", decision.workloads)
     for label in decision.node_labels:
         kube.label_node(label.node, staged_node_label(label.manifest_digest), "true")
     namespace = rollout.metadata.namespace or "default"
@@ -91,6 +93,13 @@ def apply_traffic(kube: Kube, rollout: ModelRollout, decision: Decision) -> None
         gateway.http_route.name,
         {gateway.stable_backend: traffic.stable, gateway.canary_backend: traffic.canary},
     )
+
+
+def apply_workloads(kube: Kube, namespace: str, workloads: Iterable[ScaleWorkload]) -> None:
+    """spec.workloadRef Deployments: scaled down or given back (core.workload)."""
+    for action in workloads:
+        if not kube.scale_deployment(namespace, action.name, action.replicas):
+            log.info("Deployment %s/%s is gone: nothing to scale", namespace, action.name)
 
 
 def apply_events(kube: Kube, body: dict[str, Any], decision: Decision) -> None:

@@ -22,6 +22,7 @@ REVISION_LABEL = f"{GROUP}/revision-hash"
 DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
 MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
 VERIFIED_GATE = f"{GROUP}/weights-verified"
+FINALIZER = f"{GROUP}/finalizer"  # kopf's; on a rollout only while it holds a workload
 # The node cache is install-time configuration (the chart's agent.cacheDir, the operator's
 # WEIGHTSHIP_CACHE_DIR), never a rollout's: a rollout-chosen hostPath could be `/`.
 DEFAULT_CACHE_DIR = "/var/cache/weightship"

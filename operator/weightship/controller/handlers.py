@@ -26,19 +26,26 @@ import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
-from weightship.controller import cache, metrics
-from weightship.controller.builders import CACHE_DIR_ENV, DEFAULT_CACHE_DIR, GROUP, ROLLOUT_LABEL
+from weightship.api.status import WorkloadStatus
+from weightship.controller import apply, cache, metrics
+from weightship.controller.builders import (
+    CACHE_DIR_ENV,
+    DEFAULT_CACHE_DIR,
+    FINALIZER,
+    GROUP,
+    ROLLOUT_LABEL,
+)
 from weightship.controller.events import EventPoster
 from weightship.controller.informer import Informer
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
 from weightship.controller.verifier import Verifier
 from weightship.controller.workqueue import Workers, WorkQueue
+from weightship.core.workload import give_back
 from weightship.notify.slack import SlackSender
 
 log = logging.getLogger(__name__)
 
-FINALIZER = f"{GROUP}/finalizer"
 INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods")
 # A WeightCache changes up to once per node per 10 s while it stages: a rollout that
 # waits for staging reconciles at most once a second for all of its nodes together.
@@ -188,6 +195,25 @@ async def rollout_pods(
     body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any
 ) -> dict[Any, Any]:
     return {(namespace, labels[ROLLOUT_LABEL]): cache.index_pod(body)}
+
+
+# ---- deletion -------------------------------------------------------------------------
+@kopf.on.delete(
+    GROUP,
+    VERSION,
+    "modelrollouts",
+    id="give-back-workload",
+    field="status.workload",
+    value=kopf.PRESENT,
+    backoff=5,
+)
+def give_back_workload(status: kopf.Status, namespace: str | None, memo: Any, **_: Any) -> None:
+    """A rollout that scaled its workloadRef Deployment to zero gives it back its replicas.
+    kopf puts the finalizer on a rollout only while status.workload records such a
+    Deployment, so this runs before the rollout is gone, and only for those; a failed
+    write raises and kopf retries (the scale is idempotent)."""
+    record = WorkloadStatus.model_validate(dict(status["workload"]))
+    apply.apply_workloads(memo.reconciler.kube, namespace or "default", [give_back(record)])
 
 
 # ---- events only enqueue --------------------------------------------------------------

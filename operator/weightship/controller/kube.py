@@ -130,14 +130,29 @@ class Kube:
         )
 
     @api_retry
-    def deployment_template(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Deployment's spec (template, replicas); None when there is none."""
         try:
             dep = self.apps.read_namespaced_deployment(name, namespace)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return dict(self.to_dict(dep)["spec"]["template"])
+        return dict(self.to_dict(dep)["spec"])
+
+    @api_retry
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> bool:
+        """Set a Deployment's spec.replicas through its scale subresource (the only write
+        the operator may make to a Deployment); False when it does not exist."""
+        try:
+            self.apps.patch_namespaced_deployment_scale(
+                name, namespace, {"spec": {"replicas": replicas}}
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
 
     # ---- Secrets, nodes, caches -------------------------------------------------------
     @api_retry

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.controller.builders import FINALIZER
 from weightship.controller.cache import ClusterView, RolloutKey, RolloutObjects
 from weightship.controller.kube import Kube
 from weightship.controller.snapshot import (
@@ -30,6 +31,7 @@ from weightship.controller.snapshot import (
 )
 from weightship.core.analysis import AnalysisQuery, due_queries
 from weightship.core.observed import ManifestResolution, Observed, ObservedMeasurement
+from weightship.core.targets import prefetch_node_selector
 from weightship.data.manifest import ManifestError
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 
@@ -218,25 +220,45 @@ class Measurements:
             self.results[key] = (time.monotonic(), result)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the rollout reads of its spec.workloadRef Deployment."""
+
+    template: dict[str, Any]
+    replicas: int
+
+
 class Templates:
-    """spec.workloadRef's pod template, re-read at most every 30 s (Deployments are not
-    watched: the operator would have to hold every Deployment of the cluster)."""
+    """spec.workloadRef's Deployment (pod template and replica count), re-read at most
+    every 30 s (Deployments are not watched: the operator would have to hold every
+    Deployment of the cluster), and at once after the operator scaled it (`forget`)."""
 
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
         self.lock = threading.Lock()
-        self.cache: dict[tuple[str, str], tuple[float, dict[str, Any] | None]] = {}
+        self.cache: dict[tuple[str, str], tuple[float, Workload | None]] = {}
 
-    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def get(self, namespace: str, name: str) -> Workload | None:
         key = (namespace, name)
         with self.lock:
             hit = self.cache.get(key)
         if hit is not None and time.monotonic() - hit[0] < TEMPLATE_TTL_S:
             return hit[1]
-        template = self.kube.deployment_template(namespace, name)
+        spec = self.kube.deployment(namespace, name)
+        workload = None
+        if spec is not None:
+            replicas = spec.get("replicas")
+            workload = Workload(
+                template=dict(spec.get("template") or {}),
+                replicas=1 if replicas is None else int(replicas),  # the API's default
+            )
         with self.lock:
-            self.cache[key] = (time.monotonic(), template)
-        return template
+            self.cache[key] = (time.monotonic(), workload)
+        return workload
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self.lock:
+            self.cache.pop((namespace, name), None)
 
 
 @dataclass(frozen=True)
@@ -261,19 +283,23 @@ def observe(
     if manifest is None:
         return None
     replica_sets = replica_set_observations(objects.replica_sets, objects.pods)
+    workload = None
+    if rollout.spec.workload_ref is not None:
+        workload = templates.get(namespace, rollout.spec.workload_ref.name)
+    template = workload.template if workload is not None else None
     prefetch = None
     staging_synced = True
     if rollout.spec.prefetch.enabled and manifest.digest:
-        staging = view.staging(rollout.spec.prefetch.node_selector, manifest.digest)
+        pod_template = rollout.spec.template.to_k8s() if rollout.spec.template else template
+        selector = prefetch_node_selector(rollout.spec, pod_template)
+        staging = view.staging(selector, manifest.digest)
         staging_synced = staging.synced
         if staging.synced:  # else: no observation yet (the prefetch gate waits)
             prefetch = prefetch_observation(
                 manifest.digest, staging.target_nodes, staging.caches, staging.node_labels
             )
     measured, waiting = measurements.take(key, due_queries(rollout, now))
-    template = None
-    if rollout.spec.workload_ref is not None:
-        template = templates.get(namespace, rollout.spec.workload_ref.name)
+    meta = objects.rollout.get("metadata") or {}
     return Observation(
         Observed(
             manifest=manifest,
@@ -282,6 +308,9 @@ def observe(
             prefetch=prefetch,
             measurements=tuple(measured),
             workload_template=template,
+            workload_replicas=workload.replicas if workload is not None else None,
+            finalizer=FINALIZER in (meta.get("finalizers") or ()),
+            deleting=meta.get("deletionTimestamp") is not None,
         ),
         waiting or not staging_synced,
     )

@@ -124,6 +124,8 @@ class Reconciler:
         decision = decide(rollout, observed, now, self.gates)
         laps.lap("decide")
         apply.carry_out(self.kube, rollout, decision, cache_dir=self.cache_dir)
+        for scaled in decision.workloads:  # read it again, not the count before the write
+            self.templates.forget(namespace, scaled.name)
         laps.lap("apply")
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)

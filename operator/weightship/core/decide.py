@@ -14,7 +14,8 @@ This module only orchestrates; each concern has its own module: desired (the spe
 revision), control (promote/abort/retry requests), canary (steady or canary flow),
 prefetch (and staged node labels), steps, pause, analysis_step, abort, projection (status
 from observations), scaling (ReplicaSet creates and sizes, traffic, pins), seeding (who
-seeds a scale-up) and trivial_gates (pods with nothing to verify).
+seeds a scale-up), trivial_gates (pods with nothing to verify), workload (a workloadRef
+Deployment's scale-down and give-back) and targets (the nodes that stage).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from datetime import datetime
 
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
-from weightship.core import canary, prefetch, projection, scaling
+from weightship.core import canary, prefetch, projection, scaling, workload
 from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
 from weightship.core.decision import Decision
-from weightship.core.desired import desired_revision, mark_invalid
+from weightship.core.desired import desired_revision, mark_invalid, spec_template
 from weightship.core.gates import DEFAULT_GATES, GateSet
 from weightship.core.observed import Observed
+from weightship.core.targets import prefetch_node_selector
 from weightship.core.trivial_gates import trivial_gates
 
 
@@ -57,6 +59,7 @@ def _reconcile(ctx: RolloutContext) -> None:
     if desired is None:
         return
     ctx.condition("InvalidSpec", "False", "Valid", "spec and manifest are valid")
+    ctx.status.prefetch_node_selector = prefetch_node_selector(ctx.spec, spec_template(ctx)) or None
     stable = ctx.status.stable_revision
     if stable is not None and desired.pod_template_hash == stable.pod_template_hash:
         canary.steady(ctx, stable)
@@ -73,6 +76,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         c.model_copy(update={"observed_generation": ctx.generation}) for c in ctx.status.conditions
     ]
     replica_sets, not_rebuilt = ((), ()) if ctx.invalid else scaling.replica_set_actions(ctx)
+    workloads = workload.workload_actions(ctx)
     return Decision(
         status=ctx.status,
         scales=replica_sets,
@@ -83,5 +87,6 @@ def _decision(ctx: RolloutContext) -> Decision:
         notifications=tuple(ctx.notifications),
         traffic=scaling.traffic(ctx),
         pin_digests=scaling.pins(ctx),
+        workloads=workloads,
         requeue_after=min(ctx.timers) if ctx.timers else None,
     )

@@ -60,6 +60,14 @@ ReplicaSetAction = ScaleAction | CreateReplicaSet
 
 
 @dataclass(frozen=True)
+class ScaleWorkload:
+    """Set spec.replicas of the spec.workloadRef Deployment (its scale subresource)."""
+
+    name: str
+    replicas: int
+
+
+@dataclass(frozen=True)
 class OpenGate:
     """Set a pod's weights-verified readiness gate True (nothing to verify)."""
 
@@ -122,6 +130,8 @@ class Decision:
     traffic: TrafficWeights | None = None
     pin_digests: tuple[str, ...] = ()
     """Manifests the node agents must keep staged and pinned (canary, stable, retiring)."""
+    workloads: tuple[ScaleWorkload, ...] = ()
+    """Deployments named by spec.workloadRef to scale down, or given back (core.workload)."""
     requeue_after: float | None = None
     """Seconds until decide should run again even if nothing changes; None: wait for events."""
 

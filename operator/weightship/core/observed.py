@@ -120,6 +120,13 @@ class Observed:
     measurements: tuple[ObservedMeasurement, ...] = ()
     workload_template: Mapping[str, Any] | None = field(default=None, compare=False)
     """Pod template of spec.workloadRef's Deployment; None when not found or not used."""
+    workload_replicas: int | None = None
+    """spec.replicas of that Deployment; None when not found or not used."""
+    finalizer: bool = False
+    """The operator's finalizer is on the rollout: deleting it waits until a Deployment it
+    scaled down has its replicas back (controller/handlers.py)."""
+    deleting: bool = False
+    """The rollout has a deletionTimestamp."""
     pods: tuple[ObservedPod, ...] = ()
     """The rollout's pods (all revisions)."""
 
