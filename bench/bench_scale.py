@@ -58,9 +58,10 @@ from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship_dev import cluster as local_cluster
 from weightship_dev import testkit
+from weightship_dev.components import NODE_MONITOR_GRACE_SECONDS
 from weightship_dev.install import apply_crds
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
-from weightship_dev.nodes import admin_api, kwok_node_body
+from weightship_dev.nodes import NODE_LEASE_NAMESPACE, admin_api, kwok_node_body
 from weightship_dev.operatorproc import OperatorProcess
 from weightship_dev.scale import Fleet, healthy_on
 
@@ -71,8 +72,10 @@ NODE_START = 20000  # kwok-gpu-20000…: apart from the cluster's own and the e2
 READS = ("LIST", "GET")
 RESOURCES = ("modelrollouts", "replicasets", "pods", "nodes", "weightcaches", "secrets")
 # Writes are counted of these too: the nodes' lease renewals (KWOK's, at 5,000 nodes a
-# standing load) and Events.
+# standing load) and Events; subresources apart (PATCH nodes/status: KWOK's node
+# heartbeats; PATCH pods/status: its pods' phases; POST pods/binding: the scheduler's).
 WRITTEN = (*RESOURCES, "leases", "events")
+UPKEEP_S = 30.0  # the nodes alone, before any operator runs
 STEADY_S = 30.0
 LATENCY_OF = (
     "PATCH modelrollouts/status",
@@ -120,8 +123,10 @@ class ApiCounts:
             if labels.get("code") == "409" and labels.get("resource") == "modelrollouts":
                 # Status patches against a version already gone (stale reads): re-queued.
                 out[("409", "modelrollouts")] += int(float(line.rsplit(" ", 1)[1]))
-            if labels.get("resource") in WRITTEN and not labels.get("subresource"):
-                out[(labels["verb"], labels["resource"])] += int(float(line.rsplit(" ", 1)[1]))
+            if labels.get("resource") in WRITTEN:
+                sub = labels.get("subresource")
+                resource = labels["resource"] + (f"/{sub}" if sub else "")
+                out[(labels["verb"], resource)] += int(float(line.rsplit(" ", 1)[1]))
         return out, latency
 
 
@@ -184,6 +189,77 @@ def delete_nodes(api: client.ApiClient, names: list[str]) -> None:
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(delete, names))
+
+
+class NodeUpkeep:
+    """Whether the simulated kubelets keep the bench's nodes alive: how many have a lease
+    renewed within the controller manager's grace period. A node without one goes NotReady
+    and KWOK stops managing its pods (so a rollout on it never finishes)."""
+
+    def __init__(self, api: client.ApiClient, nodes: list[str]) -> None:
+        self.coord = client.CoordinationV1Api(api)
+        self.nodes = set(nodes)
+
+    def live(self) -> int:
+        now = time.time()
+        leases = self.coord.list_namespaced_lease(NODE_LEASE_NAMESPACE).items
+        return sum(
+            1
+            for lease in leases
+            if lease.metadata.name in self.nodes
+            and lease.spec.renew_time is not None
+            and now - lease.spec.renew_time.timestamp() < NODE_MONITOR_GRACE_SECONDS
+        )
+
+    def wait_all(self, timeout: float) -> float | None:
+        """Seconds until every node had a live lease (None: not within timeout)."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.live() == len(self.nodes):
+                return time.monotonic() - started
+            time.sleep(2.0)
+        return None
+
+
+def measure_upkeep(
+    api: client.ApiClient, paths: ClusterPaths, upkeep: NodeUpkeep, seconds: float
+) -> dict[str, Any]:
+    """The nodes alone, nothing rolling: what keeping them alive costs the control plane
+    (writes per second by kind, CPU per component)."""
+    counts = ApiCounts(api)
+    cpu = CpuMeter.for_cluster(paths.pids, {"bench": os.getpid()})
+    before, cpu_before, busy = counts.read(), cpu.read(), machine_busy()
+    next(busy)
+    started = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - started
+    delta = counts.read() - before
+    return {
+        "seconds": wall,
+        "writes_per_s": {
+            f"{v} {r}": n / wall
+            for (v, r), n in sorted(delta.items())
+            if v not in (*READS, "WATCH") and n > 0
+        },
+        "cpu": CpuMeter.shares(cpu_before, cpu.read(), wall),
+        "machine_busy": next(busy),
+        "live": upkeep.live(),
+    }
+
+
+def report_upkeep(u: dict[str, Any], total: int) -> None:
+    writes = u["writes_per_s"]
+    top = sorted(writes.items(), key=lambda kv: -kv[1])[:6]
+    print(
+        f"node upkeep, {u['seconds']:.0f} s with nothing rolling: {sum(writes.values()):.1f} "
+        f"writes/s ({', '.join(f'{k} {v:.1f}' for k, v in top)}); live leases at the end "
+        f"{u['live']}/{total}"
+    )
+    print(
+        "  CPU, share of one core: "
+        + ", ".join(f"{n} {v:.2f}" for n, v in sorted(u["cpu"].items()))
+        + f"; machine busy {u['machine_busy']:.2f}"
+    )
 
 
 class CacheLoad:
@@ -368,9 +444,11 @@ def phase(
     out: dict[str, Any],
     fleets: list[Fleet],
     cpu: CpuMeter,
+    upkeep: NodeUpkeep,
 ) -> Iterator[dict[str, Any]]:
     """Figures between entering and leaving: API requests (the bench's own LISTs of
-    modelrollouts taken off), reconciles and their p50/p99, CPU by component."""
+    modelrollouts taken off), reconciles and their p50/p99, CPU by component, and the
+    nodes with a live lease at the end."""
     (api_before, latency_before), m_before = counts.read_all(), op.metrics()
     lists_before = sum(f.lists for f in fleets)
     cpu_before, busy = cpu.read(), machine_busy()
@@ -410,6 +488,7 @@ def phase(
         reads_per_reconcile=sum(own_reads.values()) / reconciles if reconciles else None,
         p50=quantile(m_before["buckets"], m_after["buckets"], 0.50),
         p99=quantile(m_before["buckets"], m_after["buckets"], 0.99),
+        live_leases=upkeep.live(),
     )
     out[name] = result
 
@@ -421,6 +500,7 @@ def run_design(
     paths: ClusterPaths,
     uris: dict[str, str],
     endpoint: str,
+    upkeep: NodeUpkeep,
 ) -> dict[str, Any]:
     counts = ApiCounts(api)
     prefix = f"bsc-{design}-"
@@ -456,7 +536,7 @@ def run_design(
         solo = Fleet(api, namespace, "solo", 1)
         solo.create(uris["v1"], "v1", endpoint)
         wait(solo, "v1", args.timeout)
-        with phase("solo", op, counts, out, fleets, cpu) as r:
+        with phase("solo", op, counts, out, fleets, cpu, upkeep) as r:
             solo.set_model(uris["v2"], "v2")
             done, total = wait(solo, "v2", args.timeout)
             r.update(
@@ -465,13 +545,13 @@ def run_design(
         hops(r, solo, "v2", 2)
 
         fleet = Fleet(api, namespace, "m", args.rollouts)
-        with phase("create", op, counts, out, fleets, cpu) as r:
+        with phase("create", op, counts, out, fleets, cpu, upkeep) as r:
             fleet.create(uris["v1"], "v1", endpoint)
             done, total = wait(fleet, "v1", args.timeout)
             r.update(
                 finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
             )
-        with phase("revision", op, counts, out, fleets, cpu) as r:
+        with phase("revision", op, counts, out, fleets, cpu, upkeep) as r:
             fleet.set_model(uris["v2"], "v2")
             done, total = wait(fleet, "v2", args.timeout)
             times = sorted(done.values())
@@ -490,14 +570,14 @@ def run_design(
             big = Fleet(api, namespace, "big", 1)
             big.create(uris["v1"], "v1", endpoint, replicas=args.big)
             wait(big, "v1", args.timeout * 2)
-            with phase("big", op, counts, out, fleets, cpu) as r:
+            with phase("big", op, counts, out, fleets, cpu, upkeep) as r:
                 big.set_model(uris["v2"], "v2")
                 done, total = wait(big, "v2", args.timeout * 2)
                 r.update(
                     finished=len(done), total=total, all_healthy_s=max(done.values(), default=None)
                 )
             hops(r, big, "v2", args.big)
-        with phase("steady", op, counts, out, fleets, cpu):
+        with phase("steady", op, counts, out, fleets, cpu, upkeep):
             time.sleep(STEADY_S)
         out["rss_mb"], out["threads"] = op.peak_rss_mb, op.peak_threads
     finally:
@@ -560,11 +640,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nodes = make_nodes(api, args.nodes)
         results["nodes_s"] = time.monotonic() - started
         print(f"{len(nodes)} KWOK nodes with a WeightCache each in {results['nodes_s']:.0f}s")
+        upkeep = NodeUpkeep(api, nodes)
+        results["leases_s"] = upkeep.wait_all(timeout=300)
+        print(f"every node with a live lease after {_fmt(results['leases_s'], ' s')} more")
+        results["upkeep"] = measure_upkeep(api, paths, upkeep, UPKEEP_S)
+        report_upkeep(results["upkeep"], len(nodes))
         with CacheLoad(api, nodes, args.staging) as load:
             print(f"WeightCache load: {load.rate:.0f} status writes/s")
             for design in args.designs.split(","):
                 try:
-                    results[design] = run_design(design, args, api, paths, uris, endpoint)
+                    results[design] = run_design(design, args, api, paths, uris, endpoint, upkeep)
                 except Exception as e:  # the other design's figures still count
                     print(f"\n{design} design: the run failed: {e!r}")
                     continue
@@ -607,6 +692,7 @@ def report_design(r: dict[str, Any]) -> None:
                 _fmt(f["p99"], " s", 3),
                 ", ".join(f"{k} {v}" for k, v in f["reads"].items()) or "none",
                 _fmt(sum(f["cluster_reads"].values())),
+                _fmt(f.get("live_leases")),
             ]
         )
     print(f"\n{r['design']} design: peak RSS {r['rss_mb']:.0f} MB, {r['threads']} threads")
@@ -620,6 +706,7 @@ def report_design(r: dict[str, Any]) -> None:
         "p99",
         "operator's LIST/GET",
         "cluster LIST/GET",
+        "live leases after",
     ]
     print(table(header, rows))
     for name in ("revision", "steady"):

@@ -24,6 +24,17 @@ from weightship_dev.layout import (
     cache_dir,
 )
 
+KWOK_CONFIG = Path(__file__).with_name("kwok.yaml")  # KWOK's worker counts
+# KWOK renews each node's lease every quarter of its duration. A kubelet's 40 s (a renewal
+# every 10 s) is 500 lease writes a second at 5,000 KWOK nodes; measured at 1,000 nodes,
+# 100 renewals/s cost the API server 0.3 of a core (and etcd 0.1), so 5,000 nodes' leases
+# alone wanted most of this 2-core machine, and KWOK fell behind. 200 s: one renewal per
+# node per 50 s, 100/s at 5,000 nodes. The controller manager marks a node NotReady after
+# NODE_MONITOR_GRACE_SECONDS without a renewal, so that must exceed the renewal interval
+# with room for a loaded API server; it is also how long a dead process node goes unseen.
+KWOK_LEASE_SECONDS = 200
+NODE_MONITOR_GRACE_SECONDS = 120
+
 # The order matters: each daemon needs the ones before it.
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 ADDONS = ("s3", "prometheus")
@@ -98,7 +109,8 @@ def kube_controller_manager(paths: ClusterPaths) -> list[str]:
         # 6 % of a core while rollouts waited seconds for pods). Large production control
         # planes raise it the same way.
         "--concurrent-replicaset-syncs=50",
-        "--node-monitor-grace-period=40s",
+        # It counts from each node's last lease renewal: see KWOK_LEASE_SECONDS.
+        f"--node-monitor-grace-period={NODE_MONITOR_GRACE_SECONDS}s",
         "--v=1",
     ]
 
@@ -132,24 +144,28 @@ def kwok_stage_files() -> list[Path]:
     stages = cache_dir() / "kwok-stages"
     return [
         stages / "node" / "fast" / "node-initialize.yaml",
+        # Node status every 600-610 s; liveness is the lease (as a kubelet with leases).
         stages / "node" / "heartbeat-with-lease" / "node-heartbeat-with-lease.yaml",
         stages / "pod" / "fast" / "pod-ready.yaml",
         stages / "pod" / "fast" / "pod-complete.yaml",
         stages / "pod" / "fast" / "pod-delete.yaml",
+        KWOK_CONFIG,
     ]
 
 
-def kwok(paths: ClusterPaths) -> list[str]:
+def kwok(paths: ClusterPaths, lease_seconds: int = KWOK_LEASE_SECONDS) -> list[str]:
     return [
         str(bin_dir() / "kwok"),
         f"--kubeconfig={paths.kubeconfig_for('kwok')}",
         "--manage-all-nodes=false",
         "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-        "--node-lease-duration-seconds=40",
+        f"--node-lease-duration-seconds={lease_seconds}",
         f"--cidr={KWOK_POD_CIDR}",
         "--node-ip=198.19.127.1",
         "--server-address=127.0.0.1:10247",
         "--config=" + ",".join(str(p) for p in kwok_stage_files()),
+        # Not a line per lease renewal (100 a second at 5,000 nodes); errors still show.
+        "--v=WARN",
     ]
 
 

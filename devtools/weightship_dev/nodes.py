@@ -16,6 +16,7 @@ KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 NODE_KIND_LABEL = "weightship.io/node-kind"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 ZONES = ("local-a", "local-b", "local-c")
+NODE_LEASE_NAMESPACE = "kube-node-lease"
 
 
 def process_node_names(count: int) -> list[str]:
@@ -96,6 +97,38 @@ def delete_kwok_nodes(api: client.ApiClient, names: list[str], workers: int = 16
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(delete, names))
+
+
+def delete_kwok_leases(api: client.ApiClient) -> int:
+    """Delete every KWOK node's lease (with KWOK stopped), so that the next KWOK creates
+    them at once. Each KWOK process holds leases under a new identity: it waits out another
+    holder's lease duration before it takes one over, and one whose holder is cleared it
+    only takes at its next renewal, after a failed create (its lease cache is empty at
+    first); meanwhile its nodes' pods are not managed and the nodes may go NotReady. The
+    controller manager reads a missing lease as no news (it keeps the last renewal).
+    Returns how many it deleted."""
+    core, coord = client.CoreV1Api(api), client.CoordinationV1Api(api)
+    kwok_nodes = {
+        n.metadata.name
+        for n in core.list_node().items
+        if (n.metadata.annotations or {}).get(KWOK_ANNOTATION) == "fake"
+    }
+    names = [
+        lease.metadata.name
+        for lease in coord.list_namespaced_lease(NODE_LEASE_NAMESPACE).items
+        if lease.metadata.name in kwok_nodes
+    ]
+
+    def delete(name: str) -> None:
+        try:
+            coord.delete_namespaced_lease(name, NODE_LEASE_NAMESPACE)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(delete, names))
+    return len(names)
 
 
 def node_ready(node: Any) -> bool:

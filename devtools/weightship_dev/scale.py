@@ -5,6 +5,7 @@ no prefetch, nothing to verify (the operator opens the gate), canary 50% then 10
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,8 +15,9 @@ from kubernetes import client
 
 from weightship.controller.builders import GROUP
 from weightship.controller.kube import PLURAL, VERSION
-from weightship_dev import testkit
-from weightship_dev.nodes import GPU_TAINT, NODE_KIND_LABEL
+from weightship_dev import cluster, components, processes, testkit
+from weightship_dev.layout import ClusterPaths
+from weightship_dev.nodes import GPU_TAINT, NODE_KIND_LABEL, admin_api, delete_kwok_leases
 
 STEPS = [{"setWeight": 50}, {"setWeight": 100}]
 
@@ -142,3 +144,20 @@ def describe_stragglers(
         lines.append(f"{name}: phase={status.get('phase')} message={status.get('message')!r}")
     missing = f" ({len(left)} left)" if left else ""
     return "\n".join(lines) + missing
+
+
+def restart_kwok(paths: ClusterPaths, lease_seconds: int = components.KWOK_LEASE_SECONDS) -> float:
+    """Restart the local cluster's KWOK with components.kwok's flags (after changing them),
+    its nodes' leases handed over at once. Returns the seconds it took."""
+    started = time.monotonic()
+    processes.stop_daemon(paths.pids / "kwok.pid")
+    delete_kwok_leases(admin_api(paths))
+    argv = components.kwok(paths, lease_seconds)
+    processes.start_daemon("kwok", argv, pids=paths.pids, logs=paths.logs)
+    cluster.wait_for(
+        "kwok",
+        functools.partial(cluster.component_healthy, paths, "kwok"),
+        60,
+        paths.logs / "kwok.log",
+    )
+    return time.monotonic() - started
