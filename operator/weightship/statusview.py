@@ -89,6 +89,7 @@ def render(rollout: dict[str, Any]) -> Group:
             "node",
             "state",
             "progress",
+            "reason",
             title=(
                 f"Prefetch {prefetch.get('stagedNodes', 0)}/{prefetch.get('targetNodes', 0)} staged"
             ),
@@ -97,7 +98,7 @@ def render(rollout: dict[str, Any]) -> Group:
         for n in prefetch["nodes"]:
             total = n.get("bytesTotal") or 0
             pct = f"{100 * (n.get('bytesDone') or 0) / total:.0f}%" if total else "-"
-            nodes.add_row(n["name"], n["state"], pct)
+            nodes.add_row(n["name"], n["state"], pct, _staging_reason(n))
         parts.append(nodes)
     parts.extend(_verification_tables(status.get("verification") or {}))
     history = status.get("history") or []
@@ -109,6 +110,21 @@ def render(rollout: dict[str, Any]) -> Group:
             )
         parts.append(hist)
     return Group(*parts)
+
+
+def _staging_reason(node: dict[str, Any]) -> str:
+    """Why a node's stage failed: ``DiskFull (needs 6291456 B, 0 B available)``,
+    ``OriginMismatch (model.safetensors chunk 2)``, else the reason alone."""
+    failure = node.get("failure") or {}
+    reason = str(failure.get("reason") or "")
+    if reason == "DiskFull" and failure.get("bytesNeeded") is not None:
+        return (
+            f"DiskFull (needs {failure['bytesNeeded']} B, "
+            f"{failure.get('bytesAvailable') or 0} B available)"
+        )
+    if reason == "OriginMismatch":
+        return f"OriginMismatch ({failure.get('file')} chunk {failure.get('chunk')})"
+    return reason
 
 
 # status.verification.loads[].mode: how the verifier checked the pod's weights.

@@ -25,8 +25,10 @@ from weightship.agent import desired, status
 from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
+from weightship.agent.failures import DETERMINISTIC, StageError, classify
 from weightship.agent.kube import AgentKube, RolloutInformer
 from weightship.agent.metrics import STATES, AgentMetrics
+from weightship.api.weightcache import FailureReason
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, StageBusyError
 from weightship.data.fetcher import ChunkOrigin, Peer, TokenBucket
 from weightship.data.manifest import MANIFEST_NAME, Manifest, ManifestError
@@ -46,10 +48,6 @@ NO_CREDENTIALS_HINT = (
 BUSY_RETRY_S = 2.0  # three heartbeats without a write: the peer is presumed dead
 
 
-class StageError(RuntimeError):
-    """Staging cannot proceed; the message is what lastError shows."""
-
-
 class NoOrigin:
     """The origin when no rollout's source holds this digest any more (an old stable
     pinned for rollback): chunks can only come from peers."""
@@ -60,7 +58,8 @@ class NoOrigin:
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         raise StageError(
             f"no peer has {path} at offset {offset} of {self.digest}, and no origin holds "
-            f"it: {self.why}"
+            f"it: {self.why}",
+            "SourceUnavailable",
         )
 
 
@@ -273,7 +272,10 @@ class Agent:
             self.retry_at[digest] = time.monotonic() + delay
             log.warning("staging %s failed (retry in %.0fs): %s", digest, delay, message)
             self.metrics.stages.labels("failed").inc()
-            self._update(digest, state="Failed", last_error=status.clip(message))
+            with self.lock:
+                previous = self.entries[digest].failure if digest in self.entries else None
+            failure = classify(e, self.now(), previous)
+            self._update(digest, state="Failed", last_error=status.clip(message), failure=failure)
         else:
             self.failures.pop(digest, None)
             self.retry_at.pop(digest, None)
@@ -297,6 +299,7 @@ class Agent:
                 bytes_from_peers=result.from_peers,
                 completed_at=self.now(),
                 last_error=None,
+                failure=None,
             )
         finally:
             self.wake.set()
@@ -308,7 +311,8 @@ class Agent:
         wanted digest); then the manifest this node saved when it began staging it, with
         peers as the only source of chunks.
         """
-        problems = []
+        problems: list[str] = []
+        reasons: list[FailureReason] = []
         for source in want.sources:
             location = f"{source.uri.rstrip('/')}/{MANIFEST_NAME}"
             try:
@@ -318,13 +322,16 @@ class Agent:
                 ).read_manifest()
             except ManifestError as e:
                 problems.append(f"the manifest at {location} is invalid: {e}")
+                reasons.append("ManifestInvalid")
                 continue
             except Exception as e:
                 hint = "" if self.cfg.s3_credentials_dir else NO_CREDENTIALS_HINT
                 problems.append(f"cannot read the manifest at {location}: {_short(e)}{hint}")
+                reasons.append("SourceUnavailable")
                 continue
             if manifest.digest == want.digest:
                 return manifest, origin
+            reasons.append("ManifestChanged")
             problems.append(
                 f"the manifest at {location} has digest {manifest.digest}, not {want.digest} "
                 "(the weights there were republished after the rollout recorded its digest)"
@@ -336,7 +343,13 @@ class Agent:
         if kept is not None and kept.digest == want.digest:
             return kept, NoOrigin(want.digest, "; ".join(problems) or "no source")
         detail = "; ".join(problems) or "no rollout that wants it names an S3 source"
-        raise StageError(f"cannot get the manifest {want.digest}: {detail}")
+        # Deterministic only when every source failed deterministically: one that could
+        # not be read may yet hold it.
+        deterministic = bool(reasons) and all(r in DETERMINISTIC for r in reasons)
+        raise StageError(
+            f"cannot get the manifest {want.digest}: {detail}",
+            reasons[0] if deterministic else "SourceUnavailable",
+        )
 
     def _origin(self, source: ModelSource) -> S3Origin:
         """The rollout's S3 source, read with the agents' own credential: the operator read
@@ -345,7 +358,9 @@ class Agent:
         try:
             creds = read_credentials(self.cfg.s3_credentials_dir)
         except CredentialsError as e:
-            raise StageError(f"cannot read the agent's S3 credentials: {e}") from None
+            raise StageError(
+                f"cannot read the agent's S3 credentials: {e}", "SourceUnavailable"
+            ) from None
         client = make_client(S3Settings.from_secret(source.endpoint, source.region, creds))
         return S3Origin(client, S3Location.parse(source.uri))
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import AwareDatetime, Field
 
 from weightship.api.base import MAX_LABEL_VALUE, MAX_MESSAGE, MAX_NAME, MAX_SHORT_TEXT, ApiModel
+from weightship.api.weightcache import StagingFailure
 
 MAX_HISTORY = 10
 MAX_MEASUREMENTS = 10
@@ -98,6 +99,9 @@ class PrefetchNodeStatus(ApiModel):
     bytes_done: int = Field(0, description="Bytes staged.", ge=0)
     bytes_total: int = Field(0, description="Bytes to stage.", ge=0)
     message: str | None = Field(None, description="Last error, if any.", max_length=MAX_SHORT_TEXT)
+    failure: StagingFailure | None = Field(
+        None, description="Why its last stage failed, as its WeightCache reports it."
+    )
 
 
 class PrefetchStatus(ApiModel):

@@ -10,12 +10,45 @@ from weightship.api.base import MAX_NAME, MAX_SHORT_TEXT, SHA256_DIGEST_PATTERN,
 
 MAX_CACHED_MANIFESTS = 64
 CacheState = Literal["Staging", "Staged", "Failed", "Evicting"]
+# Why a stage failed. OriginMismatch, ManifestInvalid and ManifestChanged are
+# deterministic (every node reading the same objects fails the same way: the operator
+# aborts the rollout once two nodes say so); DiskFull is this node's own problem;
+# SourceUnavailable (S3 errors, timeouts, credentials) and StageError may pass.
+FailureReason = Literal[
+    "OriginMismatch",
+    "ManifestInvalid",
+    "ManifestChanged",
+    "DiskFull",
+    "SourceUnavailable",
+    "StageError",
+]
 
 
 class WeightCacheSpec(ApiModel):
     """Which node this cache describes."""
 
     node_name: str = Field(description="Name of the node.", min_length=1, max_length=MAX_NAME)
+
+
+class StagingFailure(ApiModel):
+    """Why the last stage of a manifest failed, machine-readable."""
+
+    reason: FailureReason = Field(
+        description="OriginMismatch, ManifestInvalid, ManifestChanged, DiskFull, "
+        "SourceUnavailable or StageError."
+    )
+    file: str | None = Field(
+        None, description="The model file whose chunk failed (OriginMismatch).", max_length=1024
+    )
+    chunk: int | None = Field(None, description="The chunk's index in its file.", ge=0)
+    offset: int | None = Field(None, description="The chunk's offset in its file.", ge=0)
+    bytes_needed: int | None = Field(None, description="Bytes the stage needs (DiskFull).", ge=0)
+    bytes_available: int | None = Field(
+        None, description="Bytes the cache could make available (DiskFull).", ge=0
+    )
+    since: AwareDatetime | None = Field(
+        None, description="When this node first failed this way, in a row of attempts."
+    )
 
 
 class CachedManifest(ApiModel):
@@ -33,6 +66,9 @@ class CachedManifest(ApiModel):
     completed_at: AwareDatetime | None = Field(None, description="When staging finished.")
     last_error: str | None = Field(
         None, description="Last staging error.", max_length=MAX_SHORT_TEXT
+    )
+    failure: StagingFailure | None = Field(
+        None, description="Why the last stage failed; kept while a retry runs."
     )
     pinned_by: list[str] = Field(
         default_factory=list,

@@ -25,8 +25,13 @@ def deadline_exceeded(ctx: RolloutContext, what: str) -> bool:
 
 
 def abort(
-    ctx: RolloutContext, reason: str, message: str, outcome: HistoryOutcome = "RolledBack"
+    ctx: RolloutContext,
+    reason: str,
+    message: str,
+    outcome: HistoryOutcome = "RolledBack",
+    details: tuple[tuple[str, str], ...] = (),
 ) -> None:
+    """``details``: extra fields for the Slack message (a staging failure's file, chunk)."""
     status = ctx.status
     canary = status.canary_revision
     assert canary is not None
@@ -42,7 +47,7 @@ def abort(
     back_to = status.stable_revision.revision if status.stable_revision else "nothing"
     story = f"canary {canary.revision} aborted ({reason}): {message}; back to {back_to}"
     ctx.events.append(Event("Warning", reason, story))
-    ctx.notify("RolledBack", reason, story)
+    ctx.notify("RolledBack", reason, story, details)
     aborted(ctx)
 
 

@@ -148,7 +148,13 @@ class RolloutContext:
         )
         self.status.history = [*self.status.history, entry][-MAX_HISTORY:]
 
-    def notify(self, event: NotificationEvent, reason: str, message: str) -> None:
+    def notify(
+        self,
+        event: NotificationEvent,
+        reason: str,
+        message: str,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         notifications = self.spec.notifications
         slack = notifications.slack if notifications is not None else None
         if slack is None or event not in slack.events:
@@ -172,4 +178,5 @@ class RolloutContext:
                 "expected": failed.expected or "",
                 "got": failed.got or "",
             }
+        details |= dict(extra)
         self.notifications.append(Notification(event, reason, message, tuple(details.items())))

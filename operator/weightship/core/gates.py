@@ -11,6 +11,7 @@ from typing import Literal, Protocol
 from weightship.api.models import ModelRollout
 from weightship.api.status import AnalysisStatus, RevisionStatus
 from weightship.core.observed import Observed
+from weightship.core.staging_failure import failed_nodes
 
 GateStatus = Literal["Passed", "Waiting", "Inconclusive", "Failed"]
 
@@ -69,7 +70,8 @@ class PrefetchedGate:
         )
         if seen.staged_nodes * 100 >= spec.min_staged_percent * seen.target_nodes:
             return GateResult("Passed", "Staged", message)
-        return GateResult("Waiting", "Staging", message)
+        failed = failed_nodes(seen)  # a full disk, an unreachable origin: named, and waited on
+        return GateResult("Waiting", "Staging", f"{message}; {failed}" if failed else message)
 
 
 @dataclass(frozen=True)

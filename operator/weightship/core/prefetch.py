@@ -4,10 +4,11 @@ nodes (the prefetched gate), within the progress deadline."""
 from __future__ import annotations
 
 from weightship.api.status import PrefetchStatus
-from weightship.core.abort import deadline_exceeded
+from weightship.core.abort import abort, deadline_exceeded
 from weightship.core.context import RolloutContext
 from weightship.core.decision import Event, NodeLabel
 from weightship.core.observed import Observed
+from weightship.core.staging_failure import deterministic_failure
 
 
 def prefetched(ctx: RolloutContext) -> bool:
@@ -30,6 +31,13 @@ def prefetched(ctx: RolloutContext) -> bool:
             Event("Normal", "RequestIgnored", "promote ignored: the canary is still prefetching")
         )
         ctx.promote = None
+    seen = ctx.observed.prefetch
+    if seen is not None and seen.digest == canary.manifest_digest:
+        verdict = deterministic_failure(seen)
+        if verdict is not None:  # every node fails alike: the deadline would only be waited out
+            ctx.condition("Prefetched", "False", verdict.reason, verdict.message)
+            abort(ctx, verdict.reason, verdict.message, details=verdict.details)
+            return False
     if not deadline_exceeded(ctx, "prefetch"):
         ctx.progressing("Prefetching", f"prefetching {canary.revision}: {result.message}")
         ctx.status.phase = "Prefetching"

@@ -86,6 +86,20 @@ class FetchCancelledError(RuntimeError):
     """The stage this fetch belongs to was cancelled."""
 
 
+class OriginMismatchError(ChunkVerificationError):
+    """The origin's bytes of one chunk do not match the manifest, in every attempt: the
+    weights changed after the manifest was written. Every node reading that chunk gets
+    the same bytes, so this is not worth retrying (unlike a short read or a bad peer)."""
+
+    def __init__(self, chunk: ChunkEntry) -> None:
+        super().__init__(
+            f"origin bytes of {chunk.file} chunk {chunk.index} (offset {chunk.offset}) do not "
+            f"match the manifest's {chunk.algorithm} {chunk.hexdigest}: the weights changed "
+            "after the manifest was written; re-run `weightship manifest`"
+        )
+        self.file, self.index, self.offset = chunk.file, chunk.index, chunk.offset
+
+
 @dataclass(frozen=True)
 class Peer:
     node: str  # stable identity (the node name): ranking survives pod IP changes
@@ -456,7 +470,9 @@ class ChunkFetcher:
 
     def _from_origin(self, chunk: ChunkEntry) -> None:
         origin, sink = self.origin, self.sink
+        short: ChunkIncompleteError | None = None  # the last attempt ended early
         for _ in range(self.policy.origin_attempts):
+            short = None
             if isinstance(origin, FillingOrigin) and isinstance(sink, InPlaceSink):
 
                 def fill(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
@@ -472,20 +488,24 @@ class ChunkFetcher:
                 except ChunkVerificationError:
                     self.metrics.verification_failures.labels("origin").inc()
                     continue
-                except ChunkIncompleteError:
+                except ChunkIncompleteError as exc:
+                    short = exc
                     continue
             data = self.origin.read_range(chunk.file, chunk.offset, chunk.size)
             self._throttle(len(data))
+            if len(data) != chunk.size:
+                short = ChunkIncompleteError(
+                    f"chunk {chunk.key}: the origin answered {len(data)} of {chunk.size} bytes"
+                )
+                continue
             try:
                 self.sink.put(chunk.key, data)
                 return
             except ChunkVerificationError:
                 self.metrics.verification_failures.labels("origin").inc()
-        raise ChunkVerificationError(
-            f"origin bytes of {chunk.file} chunk {chunk.index} (offset {chunk.offset}) do not "
-            f"match the manifest's {chunk.algorithm} {chunk.hexdigest}: the weights changed "
-            "after the manifest was written; re-run `weightship manifest`"
-        )
+        if short is not None:
+            raise short  # a short read is no verdict on the origin's bytes
+        raise OriginMismatchError(chunk)
 
     def _throttle(self, n: int) -> None:
         if self.bandwidth:

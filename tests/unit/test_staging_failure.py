@@ -1,0 +1,426 @@
+"""Staging failures: how an agent classifies them, how they reach the WeightCache, and
+when the operator aborts on them at once (deterministic, two nodes agreeing) or waits
+(one node, a full disk, a transient error). Table tests of pure functions, plus the data
+plane's origin check on a real chunk store."""
+
+from __future__ import annotations
+
+import errno
+import random
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+from prometheus_client import CollectorRegistry
+
+from weightship.agent.failures import Failure, StageError, classify
+from weightship.agent.status import Entry, build_status, recover
+from weightship.api.weightcache import WeightCacheStatus
+from weightship.controller.snapshot import prefetch_observation
+from weightship.core.decide import decide
+from weightship.core.observed import NodeFailure, NodeStaging, PrefetchObservation
+from weightship.core.staging_failure import deterministic_failure, failed_nodes
+from weightship.core.testing import (
+    DIGEST_B,
+    at,
+    healthy_rollout,
+    observe,
+    replica_set,
+    with_model_revision,
+    with_status,
+)
+from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError
+from weightship.data.fetcher import OriginMismatchError
+from weightship.data.manifest import ChunkEntry, LocalFolder, build_manifest
+from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ChunkIncompleteError
+from weightship.data.peer import PeerUnavailableError
+from weightship.data.stage import stage
+
+NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
+CHUNK = ChunkEntry(file="model.safetensors", index=3, offset=3 << 20, size=1 << 20, sha256="a" * 64)
+
+
+# --- the agent's classification ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (OriginMismatchError(CHUNK), Failure("OriginMismatch", "model.safetensors", 3, 3 << 20)),
+        (
+            InsufficientSpaceError(6 << 20, 1234, Path("/cache")),
+            Failure("DiskFull", bytes_needed=6 << 20, bytes_available=1234),
+        ),
+        (OSError(errno.ENOSPC, "No space left on device"), Failure("DiskFull")),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), Failure("DiskFull")),
+        (
+            StageError("the manifest at s3://m is invalid", "ManifestInvalid"),
+            Failure("ManifestInvalid"),
+        ),
+        (StageError("republished", "ManifestChanged"), Failure("ManifestChanged")),
+        (StageError("cannot read the manifest", "SourceUnavailable"), Failure("SourceUnavailable")),
+        # transient: S3 5xx after the retries, no route, timeouts, short reads, a dead peer
+        (
+            ClientError(
+                {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+                "GetObject",
+            ),
+            Failure("SourceUnavailable"),
+        ),
+        (EndpointConnectionError(endpoint_url="http://s3"), Failure("SourceUnavailable")),
+        (TimeoutError("read timed out"), Failure("SourceUnavailable")),
+        (ConnectionResetError("reset"), Failure("SourceUnavailable")),
+        (ChunkIncompleteError("stopped at 5 of 10"), Failure("SourceUnavailable")),
+        (PeerUnavailableError("10.0.0.2:8479"), Failure("SourceUnavailable")),
+        (OSError(errno.EIO, "I/O error"), Failure("StageError")),
+        (RuntimeError("bug"), Failure("StageError")),
+    ],
+)
+def test_an_agent_classifies_its_stage_failures(exc: BaseException, expected: Failure) -> None:
+    assert classify(exc, NOW) == Failure(
+        expected.reason,
+        expected.file,
+        expected.chunk,
+        expected.offset,
+        expected.bytes_needed,
+        expected.bytes_available,
+        since=NOW,
+    )
+
+
+def test_since_is_kept_while_a_node_fails_the_same_way_and_reset_when_it_fails_otherwise() -> None:
+    first = classify(OriginMismatchError(CHUNK), NOW)
+    again = classify(OriginMismatchError(CHUNK), NOW + timedelta(seconds=20), first)
+    assert again.since == NOW
+    other = CHUNK.model_copy(update={"index": 4})
+    moved = classify(OriginMismatchError(other), NOW + timedelta(seconds=40), again)
+    assert moved.since == NOW + timedelta(seconds=40)
+    disk = classify(OSError(errno.ENOSPC, "full"), NOW + timedelta(seconds=60), moved)
+    assert disk.since == NOW + timedelta(seconds=60)
+
+
+def test_the_failure_survives_the_weightcache_round_trip_and_an_agent_restart() -> None:
+    failure = Failure("OriginMismatch", "model.safetensors", 3, 3 << 20, since=NOW)
+    disk = Failure("DiskFull", bytes_needed=100, bytes_available=7, since=NOW)
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    body = build_status(
+        peer_endpoint="10.0.0.1:8479",
+        capacity_bytes=10,
+        free_bytes=7,
+        entries=[
+            Entry(a, "Failed", last_error="origin bytes …", failure=failure, pinned_by=("ns/llm",)),
+            Entry(b, "Failed", last_error="not enough space", failure=disk, pinned_by=("ns/x",)),
+        ],
+        now=NOW,
+    )
+    by_digest = {m["digest"]: m for m in body["manifests"]}
+    assert by_digest[a]["failure"] == {
+        "reason": "OriginMismatch",
+        "file": "model.safetensors",
+        "chunk": 3,
+        "offset": 3 << 20,
+        "since": "2026-01-01T12:00:00Z",
+    }
+    assert by_digest[b]["failure"] == {
+        "reason": "DiskFull",
+        "bytesNeeded": 100,
+        "bytesAvailable": 7,
+        "since": "2026-01-01T12:00:00Z",
+    }
+    WeightCacheStatus.model_validate(body)  # the CRD's shape
+    recovered = recover(body)
+    assert recovered[a].failure == failure and recovered[b].failure == disk
+
+
+def test_a_long_file_name_is_clipped_to_the_crd_bound() -> None:
+    failure = Failure("OriginMismatch", "d/" * 800 + "w.bin", 0, 0, since=NOW)
+    body = build_status(
+        peer_endpoint="x:1",
+        capacity_bytes=1,
+        free_bytes=1,
+        entries=[Entry("sha256:" + "a" * 64, "Failed", failure=failure)],
+        now=NOW,
+    )
+    assert len(body["manifests"][0]["failure"]["file"]) == 1024
+
+
+# --- the data plane: which origin failures are a verdict on the bytes ------------------
+
+
+def _model(tmp_path: Path) -> tuple[Any, Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(random.Random(1).randbytes(3 * 16384))
+    return build_manifest(LocalFolder(src), chunk_size=16384), src
+
+
+class TruncatingOrigin:
+    """An origin that answers one chunk short, every time (a transient cut, not bad bytes)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.local = LocalFolder(folder)
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        return self.local.read_range(path, offset, size)[: size // 2]
+
+
+def test_origin_bytes_that_changed_raise_an_origin_mismatch_naming_file_and_chunk(
+    tmp_path: Path,
+) -> None:
+    manifest, src = _model(tmp_path)
+    data = bytearray((src / "w.bin").read_bytes())
+    data[16384 + 5] ^= 0xFF  # chunk 1 changed after the manifest was written
+    (src / "w.bin").write_bytes(bytes(data))
+    store = ChunkStore(tmp_path / "cache")
+    dp = DataPlaneMetrics.create(CollectorRegistry())
+    with pytest.raises(OriginMismatchError) as caught:
+        stage(manifest, store, LocalFolder(src), [], node="n1", metrics=dp, workers=1)
+    assert (caught.value.file, caught.value.index, caught.value.offset) == ("w.bin", 1, 16384)
+    assert classify(caught.value, NOW).reason == "OriginMismatch"
+    assert not store.is_staged(manifest.digest)
+
+
+def test_a_short_origin_read_is_not_an_origin_mismatch(tmp_path: Path) -> None:
+    manifest, src = _model(tmp_path)
+    store = ChunkStore(tmp_path / "cache")
+    dp = DataPlaneMetrics.create(CollectorRegistry())
+    with pytest.raises(Exception) as caught:
+        stage(manifest, store, TruncatingOrigin(src), [], node="n1", metrics=dp, workers=1)
+    assert not isinstance(caught.value, OriginMismatchError)
+    assert classify(caught.value, NOW).reason != "OriginMismatch"
+
+
+# --- the operator: abort at once, or wait ----------------------------------------------
+
+
+def node(
+    name: str, reason: str | None, state: str = "Failed", file: str = "w.bin", chunk: int = 3
+) -> NodeStaging:
+    failure = None
+    if reason is not None:
+        failure = NodeFailure(
+            reason,
+            file if reason == "OriginMismatch" else None,
+            chunk if reason == "OriginMismatch" else None,
+            chunk << 20 if reason == "OriginMismatch" else None,
+        )
+    return NodeStaging(name, state, message=f"{name}: {reason}", failure=failure)
+
+
+def seen(*nodes: NodeStaging, targets: int | None = None) -> PrefetchObservation:
+    return PrefetchObservation(
+        digest=DIGEST_B,
+        target_nodes=len(nodes) if targets is None else targets,
+        staged_nodes=sum(n.state == "Staged" for n in nodes),
+        nodes=nodes,
+    )
+
+
+@pytest.mark.parametrize(
+    ("observation", "abort_reason"),
+    [
+        # two nodes agree on the same chunk: abort
+        (
+            seen(
+                node("a", "OriginMismatch"), node("b", "OriginMismatch"), node("c", None, "Staging")
+            ),
+            "OriginMismatch",
+        ),
+        # one retrying (Staging) with the failure kept still counts
+        (
+            seen(
+                node("a", "OriginMismatch"),
+                node("b", "OriginMismatch", "Staging"),
+                node("c", None, "Pending"),
+            ),
+            "OriginMismatch",
+        ),
+        # a single target node: its word is all there is
+        (seen(node("a", "ManifestInvalid")), "ManifestInvalid"),
+        (seen(node("a", "ManifestChanged"), node("b", "ManifestChanged")), "ManifestChanged"),
+        # one node alone never aborts: its disk, network or agent may be what is wrong
+        (
+            seen(
+                node("a", "OriginMismatch"), node("b", None, "Staging"), node("c", None, "Pending")
+            ),
+            None,
+        ),
+        (seen(node("a", "ManifestInvalid"), node("b", None, "Staging")), None),
+        # two nodes, different chunks: not the same failure
+        (seen(node("a", "OriginMismatch", chunk=1), node("b", "OriginMismatch", chunk=2)), None),
+        # transient and per-node failures never abort, however many nodes
+        (
+            seen(
+                node("a", "SourceUnavailable"),
+                node("b", "SourceUnavailable"),
+                node("c", "SourceUnavailable"),
+            ),
+            None,
+        ),
+        (seen(node("a", "DiskFull"), node("b", "DiskFull"), node("c", "Staged", "Staged")), None),
+        (seen(node("a", "StageError"), node("b", "StageError")), None),
+        # a staged node's stale failure is not a failure
+        (seen(node("a", "OriginMismatch", "Staged"), node("b", "OriginMismatch")), None),
+        # mixed reasons do not add up
+        (seen(node("a", "OriginMismatch"), node("b", "ManifestInvalid")), None),
+        (seen(), None),
+    ],
+)
+def test_deterministic_failure_needs_two_agreeing_nodes(
+    observation: PrefetchObservation, abort_reason: str | None
+) -> None:
+    verdict = deterministic_failure(observation)
+    assert (verdict.reason if verdict else None) == abort_reason
+
+
+def test_the_verdict_names_file_chunk_and_nodes() -> None:
+    verdict = deterministic_failure(
+        seen(
+            node("n2", "OriginMismatch"), node("n1", "OriginMismatch"), node("n3", None, "Staging")
+        )
+    )
+    assert verdict is not None
+    assert verdict.nodes == ("n1", "n2")
+    assert "w.bin chunk 3 (offset 3145728)" in verdict.message
+    assert "on 2 of 3 nodes (n1, n2)" in verdict.message
+    assert dict(verdict.details) == {
+        "staging failure": "OriginMismatch",
+        "nodes": "n1, n2",
+        "file": "w.bin",
+        "chunk": "3 (offset 3145728)",
+    }
+
+
+def test_failed_nodes_names_a_full_disk_with_its_bytes() -> None:
+    full = NodeStaging(
+        "n3",
+        "Failed",
+        failure=NodeFailure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
+    )
+    text = failed_nodes(seen(NodeStaging("n1", "Staged"), full))
+    assert text == "failed on 1: n3: DiskFull (needs 6291456 B, 0 B available)"
+    assert failed_nodes(seen(NodeStaging("n1", "Staged"))) == ""
+
+
+def prefetching(observation: PrefetchObservation) -> tuple[Any, Any]:
+    """A Healthy v1 whose v2 (DIGEST_B) is prefetching, then one decide on ``observation``."""
+    rollout, stable = healthy_rollout([{"setWeight": 25}, {"pause": {}}])
+    rollout = with_model_revision(rollout, "v2")
+    waiting = observe(
+        replica_set(stable, 4), digest=DIGEST_B, prefetch=seen(node("a", None, "Staging"))
+    )
+    rollout = with_status(rollout, decide(rollout, waiting, at(60)))
+    assert rollout.status.phase == "Prefetching"
+    decision = decide(
+        rollout, observe(replica_set(stable, 4), digest=DIGEST_B, prefetch=observation), at(61)
+    )
+    return with_status(rollout, decision), decision
+
+
+def test_two_nodes_with_the_same_origin_mismatch_abort_the_rollout_at_once() -> None:
+    rollout, decision = prefetching(
+        seen(
+            node("n1", "OriginMismatch"), node("n2", "OriginMismatch"), node("n3", None, "Staging")
+        )
+    )
+    status = rollout.status
+    assert status.phase == "Degraded"
+    assert status.abort is not None and status.abort.reason == "OriginMismatch"
+    assert "w.bin chunk 3" in status.abort.message
+    aborted = status.condition("Aborted")
+    assert aborted is not None and aborted.reason == "OriginMismatch"
+    assert "w.bin chunk 3" in aborted.message
+    prefetched = status.condition("Prefetched")
+    assert prefetched is not None and (prefetched.status, prefetched.reason) == (
+        "False",
+        "OriginMismatch",
+    )
+    events = [e for e in decision.events if e.reason == "OriginMismatch"]
+    assert len(events) == 1 and "w.bin chunk 3" in events[0].message
+    assert status.history[-1].reason == "OriginMismatch"
+    # Slack: the sample rollout notifies RolledBack; the message and fields name it.
+    notes = [n for n in decision.notifications if n.event == "RolledBack"]
+    assert len(notes) == 1
+    details = dict(notes[0].details)
+    assert "w.bin chunk 3" in notes[0].message
+    assert details["file"] == "w.bin" and details["chunk"].startswith("3")
+
+
+@pytest.mark.parametrize(
+    "observation",
+    [
+        seen(
+            node("n1", "OriginMismatch"), node("n2", None, "Staging"), node("n3", None, "Staging")
+        ),
+        seen(node("n1", "DiskFull"), NodeStaging("n2", "Staged"), NodeStaging("n3", "Staged")),
+        seen(
+            node("n1", "SourceUnavailable"),
+            node("n2", "SourceUnavailable"),
+            node("n3", "SourceUnavailable"),
+        ),
+    ],
+    ids=["one-node-mismatch", "disk-full", "s3-errors"],
+)
+def test_other_failures_wait_within_the_deadline_and_say_why(
+    observation: PrefetchObservation,
+) -> None:
+    rollout, _ = prefetching(observation)
+    assert rollout.status.phase == "Prefetching"
+    assert rollout.status.abort is None
+    prefetched = rollout.status.condition("Prefetched")
+    assert prefetched is not None and prefetched.status == "False"
+    assert "failed on" in prefetched.message and "n1:" in prefetched.message
+
+
+def test_a_full_disk_on_one_node_shows_in_the_rollouts_status() -> None:
+    full = NodeStaging(
+        "n3",
+        "Failed",
+        0,
+        6 << 20,
+        "not enough space",
+        failure=NodeFailure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
+    )
+    rollout, _ = prefetching(seen(NodeStaging("n1", "Staged"), NodeStaging("n2", "Staged"), full))
+    assert rollout.status.prefetch is not None
+    (shown,) = rollout.status.prefetch.nodes
+    assert shown.name == "n3" and shown.failure is not None
+    assert (shown.failure.reason, shown.failure.bytes_needed) == ("DiskFull", 6 << 20)
+
+
+def test_the_operator_reads_the_failure_from_the_weightcache() -> None:
+    def cache(name: str, failure: dict[str, Any] | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"digest": DIGEST_B, "state": "Failed", "lastError": "x"}
+        if failure is not None:
+            entry["failure"] = failure
+        return {
+            "metadata": {"name": name},
+            "spec": {"nodeName": name},
+            "status": {"manifests": [entry]},
+        }
+
+    mismatch = {
+        "reason": "OriginMismatch",
+        "file": "w.bin",
+        "chunk": 3,
+        "offset": 3 << 20,
+        "since": "2026-01-01T12:00:00Z",
+    }
+    observation = prefetch_observation(
+        DIGEST_B,
+        ["n1", "n2", "n3", "n4"],
+        [
+            cache("n1", mismatch),
+            cache("n2", mismatch),
+            cache("n3", {"reason": "NotAReason"}),  # not the CRD's shape: no failure
+            cache("n4", None),  # an old agent: no failure field
+        ],
+    )
+    failures = {n.name: n.failure for n in observation.nodes}
+    assert failures["n1"] == NodeFailure("OriginMismatch", "w.bin", 3, 3 << 20, since=NOW)
+    assert failures["n3"] is None and failures["n4"] is None
+    verdict = deterministic_failure(observation)
+    assert verdict is not None and verdict.nodes == ("n1", "n2")
