@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from prometheus_client import CollectorRegistry
+from rich.console import Console
 
 from weightship.agent.failures import Failure, StageError, classify
 from weightship.agent.status import Entry, build_status, recover
@@ -38,6 +39,7 @@ from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError
 from weightship.data.peer import PeerUnavailableError
 from weightship.data.stage import stage
+from weightship.statusview import render
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
 CHUNK = ChunkEntry(file="model.safetensors", index=3, offset=3 << 20, size=1 << 20, sha256="a" * 64)
@@ -424,3 +426,35 @@ def test_the_operator_reads_the_failure_from_the_weightcache() -> None:
     assert failures["n3"] is None and failures["n4"] is None
     verdict = deterministic_failure(observation)
     assert verdict is not None and verdict.nodes == ("n1", "n2")
+
+
+def test_weightship_status_shows_each_failing_nodes_reason() -> None:
+    rollout = {
+        "metadata": {"name": "llm", "namespace": "serving"},
+        "spec": {"replicas": 2, "strategy": {"canary": {"steps": [{"setWeight": 100}]}}},
+        "status": {
+            "phase": "Prefetching",
+            "prefetch": {
+                "stagedNodes": 1,
+                "targetNodes": 3,
+                "nodes": [
+                    {
+                        "name": "proc-2",
+                        "state": "Failed",
+                        "failure": {"reason": "DiskFull", "bytesNeeded": 100, "bytesAvailable": 7},
+                    },
+                    {
+                        "name": "proc-1",
+                        "state": "Staging",
+                        "failure": {"reason": "OriginMismatch", "file": "w.bin", "chunk": 3},
+                    },
+                    {"name": "proc-0", "state": "Staging", "bytesDone": 1, "bytesTotal": 2},
+                ],
+            },
+        },
+    }
+    console = Console(width=200, record=True)
+    console.print(render(rollout))
+    lines = console.export_text().splitlines()
+    assert any("proc-2" in ln and "DiskFull (needs 100 B, 7 B available)" in ln for ln in lines)
+    assert any("proc-1" in ln and "OriginMismatch (w.bin chunk 3)" in ln for ln in lines)
