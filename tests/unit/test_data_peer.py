@@ -260,10 +260,11 @@ def claim_from(address: str, sha: str, node: str, source: str = "127.0.0.1") -> 
 def test_claims_only_from_known_peers_at_their_own_address_for_wanted_chunks(
     server: PeerServer, store: ChunkStore
 ) -> None:
-    wanted, other = "1" * 64, "3" * 64
-    # No stage in progress: this node fetches nothing, so any claim is granted, unkept.
-    assert claim_from(server.address, wanted, "node-b") == 200
-    assert store.claims.entries() == 0
+    wanted, other, earlier = "1" * 64, "3" * 64, "5" * 64
+    # No stage in progress: this node fetches nothing, so any claim is granted, and only
+    # remembered for its next stage (test_a_claim_between_stages_binds_the_next_stage).
+    assert claim_from(server.address, earlier, "node-b") == 200
+    assert store.claims.entries() == 0 and store.claims.remembered() == 1
     store.claims.open([wanted], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
     assert claim_from(server.address, wanted, "stranger") == 403  # not a peer of the stage
     assert claim_from(server.address, wanted, "node-c") == 403  # node-c is at 127.0.0.2
@@ -278,11 +279,43 @@ def test_claims_only_from_known_peers_at_their_own_address_for_wanted_chunks(
 
 
 def test_random_digests_never_grow_the_claim_table(server: PeerServer, store: ChunkStore) -> None:
+    from weightship.data import claims
+
     store.claims.open(["1" * 64], PEERS)
     before = store.claims.entries()
     for i in range(200):
         assert claim_from(server.address, f"{i + 2:064x}", "stranger") == 200  # unkept
     assert store.claims.entries() == before
+    # Grants between stages are remembered, boundedly: the oldest go first.
+    board = claims.ClaimBoard()
+    for i in range(claims.MAX_UNSTAGED_GRANTS + 50):
+        board.grant_unstaged(f"{i:064x}", "stranger", "127.0.0.9")
+    assert board.remembered() == claims.MAX_UNSTAGED_GRANTS
+
+
+def test_a_claim_between_stages_binds_the_next_stage_so_the_chunk_leaves_once() -> None:
+    """An owner whose stage failed (an S3 error storm) and waits for its retry grants a
+    peer's claim; its next stage takes that chunk from the claimant (found by
+    e2e/test_faults: the chunks claimed meanwhile left the origin twice)."""
+    from weightship.data import claims
+
+    now = [0.0]
+    board = claims.ClaimBoard(clock=lambda: now[0])
+    mine, spoofed, late = "1" * 64, "2" * 64, "3" * 64
+    board.grant_unstaged(mine, "node-b", "127.0.0.1")
+    board.grant_unstaged(mine, "node-c", "127.0.0.2")  # the first live claimant is kept
+    board.grant_unstaged(spoofed, "node-c", "127.0.0.9")  # not node-c's peer address
+    board.grant_unstaged(late, "node-b", "127.0.0.1")
+    now[0] += claims.GRANT_TTL_S + 1
+    board.grant_unstaged(mine, "node-b", "127.0.0.1")  # asked again: a fresh grant
+    board.open([mine, spoofed, late], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
+    assert board.start(mine) == "node-b"  # take it from node-b
+    assert board.start(spoofed) is None  # a stranger naming node-c binds nothing
+    assert board.start(late) is None  # that grant had expired: fetch it here
+    assert board.remembered() == 0
+    # The claimant may have failed before fetching it: the owner waits a short while only.
+    now[0] += claims.UNSTAGED_GRANT_HOLD_S + 1
+    assert board.claimant(mine) is None
 
 
 def test_a_grant_expires_so_the_owner_fetches_it_itself(store: ChunkStore) -> None:

@@ -9,6 +9,11 @@ the owner takes it from the claimant like any peer chunk.
 
 The board lives on the node's ChunkStore: the peer server grants claims on it, and the
 stage's fetcher consults it before each of its own origin fetches.
+
+A claim may reach an owner between two stages of the model (its last stage failed, say
+in an S3 error storm, and waits to be retried): it is granted, since that owner fetches
+nothing then, and remembered for a short while (bounded), so that the owner's next stage
+takes that chunk from the claimant rather than fetch it from the origin a second time.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from weightship.data.chunkhash import chunk_key
@@ -24,6 +29,12 @@ from weightship.data.chunkhash import chunk_key
 # A grant the claimant has not made good on by then no longer holds: the owner fetches
 # the chunk itself rather than wait on a claimant that died or lied.
 GRANT_TTL_S = 120.0
+# Grants on chunks of no stage in progress, remembered for the owner's next stage: at most
+# this many (the oldest go first, whatever digests strangers send), and once that stage
+# binds one, it waits at most this long for the claimant before fetching the chunk itself
+# (the claimant's own stage may have failed before it fetched it).
+MAX_UNSTAGED_GRANTS = 4096
+UNSTAGED_GRANT_HOLD_S = 15.0
 
 
 def peer_host(address: str) -> str | None:
@@ -55,13 +66,29 @@ class ClaimBoard:
         self._granted: dict[str, tuple[str, float]] = {}  # sha256 -> (claimant, granted at)
         self._wanted: Counter[str] = Counter()  # chunks of the models being staged
         self._peers: dict[str, str | None] = {}  # node -> the IP its claims must come from
+        # Grants made between stages: sha256 -> (claimant, its IP, granted at).
+        self._unstaged: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
 
     def open(self, digests: Iterable[str], peers: Iterable[tuple[str, str]]) -> None:
         """A stage of these chunks begins, with these (node, address) peers. Undone by
         ``forget`` of the same digests."""
         with self._lock:
-            self._wanted.update({chunk_key(d) for d in digests})
+            keys = {chunk_key(d) for d in digests}
+            self._wanted.update(keys)
             self._peers.update({node: peer_host(address) for node, address in peers})
+            now = self._clock()
+            for sha in keys & self._unstaged.keys():
+                claimant, host, at = self._unstaged.pop(sha)
+                # Bound only a live grant to a peer of this stage that asked from its own
+                # address: a stranger naming a node cannot make this owner skip the origin.
+                if (
+                    sha not in self._granted
+                    and now - at <= GRANT_TTL_S
+                    and host is not None
+                    and self._peers.get(claimant) == host
+                ):
+                    held_since = min(at, now - GRANT_TTL_S + UNSTAGED_GRANT_HOLD_S)
+                    self._granted[sha] = (claimant, held_since)
 
     def start(self, sha256: str) -> str | None:
         """This node is about to fetch ``sha256`` from the origin. Returns the node it was
@@ -100,6 +127,25 @@ class ClaimBoard:
                 self._granted[sha256] = (node, self._clock())
                 holder = node
             return holder
+
+    def grant_unstaged(self, sha256: str, node: str, source: str) -> None:
+        """``node``, asking from IP ``source``, claims a chunk of no stage in progress here:
+        it is granted (this node fetches nothing now) and the first live claimant is
+        remembered, for ``open`` to bind if this node stages that model next."""
+        sha256 = chunk_key(sha256)
+        with self._lock:
+            held = self._unstaged.get(sha256)
+            if held is not None and self._clock() - held[2] <= GRANT_TTL_S:
+                return
+            self._unstaged[sha256] = (node, peer_host(f"{source}:0"), self._clock())
+            self._unstaged.move_to_end(sha256)
+            while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
+                self._unstaged.popitem(last=False)
+
+    def remembered(self) -> int:
+        """Grants made between stages, kept for the next one (at most MAX_UNSTAGED_GRANTS)."""
+        with self._lock:
+            return len(self._unstaged)
 
     def claimant(self, sha256: str) -> str | None:
         sha256 = chunk_key(sha256)

@@ -119,7 +119,7 @@ class _ChunkHandler(BoundedHandler):
         started it, or it went to the node named in X-Weightship-Claimant; 403: a claim on
         a chunk this node is staging from a node that is not a peer of that stage, or
         from another address than its peer endpoint's. A claim on a chunk this node is
-        not staging is granted, and nothing is kept."""
+        not staging is granted, and remembered for its next stage (claims.py)."""
         if self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body we will not read: never reuse the stream
         m = CLAIM_PATH.fullmatch(self.path)
@@ -134,7 +134,9 @@ class _ChunkHandler(BoundedHandler):
             self._reply(409, b"refused\n")  # take it from here
             return
         if not board.wants(sha):
-            # Not a chunk this node will fetch: the claimant may, and nothing is kept.
+            # Not a chunk this node is fetching: the claimant may. Remembered (bounded)
+            # in case this node stages its model next, so it is not fetched twice.
+            board.grant_unstaged(sha, node, self.client_address[0])
             self._reply(200, b"granted\n", {CLAIMANT_HEADER: node})
             return
         if not board.is_peer(node, self.client_address[0]):
