@@ -360,6 +360,114 @@ def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
         ext.delete_custom_resource_definition(name)
 
 
+REMOVED_PREFETCH_FIELDS = [
+    ("tolerations", [{"key": "nvidia.com/gpu", "operator": "Exists"}], "agent.tolerations"),
+    ("chunkSizeBytes", 4 * 1024 * 1024, "weightship publish --chunk-size"),
+    ("chunkSizeBytes", 4096, "weightship publish --chunk-size"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where_now"),
+    REMOVED_PREFETCH_FIELDS,
+    ids=["tolerations", "chunkSizeBytes 4Mi", "chunkSizeBytes 4096"],
+)
+def test_removed_prefetch_fields_are_refused_by_name_not_pruned(
+    custom: client.CustomObjectsApi, namespace: str, field: str, value: Any, where_now: str
+) -> None:
+    """prefetch.tolerations and chunkSizeBytes were read by no code (issue 13): setting
+    one is refused with a message naming it and where that setting lives now."""
+    body = copy.deepcopy(VALID_MANIFEST)
+    body["spec"]["prefetch"][field] = value
+    with pytest.raises(ApiException) as err:
+        dry_run(custom, namespace, body)
+    assert err.value.status == 422
+    message = json.loads(err.value.body)["message"]
+    assert f"spec.prefetch.{field}" in message and where_now in message, message
+
+
+def test_the_removed_fields_old_defaults_are_admitted_and_nothing_is_defaulted(
+    custom: client.CustomObjectsApi, namespace: str
+) -> None:
+    """What every stored rollout carries (chunkSizeBytes was defaulted to 16Mi on every
+    write) and an empty tolerations list still apply as they are, on create too, so an
+    exported manifest re-applies; a new rollout gets neither field."""
+    body = copy.deepcopy(VALID_MANIFEST)
+    body["spec"]["prefetch"].update(chunkSizeBytes=16 * 1024 * 1024, tolerations=[])
+    admitted = dry_run(custom, namespace, body)
+    assert admitted["spec"]["prefetch"]["chunkSizeBytes"] == 16 * 1024 * 1024
+    ModelRollout.model_validate(admitted)
+    created = dry_run(custom, namespace, VALID_MANIFEST)
+    assert "chunkSizeBytes" not in created["spec"]["prefetch"]
+    assert "tolerations" not in created["spec"]["prefetch"]
+
+
+def test_a_rollout_stored_before_keeps_its_old_tolerations_and_chunk_size_unchanged(
+    cluster: Any, namespace: str
+) -> None:
+    """Ratcheting, as for cachePath: a rollout stored by the previous CRD with a chunk
+    size other than the old default and tolerations stays writable while they are
+    unchanged, changing either is refused, and the controller parses it."""
+    group = f"{testkit.unique_name('ratchet')}.weightship-test.io"
+    name = f"modelrollouts.{group}"
+    ext = client.ApiextensionsV1Api(cluster.api)
+    custom = client.CustomObjectsApi(cluster.api)
+
+    def crd(text: str) -> dict[str, Any]:
+        body: dict[str, Any] = yaml.safe_load(text)
+        body["metadata"] = {"name": name}
+        body["spec"]["group"] = group
+        body["spec"]["names"].update(shortNames=[], categories=[])
+        return body
+
+    def established() -> bool:
+        conditions = ext.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    old = crd(CRD.read_text())  # as the CRD was: no rules, chunkSizeBytes defaulted
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    prefetch = spec["properties"]["prefetch"]["properties"]
+    for field in ("tolerations", "chunkSizeBytes"):
+        del prefetch[field]["x-kubernetes-validations"]
+    prefetch["chunkSizeBytes"]["default"] = 16 * 1024 * 1024
+    ext.create_custom_resource_definition(old)
+    try:
+        testkit.wait_until(established, timeout=30, what=f"CRD {name}")
+        body = copy.deepcopy(VALID_MANIFEST)
+        body["apiVersion"], body["metadata"] = f"{group}/v1alpha1", {"name": "old"}
+        body["spec"]["prefetch"].update(
+            chunkSizeBytes=4 * 1024 * 1024, tolerations=[{"operator": "Exists"}]
+        )
+        args = (group, "v1alpha1", namespace, "modelrollouts")
+        custom.create_namespaced_custom_object(*args, body)
+        new = crd(CRD.read_text())
+        new["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(
+            name
+        ).metadata.resource_version
+        ext.replace_custom_resource_definition(name, new)
+
+        def ratcheted() -> bool:
+            try:
+                custom.patch_namespaced_custom_object(*args, "old", {"spec": {"replicas": 5}})
+            except ApiException:
+                return False
+            return True
+
+        testkit.wait_until(ratcheted, timeout=30, what="unchanged old values admitted")
+        for change, hint in (
+            ({"chunkSizeBytes": 8 * 1024 * 1024}, "--chunk-size"),
+            ({"tolerations": [{"operator": "Exists", "key": "a"}]}, "agent.tolerations"),
+        ):
+            with pytest.raises(ApiException) as err:
+                custom.patch_namespaced_custom_object(*args, "old", {"spec": {"prefetch": change}})
+            assert err.value.status == 422 and hint in err.value.body, err.value.body
+        stored = custom.get_namespaced_custom_object(*args, "old")
+        parsed = ModelRollout.model_validate(stored).spec.prefetch
+        assert parsed.chunk_size_bytes == 4 * 1024 * 1024 and parsed.tolerations
+    finally:
+        ext.delete_custom_resource_definition(name)
+
+
 def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
     custom: client.CustomObjectsApi, namespace: str
 ) -> None:
