@@ -8,6 +8,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from weightship.core.staging_failure import failure_summary, parse_failure
+
 PHASE_STYLE = {
     "Healthy": "green",
     "Progressing": "cyan",
@@ -113,18 +115,9 @@ def render(rollout: dict[str, Any]) -> Group:
 
 
 def _staging_reason(node: dict[str, Any]) -> str:
-    """Why a node's stage failed: ``DiskFull (needs 6291456 B, 0 B available)``,
-    ``OriginMismatch (model.safetensors chunk 2)``, else the reason alone."""
-    failure = node.get("failure") or {}
-    reason = str(failure.get("reason") or "")
-    if reason == "DiskFull" and failure.get("bytesNeeded") is not None:
-        return (
-            f"DiskFull (needs {failure['bytesNeeded']} B, "
-            f"{failure.get('bytesAvailable') or 0} B available)"
-        )
-    if reason == "OriginMismatch":
-        return f"OriginMismatch ({failure.get('file')} chunk {failure.get('chunk')})"
-    return reason
+    """Why a node's stage failed, e.g. ``DiskFull (needs 6291456 B, 0 B available)``."""
+    failure = parse_failure(node.get("failure"))
+    return failure_summary(failure) if failure is not None else ""
 
 
 # status.verification.loads[].mode: how the verifier checked the pod's weights.

@@ -16,12 +16,12 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
-from weightship.agent.failures import Failure, StageError, classify
+from weightship.agent.failures import StageError, classify
 from weightship.agent.status import Entry, build_status, recover
-from weightship.api.weightcache import WeightCacheStatus
+from weightship.api.weightcache import StagingFailure, WeightCacheStatus
 from weightship.controller.snapshot import prefetch_observation
 from weightship.core.decide import decide
-from weightship.core.observed import NodeFailure, NodeStaging, PrefetchObservation
+from weightship.core.observed import NodeStaging, PrefetchObservation
 from weightship.core.staging_failure import deterministic_failure, failed_nodes
 from weightship.core.testing import (
     DIGEST_B,
@@ -42,6 +42,29 @@ from weightship.data.stage import stage
 from weightship.statusview import render
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+def Failure(
+    reason: Any,
+    file: str | None = None,
+    chunk: int | None = None,
+    offset: int | None = None,
+    *,
+    bytes_needed: int | None = None,
+    bytes_available: int | None = None,
+    since: datetime | None = None,
+) -> StagingFailure:
+    return StagingFailure(
+        reason=reason,
+        file=file,
+        chunk=chunk,
+        offset=offset,
+        bytes_needed=bytes_needed,
+        bytes_available=bytes_available,
+        since=since,
+    )
+
+
 CHUNK = ChunkEntry(file="model.safetensors", index=3, offset=3 << 20, size=1 << 20, sha256="a" * 64)
 
 
@@ -82,15 +105,7 @@ CHUNK = ChunkEntry(file="model.safetensors", index=3, offset=3 << 20, size=1 << 
     ],
 )
 def test_an_agent_classifies_its_stage_failures(exc: BaseException, expected: Failure) -> None:
-    assert classify(exc, NOW) == Failure(
-        expected.reason,
-        expected.file,
-        expected.chunk,
-        expected.offset,
-        expected.bytes_needed,
-        expected.bytes_available,
-        since=NOW,
-    )
+    assert classify(exc, NOW) == expected.model_copy(update={"since": NOW})
 
 
 def test_since_is_kept_while_a_node_fails_the_same_way_and_reset_when_it_fails_otherwise() -> None:
@@ -138,7 +153,8 @@ def test_the_failure_survives_the_weightcache_round_trip_and_an_agent_restart() 
 
 
 def test_a_long_file_name_is_clipped_to_the_crd_bound() -> None:
-    failure = Failure("OriginMismatch", "d/" * 800 + "w.bin", 0, 0, since=NOW)
+    long = CHUNK.model_copy(update={"file": "d/" * 800 + "w.bin"})
+    failure = classify(OriginMismatchError(long), NOW)
     body = build_status(
         peer_endpoint="x:1",
         capacity_bytes=1,
@@ -203,7 +219,7 @@ def node(
 ) -> NodeStaging:
     failure = None
     if reason is not None:
-        failure = NodeFailure(
+        failure = Failure(
             reason,
             file if reason == "OriginMismatch" else None,
             chunk if reason == "OriginMismatch" else None,
@@ -262,7 +278,7 @@ def seen(*nodes: NodeStaging, targets: int | None = None) -> PrefetchObservation
             ),
             None,
         ),
-        (seen(node("a", "DiskFull"), node("b", "DiskFull"), node("c", "Staged", "Staged")), None),
+        (seen(node("a", "DiskFull"), node("b", "DiskFull"), node("c", None, "Staged")), None),
         (seen(node("a", "StageError"), node("b", "StageError")), None),
         # a staged node's stale failure is not a failure
         (seen(node("a", "OriginMismatch", "Staged"), node("b", "OriginMismatch")), None),
@@ -300,7 +316,7 @@ def test_failed_nodes_names_a_full_disk_with_its_bytes() -> None:
     full = NodeStaging(
         "n3",
         "Failed",
-        failure=NodeFailure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
+        failure=Failure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
     )
     text = failed_nodes(seen(NodeStaging("n1", "Staged"), full))
     assert text == "failed on 1: n3: DiskFull (needs 6291456 B, 0 B available)"
@@ -384,7 +400,7 @@ def test_a_full_disk_on_one_node_shows_in_the_rollouts_status() -> None:
         0,
         6 << 20,
         "not enough space",
-        failure=NodeFailure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
+        failure=Failure("DiskFull", bytes_needed=6 << 20, bytes_available=0),
     )
     rollout, _ = prefetching(seen(NodeStaging("n1", "Staged"), NodeStaging("n2", "Staged"), full))
     assert rollout.status.prefetch is not None
@@ -422,7 +438,7 @@ def test_the_operator_reads_the_failure_from_the_weightcache() -> None:
         ],
     )
     failures = {n.name: n.failure for n in observation.nodes}
-    assert failures["n1"] == NodeFailure("OriginMismatch", "w.bin", 3, 3 << 20, since=NOW)
+    assert failures["n1"] == Failure("OriginMismatch", "w.bin", 3, 3 << 20, since=NOW)
     assert failures["n3"] is None and failures["n4"] is None
     verdict = deterministic_failure(observation)
     assert verdict is not None and verdict.nodes == ("n1", "n2")

@@ -25,10 +25,11 @@ from weightship.agent import desired, status
 from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
-from weightship.agent.failures import DETERMINISTIC, StageError, classify
+from weightship.agent.failures import StageError, classify
 from weightship.agent.kube import AgentKube, RolloutInformer
 from weightship.agent.metrics import STATES, AgentMetrics
 from weightship.api.weightcache import FailureReason
+from weightship.core.staging_failure import DETERMINISTIC
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, StageBusyError
 from weightship.data.fetcher import ChunkOrigin, Peer, TokenBucket
 from weightship.data.manifest import MANIFEST_NAME, Manifest, ManifestError

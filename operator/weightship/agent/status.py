@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Literal
 
-from weightship.agent.failures import Failure
 from weightship.api.weightcache import (
     MAX_CACHED_MANIFESTS,
     CachedManifest,
+    StagingFailure,
     WeightCacheStatus,
 )
 
@@ -43,7 +43,7 @@ class Entry:
     completed_at: datetime | None = None
     last_error: str | None = None
     pinned_by: tuple[str, ...] = ()
-    failure: Failure | None = None  # why the last stage failed (kept while a retry runs)
+    failure: StagingFailure | None = None  # why the last stage failed (kept while a retry runs)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def recover(previous: Mapping[str, Any] | None) -> dict[str, Entry]:
             completed_at=m.completed_at,
             last_error=m.last_error,
             pinned_by=tuple(m.pinned_by),
-            failure=Failure.from_api(m.failure) if m.failure is not None else None,
+            failure=m.failure,
         )
         if entry.state in ("Staging", "Evicting"):
             entry = replace(entry, bytes_done=0, bytes_from_peers=0, bytes_from_origin=0)
@@ -194,7 +194,7 @@ def build_status(
                 started_at=e.started_at,
                 completed_at=e.completed_at,
                 last_error=clip(e.last_error),
-                failure=e.failure.to_api() if e.failure is not None else None,
+                failure=e.failure,
                 pinned_by=list(e.pinned_by),
             )
             for e in sorted(kept, key=lambda e: e.digest)

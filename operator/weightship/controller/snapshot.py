@@ -8,12 +8,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from weightship.api.weightcache import StagingFailure
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE, staged_node_label
 from weightship.controller.pods import condition, is_true
 from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.observed import (
-    NodeFailure,
     NodeStaging,
     ObservedPod,
     PodFailure,
@@ -21,6 +19,7 @@ from weightship.core.observed import (
     PrefetchObservation,
     ReplicaSetObservation,
 )
+from weightship.core.staging_failure import parse_failure
 from weightship.core.verification import IN_PROGRESS_REASONS
 
 
@@ -191,7 +190,7 @@ def prefetch_observation(
                 int(entry.get("bytesTotal") or 0),
                 entry.get("lastError"),
                 labelled=(labels.get(node) or {}).get(label) == "true",
-                failure=node_failure(entry.get("failure")),
+                failure=parse_failure(entry.get("failure")),
             )
         )
     return PrefetchObservation(
@@ -201,17 +200,4 @@ def prefetch_observation(
         bytes_staged=sum(n.bytes_done for n in nodes),
         bytes_total=sum(n.bytes_total for n in nodes),
         nodes=tuple(nodes),
-    )
-
-
-def node_failure(raw: object) -> NodeFailure | None:
-    """Pure: a WeightCache entry's failure, None when absent or not the CRD's shape."""
-    if not isinstance(raw, dict):
-        return None
-    try:
-        f = StagingFailure.model_validate(raw)
-    except ValueError:
-        return None
-    return NodeFailure(
-        f.reason, f.file, f.chunk, f.offset, f.bytes_needed, f.bytes_available, f.since
     )

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from weightship.api.weightcache import StagingFailure
+
 
 @dataclass(frozen=True)
 class PodFailure:
@@ -51,19 +53,6 @@ class ReplicaSetObservation:
 
 
 @dataclass(frozen=True)
-class NodeFailure:
-    """Why a node's last stage of a manifest failed (its WeightCache's failure)."""
-
-    reason: str
-    file: str | None = None
-    chunk: int | None = None
-    offset: int | None = None
-    bytes_needed: int | None = None
-    bytes_available: int | None = None
-    since: datetime | None = None
-
-
-@dataclass(frozen=True)
 class NodeStaging:
     name: str
     state: Literal["Pending", "Staging", "Staged", "Failed"]
@@ -72,8 +61,8 @@ class NodeStaging:
     message: str | None = None
     labelled: bool = False
     """The node already carries the staged label of this manifest."""
-    failure: NodeFailure | None = None
-    """Why its last attempt failed; kept while a retry is Staging."""
+    failure: StagingFailure | None = None
+    """Why its last attempt failed (its WeightCache's); kept while a retry is Staging."""
 
 
 @dataclass(frozen=True)

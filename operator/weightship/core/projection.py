@@ -14,7 +14,6 @@ from weightship.api.status import (
     ReplicaStatus,
     VerificationStatus,
 )
-from weightship.core import staging_failure
 from weightship.core.context import RolloutContext
 
 
@@ -101,7 +100,7 @@ def _project_prefetch(ctx: RolloutContext) -> None:
                 bytes_done=n.bytes_done,
                 bytes_total=n.bytes_total,
                 message=n.message,
-                failure=staging_failure.to_status(n.failure),
+                failure=n.failure,
             )
             for n in pending
         ],

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from weightship.api.weightcache import StagingFailure
-from weightship.core.observed import NodeFailure, NodeStaging, PrefetchObservation
+from weightship.core.observed import NodeStaging, PrefetchObservation
 
 DETERMINISTIC = frozenset({"OriginMismatch", "ManifestInvalid", "ManifestChanged"})
 MIN_AGREEING_NODES = 2
@@ -32,7 +32,7 @@ class StagingVerdict:
     reason: str
     message: str
     nodes: tuple[str, ...]
-    failure: NodeFailure
+    failure: StagingFailure
 
     @property
     def details(self) -> tuple[tuple[str, str], ...]:
@@ -46,7 +46,7 @@ class StagingVerdict:
         return tuple(out)
 
 
-def _failing(node: NodeStaging) -> NodeFailure | None:
+def _failing(node: NodeStaging) -> StagingFailure | None:
     """The failure of a node that has not staged (Failed, or Staging a retry)."""
     return node.failure if node.state != "Staged" else None
 
@@ -80,7 +80,7 @@ def deterministic_failure(prefetch: PrefetchObservation | None) -> StagingVerdic
 
 
 def _describe(
-    failure: NodeFailure, nodes: tuple[str, ...], targets: int, detail: str | None
+    failure: StagingFailure, nodes: tuple[str, ...], targets: int, detail: str | None
 ) -> str:
     where = f"on {len(nodes)} of {targets} nodes ({_names(nodes)})"
     if failure.reason == "OriginMismatch":
@@ -96,21 +96,15 @@ def _describe(
     return f"{what} {where}: {_clip(detail or '')}".rstrip(": ")
 
 
-def to_status(f: NodeFailure | None) -> StagingFailure | None:
-    """A node's failure as the rollout's status.prefetch.nodes[] shows it."""
-    if f is None:
+def parse_failure(raw: object) -> StagingFailure | None:
+    """A WeightCache entry's raw failure; None when absent or not the CRD's shape (an
+    agent of another version)."""
+    if not isinstance(raw, dict):
         return None
-    return StagingFailure.model_validate(
-        {
-            "reason": f.reason,
-            "file": f.file,
-            "chunk": f.chunk,
-            "offset": f.offset,
-            "bytesNeeded": f.bytes_needed,
-            "bytesAvailable": f.bytes_available,
-            "since": f.since,
-        }
-    )
+    try:
+        return StagingFailure.model_validate(raw)
+    except ValueError:
+        return None
 
 
 def failed_nodes(prefetch: PrefetchObservation | None) -> str:
@@ -121,12 +115,12 @@ def failed_nodes(prefetch: PrefetchObservation | None) -> str:
     failing = [(n, f) for n in prefetch.nodes if (f := _failing(n)) is not None]
     if not failing:
         return ""
-    shown = [f"{n.name}: {_summary(f)}" for n, f in failing[:MAX_NAMED_NODES]]
+    shown = [f"{n.name}: {failure_summary(f)}" for n, f in failing[:MAX_NAMED_NODES]]
     more = len(failing) - len(shown)
     return f"failed on {len(failing)}: " + "; ".join(shown) + (f"; +{more} more" if more else "")
 
 
-def _summary(f: NodeFailure) -> str:
+def failure_summary(f: StagingFailure) -> str:
     if f.reason == "DiskFull" and f.bytes_needed is not None:
         return f"DiskFull (needs {f.bytes_needed} B, {f.bytes_available or 0} B available)"
     if f.reason == "OriginMismatch":
