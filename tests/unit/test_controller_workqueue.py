@@ -153,3 +153,16 @@ def test_shutdown_releases_waiting_workers() -> None:
     assert not any(t.is_alive() for t in workers.threads)
     q.add("late")
     assert len(q) == 0
+
+
+def test_wait_idle_returns_once_the_worker_holding_the_key_is_done() -> None:
+    """The workloadRef deletion handler waits out a reconcile in flight this way."""
+    q: WorkQueue[str] = WorkQueue()
+    assert q.wait_idle("a", 0)  # nobody holds it
+    q.add("a")
+    assert q.get(0) == "a"
+    assert not q.wait_idle("a", 0.1)  # held: times out
+    threading.Timer(0.2, q.done, args=("a",)).start()
+    started = time.monotonic()
+    assert q.wait_idle("a", 5)
+    assert 0.1 < time.monotonic() - started < 4

@@ -51,6 +51,7 @@ INDEXES = ("rollouts", "rollout_replicasets", "rollout_pods")
 # waits for staging reconciles at most once a second for all of its nodes together.
 STAGING_WAKE_DELAY_S = 1.0
 EVENT_THREADS = 2
+RECONCILE_IN_FLIGHT_WAIT_S = 30.0
 
 
 @kopf.on.startup(id="configure")
@@ -207,13 +208,19 @@ async def rollout_pods(
     value=kopf.PRESENT,
     backoff=5,
 )
-def give_back_workload(status: kopf.Status, namespace: str | None, memo: Any, **_: Any) -> None:
+def give_back_workload(
+    status: kopf.Status, namespace: str | None, name: str | None, memo: Any, **_: Any
+) -> None:
     """A rollout that scaled its workloadRef Deployment to zero gives it back its replicas.
     kopf puts the finalizer on a rollout only while status.workload records such a
     Deployment, so this runs before the rollout is gone, and only for those; a failed
     write raises and kopf retries (the scale is idempotent)."""
+    namespace = namespace or "default"
     record = WorkloadStatus.model_validate(dict(status["workload"]))
-    apply.apply_workloads(memo.reconciler.kube, namespace or "default", [give_back(record)])
+    # Reconciles from now on see the deletion and scale nothing down; one that began
+    # before it may still write its scale-down: give back only after it is done.
+    memo.queue.wait_idle((namespace, name), RECONCILE_IN_FLIGHT_WAIT_S)
+    apply.apply_workloads(memo.reconciler.kube, namespace, [give_back(record)])
 
 
 # ---- events only enqueue --------------------------------------------------------------

@@ -121,6 +121,17 @@ class WorkQueue(Generic[K]):
                 self._queue.append(key)
                 self._cond.notify()
 
+    def wait_idle(self, key: K, timeout_s: float) -> bool:
+        """Wait until no worker holds ``key`` (at most ``timeout_s``); True when none does."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if key not in self._processing:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
     def _promote_due_locked(self) -> None:
         now = self.clock()
         while self._heap and self._heap[0][0] <= now:
