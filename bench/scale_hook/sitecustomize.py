@@ -5,6 +5,9 @@ these are this one process's, in both designs alike."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -34,10 +37,20 @@ def classify(method: str, url: str) -> tuple[str, str]:
 
 
 _request = rest.RESTClientObject.request
+# A file to append each write's verb, path and body to (JSON lines), to see what a
+# rollout's writes were: BENCH_WRITE_LOG=/tmp/writes.jsonl.
+WRITE_LOG = os.environ.get("BENCH_WRITE_LOG")
 
 
 def _counted(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
-    REQUESTS.labels(*classify(method, url)).inc()
+    verb, resource = classify(method, url)
+    REQUESTS.labels(verb, resource).inc()
+    if WRITE_LOG and verb not in ("GET", "LIST", "WATCH"):
+        line = {"t": time.time(), "verb": verb, "path": urlsplit(url).path}
+        if resource.endswith("/status"):
+            line["body"] = kwargs.get("body")
+        with open(WRITE_LOG, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
     return _request(self, method, url, *args, **kwargs)
 
 

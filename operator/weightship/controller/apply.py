@@ -22,18 +22,24 @@ from weightship.controller.builders import (
     verified_condition,
 )
 from weightship.controller.kube import Kube
-from weightship.controller.seedkey import ensure_seed_key
+from weightship.controller.seedkey import SeedKeys
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleWorkload
 
 log = logging.getLogger(__name__)
 
 
 def carry_out(
-    kube: Kube, rollout: ModelRollout, decision: Decision, *, cache_dir: str = DEFAULT_CACHE_DIR
+    kube: Kube,
+    rollout: ModelRollout,
+    decision: Decision,
+    *,
+    cache_dir: str = DEFAULT_CACHE_DIR,
+    seed_keys: SeedKeys | None = None,
 ) -> None:
     """Everything but the status patch and the events, in order. ``cache_dir`` is the node
-    cache the pods' model mounts are under (the operator's install-time setting)."""
-    apply_replica_sets(kube, rollout, decision, cache_dir=cache_dir)
+    cache the pods' model mounts are under (the operator's install-time setting);
+    ``seed_keys`` the operator's record of the seeding keys already made."""
+    apply_replica_sets(kube, rollout, decision, cache_dir=cache_dir, seed_keys=seed_keys)
     apply_traffic(kube, rollout, decision)
     apply_workloads(kube, rollout.metadata.namespace or "default", decision.workloads)
     for label in decision.node_labels:
@@ -44,9 +50,15 @@ def carry_out(
 
 
 def apply_replica_sets(
-    kube: Kube, rollout: ModelRollout, decision: Decision, *, cache_dir: str = DEFAULT_CACHE_DIR
+    kube: Kube,
+    rollout: ModelRollout,
+    decision: Decision,
+    *,
+    cache_dir: str = DEFAULT_CACHE_DIR,
+    seed_keys: SeedKeys | None = None,
 ) -> None:
     namespace = rollout.metadata.namespace or "default"
+    keys = seed_keys if seed_keys is not None else SeedKeys(kube)
     for revision in decision.not_rebuilt:
         log.warning(
             "cannot rebuild ReplicaSet %s/%s: only the spec's current revision has a template",
@@ -55,7 +67,7 @@ def apply_replica_sets(
         )
     for action in decision.scales:
         if isinstance(action, CreateReplicaSet):
-            ensure_seed_key(kube, rollout)  # before the pods that read it exist
+            keys.ensure(rollout)  # before the pods that read it exist
             kube.create_replicaset(
                 replicaset_body(
                     rollout,

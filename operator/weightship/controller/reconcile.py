@@ -30,6 +30,7 @@ from weightship.controller.observe import (
     observe,
     prometheus_measure,
 )
+from weightship.controller.seedkey import SeedKeys
 from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
@@ -65,9 +66,11 @@ class Reconciler:
     manifests: ManifestResolver = field(init=False)
     measurements: Measurements = field(init=False)
     templates: Templates = field(init=False)
+    seed_keys: SeedKeys = field(init=False)
 
     def __post_init__(self) -> None:
         self.kube.view = self.view
+        self.seed_keys = SeedKeys(self.kube)
         self.manifests = ManifestResolver(self.kube, self.requeue)
         self.measurements = Measurements(self.measure, self.requeue)
         self.templates = Templates(self.kube)
@@ -123,7 +126,9 @@ class Reconciler:
         observed = observation.observed
         decision = decide(rollout, observed, now, self.gates)
         laps.lap("decide")
-        apply.carry_out(self.kube, rollout, decision, cache_dir=self.cache_dir)
+        apply.carry_out(
+            self.kube, rollout, decision, cache_dir=self.cache_dir, seed_keys=self.seed_keys
+        )
         for scaled in decision.workloads:  # read it again, not the count before the write
             self.templates.forget(namespace, scaled.name)
         laps.lap("apply")
