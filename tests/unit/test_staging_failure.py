@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import random
+import threading
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,11 +35,11 @@ from weightship.core.testing import (
     with_status,
 )
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError
-from weightship.data.fetcher import OriginMismatchError
+from weightship.data.fetcher import FetchPolicy, OriginMismatchError, Peer
 from weightship.data.manifest import ChunkEntry, LocalFolder, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError
-from weightship.data.peer import PeerUnavailableError
+from weightship.data.peer import PeerServer, PeerUnavailableError
 from weightship.data.stage import stage
 from weightship.statusview import render
 
@@ -474,3 +476,57 @@ def test_weightship_status_shows_each_failing_nodes_reason() -> None:
     lines = console.export_text().splitlines()
     assert any("proc-2" in ln and "DiskFull (needs 100 B, 7 B available)" in ln for ln in lines)
     assert any("proc-1" in ln and "OriginMismatch (w.bin chunk 3)" in ln for ln in lines)
+
+
+def test_every_node_finds_a_bad_origin_chunk_at_once_not_after_the_owner_wait(
+    tmp_path: Path,
+) -> None:
+    """The chunk's owner fails it at the origin and its peer server says so (410): the
+    others fetch it from the origin themselves at once and fail alike, instead of
+    waiting ``owner_wait_s`` for an owner that will never have it (claims off, and a wait
+    far past the join below: without the 410 this test fails)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(random.Random(2).randbytes(6 * 16384))
+    manifest = build_manifest(LocalFolder(src), chunk_size=16384)
+    data = bytearray((src / "w.bin").read_bytes())
+    data[4 * 16384 + 7] ^= 0xFF  # chunk 4 changed after the manifest was written
+    (src / "w.bin").write_bytes(bytes(data))
+    nodes = ["node-a", "node-b", "node-c"]
+    stores = {n: ChunkStore(tmp_path / n) for n in nodes}
+    dp = DataPlaneMetrics.create(CollectorRegistry())
+    policy = FetchPolicy(
+        peer_timeout_s=2, owner_wait_s=600, poll_interval_s=0.01, steal_after_s=None
+    )
+    errors: dict[str, BaseException] = {}
+    with ExitStack() as stack:
+        servers = {n: stack.enter_context(PeerServer(stores[n], "127.0.0.1")) for n in nodes}
+        peers = [Peer(n, servers[n].address) for n in nodes]
+
+        def run(n: str) -> None:
+            try:
+                stage(
+                    manifest,
+                    stores[n],
+                    LocalFolder(src),
+                    peers,
+                    node=n,
+                    metrics=dp,
+                    policy=policy,
+                    workers=2,
+                )
+            except BaseException as exc:
+                errors[n] = exc
+
+        threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        cancel_waits = [t for t in threads if t.is_alive()]
+        assert not cancel_waits, "a node kept waiting for the owner of the bad chunk"
+    assert set(errors) == set(nodes), errors
+    for n, exc in errors.items():
+        assert isinstance(exc, OriginMismatchError), (n, exc)
+        assert (exc.file, exc.index) == ("w.bin", 4)
+        assert not stores[n].is_staged(manifest.digest)

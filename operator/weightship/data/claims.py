@@ -34,6 +34,7 @@ GRANT_TTL_S = 120.0
 # binds one, it waits at most this long for the claimant before fetching the chunk itself
 # (the claimant's own stage may have failed before it fetched it).
 MAX_UNSTAGED_GRANTS = 4096
+MAX_BAD_AT_ORIGIN = 4096
 UNSTAGED_GRANT_HOLD_S = 15.0
 
 
@@ -68,6 +69,8 @@ class ClaimBoard:
         self._peers: dict[str, str | None] = {}  # node -> the IP its claims must come from
         # Grants made between stages: sha256 -> (claimant, its IP, granted at).
         self._unstaged: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
+        # Chunks whose origin bytes failed verification here (oldest first, bounded).
+        self._bad_at_origin: OrderedDict[str, None] = OrderedDict()
 
     def open(self, digests: Iterable[str], peers: Iterable[tuple[str, str]]) -> None:
         """A stage of these chunks begins, with these (node, address) peers. Undone by
@@ -99,6 +102,23 @@ class ClaimBoard:
             if claimant is None:
                 self._started.add(sha256)
             return claimant
+
+    def failed_at_origin(self, sha256: str) -> None:
+        """This node fetched ``sha256`` from the origin and its bytes did not match: the
+        peer server tells whoever waits for it here (410), so they go to the origin
+        themselves at once instead of waiting for the owner. Kept across stages (the
+        failed stage is over by the time they ask), bounded."""
+        sha256 = chunk_key(sha256)
+        with self._lock:
+            self._bad_at_origin[sha256] = None
+            self._bad_at_origin.move_to_end(sha256)
+            while len(self._bad_at_origin) > MAX_BAD_AT_ORIGIN:
+                self._bad_at_origin.popitem(last=False)
+
+    def is_bad_at_origin(self, sha256: str) -> bool:
+        sha256 = chunk_key(sha256)
+        with self._lock:
+            return sha256 in self._bad_at_origin
 
     def wants(self, sha256: str) -> bool:
         """Whether ``sha256`` is a chunk of a model this node is staging."""

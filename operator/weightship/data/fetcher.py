@@ -31,6 +31,7 @@ from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError, Fill, ResumeMovedError
 from weightship.data.peer import (
+    ChunkBadAtOriginError,
     ChunkNotOnPeerError,
     PeerBusyError,
     PeerClient,
@@ -237,6 +238,8 @@ class ChunkFetcher:
         # Chunks this node claimed: set once the claimed fetch is over, so the worker
         # that wants the chunk reports it as from the origin (the claimer counts nothing).
         self._claimed_here: dict[str, threading.Event] = {}
+        # Chunks a peer found bad at the origin (410): fetched from the origin here at once.
+        self._bad_at_origin: set[str] = set()
         self._entries = {c.key: c for c in reversed(chunks)}  # first position wins
         self._queues: dict[str, list[str]] = {}  # owner -> its chunks, in fetch order
         for sha, owner in self.owners.items():
@@ -300,6 +303,12 @@ class ChunkFetcher:
             wait = min(self.policy.long_poll_s, max(0.0, deadline - round_started))
             if any(self._from_peer(n, chunk, wait if k == 0 else 0.0) for k, n in enumerate(asked)):
                 return "peer"
+            if chunk.key in self._bad_at_origin:
+                # Its owner will not get it: check the origin's bytes here rather than wait
+                # (they are verified as any; a peer lying about it costs one origin fetch).
+                log.info("chunk %s: a peer found it bad at the origin; fetching it", chunk.key)
+                self._from_origin(chunk)
+                return "origin"
             now = time.monotonic()
             if now >= deadline:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
@@ -395,7 +404,7 @@ class ChunkFetcher:
         try:
             data = self.client.fetch(self.address[node], chunk.key, wait_s=wait_s)
         except PeerError as exc:
-            self._peer_failed(node, exc)
+            self._peer_failed(node, exc, chunk.key)
             return False
         self._throttle(len(data))
         try:
@@ -418,7 +427,7 @@ class ChunkFetcher:
         try:
             body = self.client.open(address, chunk.key, start=start, wait_s=wait_s)
         except PeerError as exc:
-            self._peer_failed(node, exc)
+            self._peer_failed(node, exc, chunk.key)
             return False
         got = [start]
 
@@ -448,7 +457,9 @@ class ChunkFetcher:
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
 
-    def _peer_failed(self, node: str, exc: PeerError) -> None:
+    def _peer_failed(self, node: str, exc: PeerError, key: str | None = None) -> None:
+        if isinstance(exc, ChunkBadAtOriginError) and key is not None:
+            self._bad_at_origin.add(key)
         if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
             return
         if isinstance(exc, PeerUnavailableError):
@@ -505,6 +516,7 @@ class ChunkFetcher:
                 self.metrics.verification_failures.labels("origin").inc()
         if short is not None:
             raise short  # a short read is no verdict on the origin's bytes
+        self.claims.failed_at_origin(chunk.key)  # peers waiting for it here are told (410)
         raise OriginMismatchError(chunk)
 
     def _throttle(self, n: int) -> None:

@@ -66,6 +66,11 @@ class ChunkNotOnPeerError(PeerError):
     """The peer is alive but has no verified copy of the chunk (404)."""
 
 
+class ChunkBadAtOriginError(ChunkNotOnPeerError):
+    """The peer fetched the chunk from the origin and its bytes did not match (410): it
+    will not get it, so ask the origin now rather than wait for it."""
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """A single ``bytes=`` range as [start, end), None for the whole chunk.
 
@@ -170,6 +175,8 @@ class _ChunkHandler(BoundedHandler):
             self._reply(400, b"expected /chunks/<sha256|blake3>/<64 lowercase hex>\n")
             return
         key, store = f"{m[1]}:{m[2]}", self.server.store
+        if self._bad_at_origin(key):
+            return
         wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
         stream = send_body and self.headers.get(STREAM_HEADER) == "1"
         if stream:
@@ -181,11 +188,20 @@ class _ChunkHandler(BoundedHandler):
         else:
             found = store.open_chunk(key, wait_s=wait_s)
         if found is None:
-            self._reply(404, b"chunk not here\n")
+            if not self._bad_at_origin(key):  # it may have failed while this request waited
+                self._reply(404, b"chunk not here\n")
             return
         f, loc = found
         with f:
             self._serve_chunk(f, loc.offset, loc.size, send_body=send_body)
+
+    def _bad_at_origin(self, key: str) -> bool:
+        """Answer 410 for a chunk this node does not have and found bad at the origin."""
+        store = self.server.store
+        if store.has_chunk(key) or not store.claims.is_bad_at_origin(key):
+            return False
+        self._reply(410, b"the origin's bytes of this chunk do not match its digest\n")
+        return True
 
     def _serve_receiving(self, r: Receiving) -> None:
         """Stream the verified prefix of a chunk still arriving, as it grows (chunked
@@ -382,6 +398,8 @@ class PeerClient:
             self._http.drop("http", address)
             raise PeerUnavailableError(f"{address}: {exc!r}") from exc
         self._http.done("http", address, resp)
+        if resp.status == 410:
+            raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if resp.status == 404:
             raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
         if resp.status == 503:
@@ -410,6 +428,8 @@ class PeerClient:
         self, method: str, address: str, key: str, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
         status, body, _ = self._call(method, address, _chunk_target(key), headers, timeout_s)
+        if status == 410:
+            raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if status == 404:
             raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
         if status == 503:
