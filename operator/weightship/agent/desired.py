@@ -2,8 +2,9 @@
 
 A rollout targets this node when its prefetch is enabled and its staging selector matches
 the node's labels (`staging_selector`: the one the operator resolved and counts; an empty
-selector matches every node). It wants three digests: the canary's (to stage before the canary starts), the
-stable's and the retiring revision's (pins, so a rollback needs no download).
+selector matches every node). It wants three digests: the canary's (to stage before the
+canary starts), the stable's and the retiring revision's (pins, so a rollback needs no
+download).
 """
 
 from __future__ import annotations
