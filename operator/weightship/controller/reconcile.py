@@ -1,7 +1,9 @@
 """One reconcile: read the rollout, observe, decide, apply. Status is the only memory.
 
 Everything read comes from one snapshot of the watch caches (`cache.ClusterView`), taken
-once: observe projects it for `decide`, and apply acts on the same pods `decide` saw.
+once: observe projects it for `decide`, and apply acts on the same pods `decide` saw. A
+decision that changed the status is followed, in the same reconcile, by the decisions that
+need no new observation (`_follow_on`, each on a fresh snapshot), and one status patch.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +46,7 @@ IDLE_RECHECK_SECONDS = 30.0
 VERIFY_RECHECK_SECONDS = 2.0  # while pods wait for a verdict (their server is loading)
 SLOW_RECONCILE_SECONDS = 1.0  # logged, to see which rollout a high p99 comes from
 LOOKUP_RECHECK_SECONDS = 1.0  # a measurement is running; its completion requeues sooner
+FOLLOW_ON_LINKS = 3  # decisions after the first in one reconcile (_follow_on)
 
 
 def _never(key: RolloutKey) -> None:
@@ -132,6 +135,8 @@ class Reconciler:
         for scaled in decision.workloads:  # read it again, not the count before the write
             self.templates.forget(namespace, scaled.name)
         laps.lap("apply")
+        decision = self._follow_on(rollout, decision, now)
+        laps.lap("follow-on")
         verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
         self._write(body, rollout.status, decision, resource_version)
         laps.lap("status")
@@ -140,6 +145,45 @@ class Reconciler:
         if observation.waiting:
             delay = max(delay, LOOKUP_RECHECK_SECONDS)
         return min(delay, VERIFY_RECHECK_SECONDS) if verifying else delay
+
+    def _follow_on(self, rollout: ModelRollout, decision: Decision, now: datetime) -> Decision:
+        """Decide again on the status just decided, while that changes it: the links of a
+        chain that need no new observation (a step completed and the next one begins;
+        promoted, then serving) go out as one status patch, not one each (each a write, its
+        watch event and another reconcile: 7 status patches per revision change of a
+        two-step canary, 3 with this). Each link reads the view again, which holds the
+        writes so far (its overlay), so no link repeats an action. Returns the last link's
+        decision with every link's events and notifications."""
+        links = [decision]
+        current = rollout
+        meta = rollout.metadata
+        for _ in range(FOLLOW_ON_LINKS):
+            last = links[-1]
+            if last.workloads or not last.status_patch(current.status):
+                break  # settled (or a Deployment to read again first)
+            current = current.model_copy(update={"status": last.status})
+            objects = self.view.rollout_objects(meta.namespace or "default", meta.name)
+            if objects is None:
+                break
+            observation = observe(
+                self.view, objects, current, self.manifests, self.measurements, self.templates, now
+            )
+            if observation is None:
+                break
+            following = decide(current, observation.observed, now, self.gates)
+            if not following.status_patch(current.status):
+                break  # nothing follows (its actions, if any, wait for the next reconcile)
+            apply.carry_out(
+                self.kube, current, following, cache_dir=self.cache_dir, seed_keys=self.seed_keys
+            )
+            links.append(following)
+        if len(links) == 1:
+            return decision
+        return replace(
+            links[-1],
+            events=tuple(e for link in links for e in link.events),
+            notifications=tuple(n for link in links for n in link.notifications),
+        )
 
     def _write(
         self,
