@@ -161,3 +161,20 @@ def restart_kwok(paths: ClusterPaths, lease_seconds: int = components.KWOK_LEASE
         paths.logs / "kwok.log",
     )
     return time.monotonic() - started
+
+
+def restart_controller_manager(paths: ClusterPaths) -> float:
+    """Restart the local cluster's controller manager with components' flags (its state is
+    all in the API server). Returns the seconds it took."""
+    started = time.monotonic()
+    name = "kube-controller-manager"
+    processes.stop_daemon(paths.pids / f"{name}.pid")
+    argv = components.kube_controller_manager(paths)
+    processes.start_daemon(name, argv, pids=paths.pids, logs=paths.logs)
+    cluster.wait_for(
+        name,
+        functools.partial(cluster.component_healthy, paths, name),
+        60,
+        paths.logs / f"{name}.log",
+    )
+    return time.monotonic() - started
