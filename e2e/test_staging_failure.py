@@ -139,7 +139,7 @@ def test_a_corrupt_origin_aborts_once_two_nodes_agree_naming_file_and_chunk(
     print(
         f"\nfirst node failed {first_s:.1f}s after the rollout was created; "
         f"aborted {after_second_s:.1f}s after the second node's failure "
-        f"(progressDeadlineSeconds {DEADLINE_S})"
+        f"(progressDeadlineSeconds {DEADLINE_S}); {len(agreeing)}/{len(nodes)} nodes reported it"
     )
     # Timestamps are the agents' and the operator's clocks on one host.
     assert -1.0 <= after_second_s <= 60.0, (since, aborted_at)

@@ -124,7 +124,7 @@ class _ChunkHandler(BoundedHandler):
         started it, or it went to the node named in X-Weightship-Claimant; 403: a claim on
         a chunk this node is staging from a node that is not a peer of that stage, or
         from another address than its peer endpoint's. A claim on a chunk this node is
-        not staging is granted, and remembered for its next stage (claims.py)."""
+        not staging is granted to its first claimant, or refused naming it (claims.py)."""
         if self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body we will not read: never reuse the stream
         m = CLAIM_PATH.fullmatch(self.path)
@@ -139,10 +139,10 @@ class _ChunkHandler(BoundedHandler):
             self._reply(409, b"refused\n")  # take it from here
             return
         if not board.wants(sha):
-            # Not a chunk this node is fetching: the claimant may. Remembered (bounded)
-            # in case this node stages its model next, so it is not fetched twice.
-            board.grant_unstaged(sha, node, self.client_address[0])
-            self._reply(200, b"granted\n", {CLAIMANT_HEADER: node})
+            # Not a chunk this node is fetching: the first claimant may (claims.py).
+            holder = board.grant_unstaged(sha, node, self.client_address[0])
+            status, text = (200, b"granted\n") if holder == node else (409, b"refused\n")
+            self._reply(status, text, {CLAIMANT_HEADER: holder})
             return
         if not board.is_peer(node, self.client_address[0]):
             self._reply(403, b"not a peer of this stage, or not from its peer address\n")
@@ -198,7 +198,7 @@ class _ChunkHandler(BoundedHandler):
     def _bad_at_origin(self, key: str) -> bool:
         """Answer 410 for a chunk this node does not have and found bad at the origin."""
         store = self.server.store
-        if store.has_chunk(key) or not store.claims.is_bad_at_origin(key):
+        if not store.claims.is_bad_at_origin(key) or store.has_chunk(key):
             return False
         self._reply(410, b"the origin's bytes of this chunk do not match its digest\n")
         return True
