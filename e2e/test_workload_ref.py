@@ -178,6 +178,16 @@ def test_a_rollout_that_stops_naming_the_deployment_gives_it_back(
         timeout=120,
         what="the Deployment scaled to zero",
     )
+    # A sync that scales it up again (GitOps, a person) is undone, with the count to give
+    # back unchanged: the Deployment is not watched, so within a re-read (30 s) and a
+    # reconcile (30 s when nothing else happens).
+    cluster.apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": 3}})
+    testkit.wait_until(
+        lambda: deployment(cluster, namespace, name).spec.replicas == 0,
+        timeout=90,
+        what="the Deployment scaled up by hand scaled to zero again",
+    )
+    assert rollouts.get(name)["status"]["workload"] == {"name": name, "replicas": REPLICAS}
     # The same pods from spec.template instead: the Deployment is given back, the rollout
     # lets go of its finalizer, and its own stable keeps serving throughout.
     template = rollout_body(name, models["v1"], "v1", [], "")["spec"]["template"]
