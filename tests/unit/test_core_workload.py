@@ -12,6 +12,7 @@ import pytest
 
 from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
+from weightship.api.spec import WorkloadRef
 from weightship.api.status import AbortRequest, ControlStatus, WorkloadStatus
 from weightship.core.decide import decide
 from weightship.core.decision import Decision, ScaleWorkload
@@ -191,12 +192,10 @@ def test_an_aborted_canary_leaves_the_deployment_at_zero() -> None:
 
 def test_a_rollout_that_names_another_deployment_gives_the_first_back() -> None:
     rollout, stable = serving()
-    spec = rollout.spec.model_copy(
-        update={"workload_ref": rollout.spec.workload_ref.model_copy(update={"name": "other"})}
-    )  # type: ignore[union-attr]
+    spec = rollout.spec.model_copy(update={"workload_ref": WorkloadRef(name="other")})
     rollout = rollout.model_copy(update={"spec": spec})
     decision = decide(rollout, see(replica_set(stable, 4), deployment=2), at(2))
-    assert scales(decision)[0] == ("llm", 3)
+    assert scales(decision) == [("llm", 3)]
     assert "WorkloadReleased" in [e.reason for e in decision.events]
     # The other Deployment is a new adoption: recorded now, scaled down after.
     assert decision.status.workload == WorkloadStatus(name="other", replicas=2)
