@@ -261,10 +261,10 @@ def test_claims_only_from_known_peers_at_their_own_address_for_wanted_chunks(
     server: PeerServer, store: ChunkStore
 ) -> None:
     wanted, other, earlier = "1" * 64, "3" * 64, "5" * 64
-    # No stage in progress: this node fetches nothing, so any claim is granted, and only
-    # remembered for its next stage (test_a_claim_between_stages_binds_the_next_stage).
+    # No stage in progress: this node fetches nothing, so any claim is granted; with no
+    # stage run yet it knows no peers, so nothing is kept (see the between-stages test).
     assert claim_from(server.address, earlier, "node-b") == 200
-    assert store.claims.entries() == 0 and store.claims.remembered() == 1
+    assert store.claims.entries() == 0 and store.claims.remembered() == 0
     store.claims.open([wanted], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
     assert claim_from(server.address, wanted, "stranger") == 403  # not a peer of the stage
     assert claim_from(server.address, wanted, "node-c") == 403  # node-c is at 127.0.0.2
@@ -286,36 +286,51 @@ def test_random_digests_never_grow_the_claim_table(server: PeerServer, store: Ch
     for i in range(200):
         assert claim_from(server.address, f"{i + 2:064x}", "stranger") == 200  # unkept
     assert store.claims.entries() == before
-    # Grants between stages are remembered, boundedly: the oldest go first.
+    # Grants between stages are remembered only for known peers, and boundedly.
     board = claims.ClaimBoard()
+    board.open(["1" * 64], [("node-b", "127.0.0.9:7001")])
+    board.forget(["1" * 64])
     for i in range(claims.MAX_UNSTAGED_GRANTS + 50):
-        board.grant_unstaged(f"{i:064x}", "stranger", "127.0.0.9")
+        assert board.grant_unstaged(f"{i + 2:064x}", "stranger", "127.0.0.9") == "stranger"
+        assert board.grant_unstaged(f"{i + 2:064x}", "node-b", "127.0.0.9") == "node-b"
     assert board.remembered() == claims.MAX_UNSTAGED_GRANTS
 
 
 def test_a_claim_between_stages_binds_the_next_stage_so_the_chunk_leaves_once() -> None:
     """An owner whose stage failed (an S3 error storm) and waits for its retry grants a
-    peer's claim; its next stage takes that chunk from the claimant (found by
-    e2e/test_faults: the chunks claimed meanwhile left the origin twice)."""
+    peer's claim: a second claimant is told who has it, and the owner's next stage takes
+    it from the claimant (found by e2e/test_faults: chunks claimed meanwhile by two nodes,
+    then fetched by the owner too, left the origin two or three times)."""
     from weightship.data import claims
 
     now = [0.0]
     board = claims.ClaimBoard(clock=lambda: now[0])
+    peers = [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")]
+    board.open(["f" * 64], peers)  # an earlier stage: these are this node's peers
+    board.forget(["f" * 64])
     mine, spoofed, late = "1" * 64, "2" * 64, "3" * 64
-    board.grant_unstaged(mine, "node-b", "127.0.0.1")
-    board.grant_unstaged(mine, "node-c", "127.0.0.2")  # the first live claimant is kept
-    board.grant_unstaged(spoofed, "node-c", "127.0.0.9")  # not node-c's peer address
-    board.grant_unstaged(late, "node-b", "127.0.0.1")
-    now[0] += claims.GRANT_TTL_S + 1
-    board.grant_unstaged(mine, "node-b", "127.0.0.1")  # asked again: a fresh grant
-    board.open([mine, spoofed, late], [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")])
-    assert board.start(mine) == "node-b"  # take it from node-b
-    assert board.start(spoofed) is None  # a stranger naming node-c binds nothing
-    assert board.start(late) is None  # that grant had expired: fetch it here
-    assert board.remembered() == 0
-    # The claimant may have failed before fetching it: the owner waits a short while only.
+    assert board.grant_unstaged(mine, "node-b", "127.0.0.1") == "node-b"
+    assert board.grant_unstaged(mine, "node-c", "127.0.0.2") == "node-b"  # refused: b has it
+    assert board.grant_unstaged(mine, "node-b", "127.0.0.1") == "node-b"  # asked again
+    # A stranger naming node-c is granted (it fetches nothing here) but kept nowhere.
+    assert board.grant_unstaged(spoofed, "node-c", "127.0.0.9") == "node-c"
+    assert board.grant_unstaged(spoofed, "node-b", "127.0.0.1") == "node-b"
+    assert board.grant_unstaged(late, "node-c", "127.0.0.2") == "node-c"
+    now[0] += claims.UNSTAGED_GRANT_HOLD_S - 5
+    board.open([mine, late], peers)  # the retry: mine is taken from node-b
+    assert board.start(mine) == "node-b"
+    assert board.remembered() == 1  # spoofed: not a chunk of this stage
+    now[0] += 6  # node-b may have failed before fetching it: the owner waits no longer
+    assert board.claimant(mine) is None and board.start(mine) is None
+    # A grant older than the hold binds nothing: node-c asked too long ago.
+    board2 = claims.ClaimBoard(clock=lambda: now[0])
+    board2.open(["f" * 64], peers)
+    board2.forget(["f" * 64])
+    board2.grant_unstaged(late, "node-c", "127.0.0.2")
     now[0] += claims.UNSTAGED_GRANT_HOLD_S + 1
-    assert board.claimant(mine) is None
+    assert board2.grant_unstaged(late, "node-b", "127.0.0.1") == "node-b"  # free again
+    board2.open([late], [("node-b", "127.0.0.3:7001")])  # node-b moved: its grant is void
+    assert board2.start(late) is None
 
 
 def test_a_grant_expires_so_the_owner_fetches_it_itself(store: ChunkStore) -> None:

@@ -12,8 +12,10 @@ stage's fetcher consults it before each of its own origin fetches.
 
 A claim may reach an owner between two stages of the model (its last stage failed, say
 in an S3 error storm, and waits to be retried): it is granted, since that owner fetches
-nothing then, and remembered for a short while (bounded), so that the owner's next stage
-takes that chunk from the claimant rather than fetch it from the origin a second time.
+nothing then. When it comes from a node that was a peer of this node's stages, asking
+from that peer's address, it is also remembered for a short while (bounded): another
+claimant of that chunk is told who has it, and the owner's next stage takes the chunk
+from the claimant; either way it leaves the origin once, not two or three times.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ from weightship.data.chunkhash import chunk_key
 # A grant the claimant has not made good on by then no longer holds: the owner fetches
 # the chunk itself rather than wait on a claimant that died or lied.
 GRANT_TTL_S = 120.0
-# Grants on chunks of no stage in progress, remembered for the owner's next stage: at most
-# this many (the oldest go first, whatever digests strangers send), and once that stage
-# binds one, it waits at most this long for the claimant before fetching the chunk itself
-# (the claimant's own stage may have failed before it fetched it).
+# Grants on chunks of no stage in progress, remembered: at most MAX_UNSTAGED_GRANTS (the
+# oldest go first), each for UNSTAGED_GRANT_HOLD_S. Short, since the claimant's own stage
+# may fail before it fetched the chunk: then others and the owner fetch it soon after.
 MAX_UNSTAGED_GRANTS = 4096
 MAX_BAD_AT_ORIGIN = 4096
-UNSTAGED_GRANT_HOLD_S = 15.0
+UNSTAGED_GRANT_HOLD_S = 30.0
 
 
 def peer_host(address: str) -> str | None:
@@ -67,8 +68,11 @@ class ClaimBoard:
         self._granted: dict[str, tuple[str, float]] = {}  # sha256 -> (claimant, granted at)
         self._wanted: Counter[str] = Counter()  # chunks of the models being staged
         self._peers: dict[str, str | None] = {}  # node -> the IP its claims must come from
+        # The peers of the stages this node ran (node -> IP), kept between stages: who may
+        # claim a chunk then and be remembered (bounded by the fleet's size).
+        self._known: dict[str, str | None] = {}
         # Grants made between stages: sha256 -> (claimant, its IP, granted at).
-        self._unstaged: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
+        self._unstaged: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         # Chunks whose origin bytes failed verification here (oldest first, bounded).
         self._bad_at_origin: OrderedDict[str, None] = OrderedDict()
 
@@ -78,20 +82,17 @@ class ClaimBoard:
         with self._lock:
             keys = {chunk_key(d) for d in digests}
             self._wanted.update(keys)
-            self._peers.update({node: peer_host(address) for node, address in peers})
+            hosts = {node: peer_host(address) for node, address in peers}
+            self._peers.update(hosts)
+            self._known.update(hosts)
             now = self._clock()
             for sha in keys & self._unstaged.keys():
                 claimant, host, at = self._unstaged.pop(sha)
-                # Bound only a live grant to a peer of this stage that asked from its own
-                # address: a stranger naming a node cannot make this owner skip the origin.
-                if (
-                    sha not in self._granted
-                    and now - at <= GRANT_TTL_S
-                    and host is not None
-                    and self._peers.get(claimant) == host
-                ):
-                    held_since = min(at, now - GRANT_TTL_S + UNSTAGED_GRANT_HOLD_S)
-                    self._granted[sha] = (claimant, held_since)
+                # A grant made between stages binds this stage for what is left of its
+                # hold, when the claimant is a peer of it at the address it asked from.
+                live = now - at <= UNSTAGED_GRANT_HOLD_S
+                if live and sha not in self._granted and hosts.get(claimant) == host:
+                    self._granted[sha] = (claimant, at + UNSTAGED_GRANT_HOLD_S - GRANT_TTL_S)
 
     def start(self, sha256: str) -> str | None:
         """This node is about to fetch ``sha256`` from the origin. Returns the node it was
@@ -148,19 +149,26 @@ class ClaimBoard:
                 holder = node
             return holder
 
-    def grant_unstaged(self, sha256: str, node: str, source: str) -> None:
-        """``node``, asking from IP ``source``, claims a chunk of no stage in progress here:
-        it is granted (this node fetches nothing now) and the first live claimant is
-        remembered, for ``open`` to bind if this node stages that model next."""
+    def grant_unstaged(self, sha256: str, node: str, source: str) -> str:
+        """``node``, asking from IP ``source``, claims a chunk of no stage in progress here.
+        Returns who fetches it: ``node`` (granted: this node fetches nothing now), or the
+        node a live remembered grant went to. Only a peer of this node's stages asking
+        from its own address is remembered; anyone else is granted and forgotten, so a
+        stranger naming a node can neither bind this node nor turn real claimants away."""
         sha256 = chunk_key(sha256)
         with self._lock:
+            now = self._clock()
             held = self._unstaged.get(sha256)
-            if held is not None and self._clock() - held[2] <= GRANT_TTL_S:
-                return
-            self._unstaged[sha256] = (node, peer_host(f"{source}:0"), self._clock())
+            if held is not None and now - held[2] <= UNSTAGED_GRANT_HOLD_S:
+                return held[0]
+            host = self._known.get(node)
+            if host is None or host != peer_host(f"{source}:0"):
+                return node
+            self._unstaged[sha256] = (node, host, now)
             self._unstaged.move_to_end(sha256)
             while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
                 self._unstaged.popitem(last=False)
+            return node
 
     def remembered(self) -> int:
         """Grants made between stages, kept for the next one (at most MAX_UNSTAGED_GRANTS)."""

@@ -140,9 +140,9 @@ class _ChunkHandler(BoundedHandler):
             return
         if not board.wants(sha):
             # Not a chunk this node is fetching: the first claimant may (claims.py).
-            holder = board.grant_unstaged(sha, node, self.client_address[0])
-            status, text = (200, b"granted\n") if holder == node else (409, b"refused\n")
-            self._reply(status, text, {CLAIMANT_HEADER: holder})
+            first = board.grant_unstaged(sha, node, self.client_address[0])
+            status, text = (200, b"granted\n") if first == node else (409, b"refused\n")
+            self._reply(status, text, {CLAIMANT_HEADER: first})
             return
         if not board.is_peer(node, self.client_address[0]):
             self._reply(403, b"not a peer of this stage, or not from its peer address\n")
