@@ -65,6 +65,9 @@ def render(rollout: dict[str, Any]) -> Group:
         f", canary {replicas.get('canary', 0)}, ready {replicas.get('ready', 0)}"
         f", verified {replicas.get('verified', 0)}",
     )
+    workload = _workload_text(spec, status)
+    if workload:
+        head.add_row("Workload", workload)
 
     steps = Table("#", "step", "", title="Steps", title_justify="left")
     current = status.get("currentStepIndex")
@@ -112,6 +115,20 @@ def render(rollout: dict[str, Any]) -> Group:
             )
         parts.append(hist)
     return Group(*parts)
+
+
+def _workload_text(spec: dict[str, Any], status: dict[str, Any]) -> str:
+    """spec.workloadRef's Deployment: handed over (status.workload) or still serving."""
+    record = status.get("workload") or {}
+    if record:
+        return (
+            f"Deployment {record.get('name')} scaled to 0 by this rollout; gets "
+            f"{record.get('replicas')} replicas back when it is deleted or no longer named"
+        )
+    ref = spec.get("workloadRef") or {}
+    if ref:
+        return f"Deployment {ref.get('name')} keeps its replicas until the stable serves"
+    return ""
 
 
 def _staging_reason(node: dict[str, Any]) -> str:

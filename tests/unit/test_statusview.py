@@ -64,3 +64,19 @@ def test_status_says_which_mode_verified_each_pod() -> None:
     lines = console.export_text().splitlines()
     assert "server's load report" in next(line for line in lines if "vllm-abc-1" in line)
     assert "verified node cache" in next(line for line in lines if "plain-abc-2" in line)
+
+
+def test_status_says_what_became_of_the_adopted_deployment() -> None:
+    def shown(status: dict[str, object]) -> str:
+        rollout = {
+            "metadata": {"name": "llm", "namespace": "serving"},
+            "spec": {"replicas": 2, "workloadRef": {"name": "llm-old"}},
+            "status": status,
+        }
+        console = Console(width=200, record=True)
+        console.print(render(rollout))
+        return next(line for line in console.export_text().splitlines() if "Workload" in line)
+
+    assert "llm-old keeps its replicas" in shown({"phase": "Prefetching"})
+    handed_over = shown({"phase": "Healthy", "workload": {"name": "llm-old", "replicas": 3}})
+    assert "llm-old scaled to 0" in handed_over and "gets 3 replicas back" in handed_over
