@@ -14,14 +14,24 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
-from e2e.agent_fixtures import PROCESS, Agents
-from e2e.operator_fixtures import Rollouts, publish_models, rollout_body
+from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.operator_fixtures import (
+    Rollouts,
+    publish_models,
+    rollout_body,
+    tinyllm_models,
+    tinyllm_rollout_body,
+)
 from weightship import rollouts as user_actions
-from weightship.controller.builders import REVISION_LABEL
+from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.data import rendezvous
+from weightship.data.cli import verify_files_command
 from weightship.data.s3 import S3Location, S3Origin
 from weightship_dev import components, nodes, processes, testkit
 from weightship_dev.faultproxy import FaultProxy
@@ -317,8 +327,112 @@ def test_an_s3_error_storm_mid_staging_is_ridden_out_without_fetching_a_range_tw
     assert len(stormed) >= 10 and {a.status for a in stormed} == {500, 503}
     assert after, "staging was still going when the storm ended (it rode it out)"
     # Nothing left the origin twice: each range once, and no byte in two ranges.
-    assert not twice, f"{len(twice)} ranges served twice: {sorted(twice)}"
+    to: dict[tuple[str, str], list[str]] = {}
+    for a in data:
+        to.setdefault((a.key, a.range or ""), []).append(a.client)
+    assert not twice, f"{len(twice)} ranges served twice: {[(k, to[k]) for k in sorted(twice)]}"
     assert from_origin == manifests["v2"].total_size
     assert final["stableRevision"]["manifestDigest"] == digest
     assert "Degraded" not in phases
     assert all(e["bytesDone"] == manifests["v2"].total_size for e in entries.values())
+
+
+# ---- a corrupt peer in a live fleet -----------------------------------------------------
+
+WAVE = "weightship-e2e/wave"
+SERVING = "weightship-e2e/serving"
+
+
+@pytest.fixture(scope="module")
+def tiny(cluster: Any) -> Iterator[dict[str, str]]:
+    yield from tinyllm_models(cluster.s3_endpoint, "fxtiny", [("v1", "good", 0), ("v2", "good", 1)])
+
+
+def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_bytes(
+    cluster: Any, agents: Agents, rollouts: Rollouts, tiny: dict[str, str]
+) -> None:
+    """v1 serves on two nodes; v2 is staged on the liar and an honest node, then one piece
+    of the liar's copy is damaged (its agent still lists the chunk as verified and serves
+    it), and v2 goes on to the late node while the canary runs: the late node catches the
+    piece, demotes the liar, takes the chunk elsewhere, and every canary pod loads only
+    verified bytes (the reference server's verified loader and golden prompts). The liar
+    stages and serves chunks but runs no inference pod."""
+    s3 = testkit.local_s3(cluster.s3_endpoint)
+    manifest = S3Origin(s3, S3Location.parse(tiny["v2"])).read_manifest()
+    assert manifest.piece_size and manifest.piece_layer_path
+    liar, honest, late = sorted(cluster.process_nodes)
+    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest, late])
+    piece = 1
+    target = next(
+        c
+        for c in manifest.chunks
+        if owners[c.key] == liar and c.size > (piece + 1) * manifest.piece_size
+    )
+    labels = {
+        liar: {WAVE: "early"},
+        honest: {WAVE: "early", SERVING: "yes"},
+        late: {SERVING: "yes"},
+    }
+
+    def label(node: str, values: dict[str, str | None]) -> None:
+        cluster.core.patch_node(node, {"metadata": {"labels": values}})
+
+    steps: list[dict[str, Any]] = [{"setWeight": 50}, {"pause": {}}]
+    body = tinyllm_rollout_body("llm", tiny["v1"], "v1", steps, cluster.s3_endpoint)
+    body["spec"]["template"]["spec"]["nodeSelector"] = {**PROCESS, SERVING: "yes"}
+    body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    try:
+        for node, values in labels.items():
+            label(node, dict(values))
+        rollouts.create(body)
+        rollouts.healthy_on("llm", "v1", timeout=150)
+        # v2 first on the early wave (the liar and the honest node); the canary starts.
+        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: "early"}}})
+        rollouts.set_model("llm", tiny["v2"], "v2")
+        agents.wait_staged(manifest.digest, nodes=[liar, honest])
+        staged = cache_root(cluster, liar) / "models" / manifest.digest_hex / "files" / target.file
+        with open(staged, "r+b") as f:
+            where = target.offset + piece * manifest.piece_size + 17
+            f.seek(where)
+            byte = f.read(1)
+            f.seek(where)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        # Now every process node: the late node stages v2 from its peers, the liar first
+        # for the chunks it owns; the promote sends the second canary pod there.
+        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: None}}})
+        entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
+        user_actions.promote(cluster.api, rollouts.namespace, "llm")
+        final = rollouts.healthy_on("llm", "v2", timeout=150)["status"]
+    finally:
+        for node, values in labels.items():
+            label(node, dict.fromkeys(values))
+    log = all_agent_logs(cluster, agents, late)
+    print(
+        f"\n{late}: {entry['bytesFromPeers']} B from peers, {entry['bytesFromOrigin']} B from "
+        f"the origin; chunk {target.index} of {target.file} corrupted at {liar}; "
+        f"loads {final.get('verification', {}).get('loads')}"
+    )
+    caught = f"peer {liar} served a bad piece ({piece}) for chunk {target.key}: demoted"
+    assert caught in log, log[-2000:]
+    # Nothing corrupt staged on the late node: its files match their publish-time sha256.
+    result = CliRunner().invoke(
+        verify_files_command, [str(cache_root(cluster, late)), manifest.digest]
+    )
+    assert result.exit_code == 0 and "all match" in result.output, result.output
+    # Every v2 pod, the late node's included, loaded and verified its weights.
+    assert final["stableRevision"]["manifestDigest"] == manifest.digest
+    pods = cluster.core.list_namespaced_pod(
+        rollouts.namespace,
+        label_selector=f"{REVISION_LABEL}={final['stableRevision']['podTemplateHash']}",
+    ).items
+    assert sorted(p.spec.node_name for p in pods) == sorted([honest, late])
+    for pod in pods:
+        gate = next(c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE)
+        assert gate.status == "True" and is_ready(pod), (pod.metadata.name, gate.message)
+
+
+def all_agent_logs(cluster: Any, agents: Agents, node: str) -> str:
+    folder = Path(cluster.paths.root) / "nodes" / node / "logs"
+    return "\n".join(
+        p.read_text(errors="replace") for p in folder.glob(f"{agents.namespace}*agent*")
+    )

@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -57,6 +58,7 @@ class Answer:
     body_bytes: int
     at: float  # time.monotonic() when answered
     injected: bool  # a storm answered it; the upstream never saw it
+    client: str = ""  # the asking IP
 
     @property
     def ok(self) -> bool:
@@ -208,14 +210,24 @@ class FaultProxy:
             def _forward(self) -> None:
                 key = self.path.split("?", 1)[0]
                 rng = self.headers.get("Range")
+                client = str(self.client_address[0])
                 body = self.read_body(max_bytes=64 * 1024 * 1024)
                 if body is None:
                     return
+
+                def record(status: int, sent: int, injected: bool) -> None:
+                    # Before the answer's last byte goes out: once a client has its
+                    # answer, the proxy's count already includes it.
+                    answer = Answer(
+                        self.command, key, rng, status, sent, time.monotonic(), injected, client
+                    )
+                    proxy._record(answer)
+
                 injected = proxy._storm_answer()
                 if injected is not None:
                     status, error = injected
+                    record(status, 0, True)
                     self.send_bytes(status, error, "application/xml")
-                    proxy._record(Answer(self.command, key, rng, status, 0, time.monotonic(), True))
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                 upstream = http.client.HTTPConnection(
@@ -224,37 +236,39 @@ class FaultProxy:
                 try:
                     upstream.request(self.command, self.path, body or None, headers)
                     resp = upstream.getresponse()
-                    sent = self._relay(resp)
+                    self._relay(resp, lambda sent: record(resp.status, sent, False))
                 finally:
                     upstream.close()
-                proxy._record(
-                    Answer(self.command, key, rng, resp.status, sent, time.monotonic(), False)
-                )
 
-            def _relay(self, resp: http.client.HTTPResponse) -> int:
+            def _relay(self, resp: http.client.HTTPResponse, record: Callable[[int], None]) -> None:
+                """Send ``resp`` on; ``record(bytes)`` is called before its last write."""
                 length = resp.getheader("Content-Length")
                 data = b"" if length is not None else resp.read(MAX_UNSIZED_BODY)
+                size = int(length) if length is not None else len(data)
+                if self.command == "HEAD" or size == 0 or length is None:
+                    record(0 if self.command == "HEAD" else len(data))
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in _HOP_BY_HOP | _OWN_HEADERS:
                         self.send_header(k, v)
-                size = int(length) if length is not None else len(data)
                 self.send_header("Content-Length", str(size))
                 self.end_headers()
-                if self.command == "HEAD":
-                    return 0
+                if self.command == "HEAD" or size == 0:
+                    return
                 if length is None:
                     self.wfile.write(data)
-                    return len(data)
+                    return
                 sent = 0
                 while sent < size:
                     piece = resp.read(min(STREAM_STEP, size - sent))
                     if not piece:
                         break
+                    if sent + len(piece) >= size:
+                        record(sent + len(piece))
                     self.wfile.write(piece)
                     sent += len(piece)
                 if sent < size:
+                    record(sent)
                     self.close_connection = True  # the client sees a short body
-                return sent
 
         return Forward
