@@ -5,6 +5,7 @@ plane's origin check on a real chunk store."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import random
 import threading
@@ -20,6 +21,7 @@ from rich.console import Console
 
 from weightship.agent.failures import StageError, classify
 from weightship.agent.status import Entry, build_status, recover
+from weightship.api.status import ControlRequest, ControlStatus
 from weightship.api.weightcache import StagingFailure, WeightCacheStatus
 from weightship.controller.snapshot import prefetch_observation
 from weightship.core.decide import decide
@@ -530,3 +532,47 @@ def test_every_node_finds_a_bad_origin_chunk_at_once_not_after_the_owner_wait(
         assert isinstance(exc, OriginMismatchError), (n, exc)
         assert (exc.file, exc.index) == ("w.bin", 4)
         assert not stores[n].is_staged(manifest.digest)
+
+
+def test_after_a_retry_only_failures_of_new_attempts_abort_again() -> None:
+    """The user restores the bytes and retries: the failures reported before the retry
+    are what was fixed and never abort it again; a failure of an attempt started after
+    it does."""
+
+    def failed_at(name: str, started: float) -> NodeStaging:
+        return dataclasses.replace(node(name, "OriginMismatch"), started_at=at(started))
+
+    rollout, _ = prefetching(seen(failed_at("n1", 60.5), failed_at("n2", 60.6)))
+    assert rollout.status.abort is not None and rollout.status.abort.reason == "OriginMismatch"
+    stable = rollout.status.stable_revision
+    assert stable is not None
+    stale = observe(
+        replica_set(stable.pod_template_hash, 4),
+        digest=DIGEST_B,
+        prefetch=seen(failed_at("n1", 60.5), failed_at("n2", 60.6)),
+    )
+    control = ControlStatus(retry=ControlRequest(requested_at="r1"))
+    retried = rollout.model_copy(
+        update={"status": rollout.status.model_copy(update={"control": control})}
+    )
+    retried = with_status(retried, decide(retried, stale, at(100)))
+    assert retried.status.abort is None and retried.status.phase == "Prefetching"
+    retried = with_status(retried, decide(retried, stale, at(101)))
+    assert retried.status.abort is None  # still the old attempts' word
+    fresh = observe(
+        replica_set(stable.pod_template_hash, 4),
+        digest=DIGEST_B,
+        prefetch=seen(failed_at("n1", 105), failed_at("n2", 106)),
+    )
+    again = with_status(retried, decide(retried, fresh, at(107)))
+    assert again.status.abort is not None and again.status.abort.reason == "OriginMismatch"
+
+
+def test_the_operator_reads_when_each_attempt_started() -> None:
+    entry = {"digest": DIGEST_B, "state": "Failed", "startedAt": "2026-01-01T12:00:00Z"}
+    cache = {"metadata": {"name": "n1"}, "status": {"manifests": [entry]}}
+    (n1,) = prefetch_observation(DIGEST_B, ["n1"], [cache]).nodes
+    assert n1.started_at == NOW
+    entry["startedAt"] = "yesterday"
+    (n1,) = prefetch_observation(DIGEST_B, ["n1"], [cache]).nodes
+    assert n1.started_at is None

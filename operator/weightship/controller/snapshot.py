@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE, staged_node_label
@@ -33,6 +34,17 @@ def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
 
 def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+def _time(value: object) -> datetime | None:
+    """An RFC 3339 time as the API writes it; None when absent or not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
 
 
 def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
@@ -191,6 +203,7 @@ def prefetch_observation(
                 entry.get("lastError"),
                 labelled=(labels.get(node) or {}).get(label) == "true",
                 failure=parse_failure(entry.get("failure")),
+                started_at=_time(entry.get("startedAt")),
             )
         )
     return PrefetchObservation(

@@ -63,6 +63,8 @@ class NodeStaging:
     """The node already carries the staged label of this manifest."""
     failure: StagingFailure | None = None
     """Why its last attempt failed (its WeightCache's); kept while a retry is Staging."""
+    started_at: datetime | None = None
+    """When its last attempt started (the WeightCache entry's startedAt)."""
 
 
 @dataclass(frozen=True)

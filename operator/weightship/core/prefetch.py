@@ -33,7 +33,7 @@ def prefetched(ctx: RolloutContext) -> bool:
         ctx.promote = None
     seen = ctx.observed.prefetch
     if seen is not None and seen.digest == canary.manifest_digest:
-        verdict = deterministic_failure(seen)
+        verdict = deterministic_failure(seen, status.step_start_time)
         if verdict is not None:  # every node fails alike: the deadline would only be waited out
             ctx.condition("Prefetched", "False", verdict.reason, verdict.message)
             abort(ctx, verdict.reason, verdict.message, details=verdict.details)

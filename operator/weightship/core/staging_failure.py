@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 
 from weightship.api.weightcache import StagingFailure
 from weightship.core.observed import NodeStaging, PrefetchObservation
@@ -23,6 +24,11 @@ DETERMINISTIC = frozenset({"OriginMismatch", "ManifestInvalid", "ManifestChanged
 MIN_AGREEING_NODES = 2
 MAX_NAMED_NODES = 5  # nodes named in a message; the rest are counted
 MAX_DETAIL = 300  # characters of a node's lastError quoted in a message
+# The operator keeps a manifest's digest until the spec's source or model.revision changes.
+REMEDY = (
+    "restore the published bytes and `weightship retry`, or publish again "
+    "(`weightship manifest`) under a new spec.model.revision"
+)
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,21 @@ def _failing(node: NodeStaging) -> StagingFailure | None:
     return node.failure if node.state != "Staged" else None
 
 
-def deterministic_failure(prefetch: PrefetchObservation | None) -> StagingVerdict | None:
+def deterministic_failure(
+    prefetch: PrefetchObservation | None, since: datetime | None = None
+) -> StagingVerdict | None:
     """The deterministic failure that at least ``MIN_AGREEING_NODES`` target nodes (all of
     them, if fewer) report alike: same reason, and for OriginMismatch the same file and
-    chunk. None when there is none: the rollout keeps waiting."""
+    chunk. None when there is none: the rollout keeps waiting. ``since``: only attempts
+    started then or later count (after a `retry`, the failures from before it are what
+    the user meant to fix, and the agents' next attempts say whether they did)."""
     if prefetch is None or prefetch.target_nodes == 0:
         return None
     groups: dict[tuple[str, str | None, int | None], list[NodeStaging]] = defaultdict(list)
     for node in prefetch.nodes:
         f = _failing(node)
-        if f is not None and f.reason in DETERMINISTIC:
+        stale = since is not None and node.started_at is not None and node.started_at < since
+        if f is not None and f.reason in DETERMINISTIC and not stale:
             groups[(f.reason, f.file, f.chunk)].append(node)
     need = min(MIN_AGREEING_NODES, prefetch.target_nodes)
     agreeing = [(k, g) for k, g in groups.items() if len(g) >= need]
@@ -87,13 +98,13 @@ def _describe(
         return (
             f"origin bytes of {failure.file} chunk {failure.chunk} (offset {failure.offset}) "
             f"do not match the manifest {where}: the weights changed after the manifest was "
-            "written; publish them again (`weightship manifest`) and retry"
+            f"written; {REMEDY}"
         )
     what = {
         "ManifestInvalid": "the manifest at the source is invalid",
         "ManifestChanged": "the manifest at the source is not the one the rollout recorded",
     }.get(failure.reason, failure.reason)
-    return f"{what} {where}: {_clip(detail or '')}".rstrip(": ")
+    return f"{what} {where}: {_clip(detail or '')}; {REMEDY}".replace(": ;", ";")
 
 
 def parse_failure(raw: object) -> StagingFailure | None:
