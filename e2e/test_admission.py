@@ -11,10 +11,12 @@ minutes; the figures are printed on one summary line.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
 import re
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -295,13 +297,18 @@ def test_cache_path_is_refused_by_name_not_pruned(
     assert err.value.status == 422 and "agent.cacheDir" in json.loads(err.value.body)["message"]
 
 
-def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
-    cluster: Any, namespace: str
-) -> None:
-    """The upgrade path docs/api.md promises, on the real API server: a rollout stored by
-    the previous CRD (which defaulted cachePath) stays writable under the new one as long as
-    cachePath is unchanged (validation ratcheting), and the controller ignores the value.
-    A copy of both CRDs under a throwaway group, so the shared one is untouched."""
+@contextlib.contextmanager
+def stored_under_the_old_crd(
+    cluster: Any,
+    namespace: str,
+    as_it_was: Callable[[dict[str, Any]], None],
+    prefetch: dict[str, Any],
+) -> Iterator[tuple[client.CustomObjectsApi, tuple[str, ...], dict[str, Any]]]:
+    """A rollout `old` (with `prefetch` set) stored by the CRD as it was (`as_it_was` edits
+    the prefetch properties of today's schema back), then the CRD upgraded to today's and
+    an edit that leaves spec.prefetch alone admitted (ratcheting). Yields the client, the
+    object's path and the object as first stored. A copy of the CRD under a throwaway
+    group, so the shared one is untouched."""
     group = f"{testkit.unique_name('ratchet')}.weightship-test.io"
     name = f"modelrollouts.{group}"
     ext = client.ApiextensionsV1Api(cluster.api)
@@ -318,19 +325,17 @@ def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
         conditions = ext.read_custom_resource_definition(name).status.conditions or []
         return any(c.type == "Established" and c.status == "True" for c in conditions)
 
-    old = crd(CRD.read_text())  # as the CRD was: cachePath defaulted, no rule
-    prefetch = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    cache_path = prefetch["properties"]["prefetch"]["properties"]["cachePath"]
-    del cache_path["x-kubernetes-validations"]
-    cache_path["default"] = "/var/cache/weightship"
+    old = crd(CRD.read_text())
+    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    as_it_was(spec["properties"]["prefetch"]["properties"])
     ext.create_custom_resource_definition(old)
     try:
         testkit.wait_until(established, timeout=30, what=f"CRD {name}")
         body = copy.deepcopy(VALID_MANIFEST)
         body["apiVersion"], body["metadata"] = f"{group}/v1alpha1", {"name": "old"}
+        body["spec"]["prefetch"].update(prefetch)
         args = (group, "v1alpha1", namespace, "modelrollouts")
         stored = custom.create_namespaced_custom_object(*args, body)
-        assert stored["spec"]["prefetch"]["cachePath"] == "/var/cache/weightship"
         new = crd(CRD.read_text())  # the CRD now
         new["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(
             name
@@ -344,8 +349,26 @@ def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
                 return False
             return True
 
-        # Edits that leave cachePath alone are admitted (once the new schema is served) ...
-        testkit.wait_until(ratcheted, timeout=30, what="an unchanged cachePath admitted")
+        # Edits that leave the old values alone are admitted (once the new schema is served).
+        testkit.wait_until(ratcheted, timeout=30, what="unchanged old values admitted")
+        yield custom, args, stored
+    finally:
+        ext.delete_custom_resource_definition(name)
+
+
+def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
+    cluster: Any, namespace: str
+) -> None:
+    """The upgrade path docs/api.md promises, on the real API server: a rollout stored by
+    the previous CRD (which defaulted cachePath) stays writable under the new one as long as
+    cachePath is unchanged (validation ratcheting), and the controller ignores the value."""
+
+    def as_it_was(prefetch: dict[str, Any]) -> None:  # cachePath defaulted, no rule
+        del prefetch["cachePath"]["x-kubernetes-validations"]
+        prefetch["cachePath"]["default"] = "/var/cache/weightship"
+
+    with stored_under_the_old_crd(cluster, namespace, as_it_was, {}) as (custom, args, stored):
+        assert stored["spec"]["prefetch"]["cachePath"] == "/var/cache/weightship"
         custom.patch_namespaced_custom_object_status(*args, "old", {"status": {"message": "m"}})
         # ... changing it is refused, as on create ...
         with pytest.raises(ApiException) as err:
@@ -356,8 +379,6 @@ def test_a_rollout_stored_before_the_upgrade_keeps_its_cache_path_unchanged(
         # ... and the controller reads the stored object, ignoring the old value.
         stored = custom.get_namespaced_custom_object(*args, "old")
         assert ModelRollout.model_validate(stored).spec.prefetch.cache_path is not None
-    finally:
-        ext.delete_custom_resource_definition(name)
 
 
 REMOVED_PREFETCH_FIELDS = [
@@ -408,52 +429,14 @@ def test_a_rollout_stored_before_keeps_its_old_tolerations_and_chunk_size_unchan
     """Ratcheting, as for cachePath: a rollout stored by the previous CRD with a chunk
     size other than the old default and tolerations stays writable while they are
     unchanged, changing either is refused, and the controller parses it."""
-    group = f"{testkit.unique_name('ratchet')}.weightship-test.io"
-    name = f"modelrollouts.{group}"
-    ext = client.ApiextensionsV1Api(cluster.api)
-    custom = client.CustomObjectsApi(cluster.api)
 
-    def crd(text: str) -> dict[str, Any]:
-        body: dict[str, Any] = yaml.safe_load(text)
-        body["metadata"] = {"name": name}
-        body["spec"]["group"] = group
-        body["spec"]["names"].update(shortNames=[], categories=[])
-        return body
+    def as_it_was(prefetch: dict[str, Any]) -> None:  # no rules, chunkSizeBytes defaulted
+        for field in ("tolerations", "chunkSizeBytes"):
+            del prefetch[field]["x-kubernetes-validations"]
+        prefetch["chunkSizeBytes"]["default"] = 16 * 1024 * 1024
 
-    def established() -> bool:
-        conditions = ext.read_custom_resource_definition(name).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    old = crd(CRD.read_text())  # as the CRD was: no rules, chunkSizeBytes defaulted
-    spec = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    prefetch = spec["properties"]["prefetch"]["properties"]
-    for field in ("tolerations", "chunkSizeBytes"):
-        del prefetch[field]["x-kubernetes-validations"]
-    prefetch["chunkSizeBytes"]["default"] = 16 * 1024 * 1024
-    ext.create_custom_resource_definition(old)
-    try:
-        testkit.wait_until(established, timeout=30, what=f"CRD {name}")
-        body = copy.deepcopy(VALID_MANIFEST)
-        body["apiVersion"], body["metadata"] = f"{group}/v1alpha1", {"name": "old"}
-        body["spec"]["prefetch"].update(
-            chunkSizeBytes=4 * 1024 * 1024, tolerations=[{"operator": "Exists"}]
-        )
-        args = (group, "v1alpha1", namespace, "modelrollouts")
-        custom.create_namespaced_custom_object(*args, body)
-        new = crd(CRD.read_text())
-        new["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(
-            name
-        ).metadata.resource_version
-        ext.replace_custom_resource_definition(name, new)
-
-        def ratcheted() -> bool:
-            try:
-                custom.patch_namespaced_custom_object(*args, "old", {"spec": {"replicas": 5}})
-            except ApiException:
-                return False
-            return True
-
-        testkit.wait_until(ratcheted, timeout=30, what="unchanged old values admitted")
+    old_values = {"chunkSizeBytes": 4 * 1024 * 1024, "tolerations": [{"operator": "Exists"}]}
+    with stored_under_the_old_crd(cluster, namespace, as_it_was, old_values) as (custom, args, _):
         for change, hint in (
             ({"chunkSizeBytes": 8 * 1024 * 1024}, "--chunk-size"),
             ({"tolerations": [{"operator": "Exists", "key": "a"}]}, "agent.tolerations"),
@@ -464,8 +447,6 @@ def test_a_rollout_stored_before_keeps_its_old_tolerations_and_chunk_size_unchan
         stored = custom.get_namespaced_custom_object(*args, "old")
         parsed = ModelRollout.model_validate(stored).spec.prefetch
         assert parsed.chunk_size_bytes == 4 * 1024 * 1024 and parsed.tolerations
-    finally:
-        ext.delete_custom_resource_definition(name)
 
 
 def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
