@@ -47,7 +47,7 @@ def _counted(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any
     REQUESTS.labels(verb, resource).inc()
     if WRITE_LOG and verb not in ("GET", "LIST", "WATCH"):
         line = {"t": time.time(), "verb": verb, "path": urlsplit(url).path}
-        if resource.endswith("/status"):
+        if resource.endswith("/status") or resource == "events":
             line["body"] = kwargs.get("body")
         with open(WRITE_LOG, "a") as f:
             f.write(json.dumps(line, default=str) + "\n")
