@@ -20,7 +20,7 @@ from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_pres
 from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
 from weightship_dev import cluster as local_cluster
 from weightship_dev import nodes, testkit
-from weightship_dev.install import apply_crds
+from weightship_dev.install import apply_crds, helm, install_chart
 from weightship_dev.layout import ClusterPaths
 
 
@@ -155,6 +155,16 @@ def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
         forget_staging(cluster)
         delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
         delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
+
+
+@pytest.fixture
+def release(cluster: Cluster, namespace: str) -> Iterator[str]:
+    """The Helm chart installed in this test's namespace, watching only it (no agents)."""
+    apply_crds(cluster.api)
+    name = testkit.unique_name("ws")
+    install_chart(cluster.paths, name, namespace, [namespace])
+    yield name
+    helm(cluster.paths, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
 
 
 @pytest.fixture

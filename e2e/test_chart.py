@@ -29,15 +29,6 @@ from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 NAMESPACE_PREFIX = "ch-"
 
 
-@pytest.fixture
-def release(cluster: Any, namespace: str) -> Iterator[str]:
-    apply_crds(cluster.api)
-    name = testkit.unique_name("ws")
-    install_chart(cluster.paths, name, namespace, [namespace])
-    yield name
-    helm(cluster.paths, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
-
-
 def test_chart_installs_and_its_operator_runs_a_rollout(
     cluster: Any, namespace: str, release: str, tmp_path: Path
 ) -> None:

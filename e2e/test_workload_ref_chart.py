@@ -4,29 +4,17 @@ namespace) scales an adopted Deployment to zero and gives its replicas back on d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from e2e.operator_fixtures import Rollouts, publish_models, s3_secret
 from e2e.test_workload_ref import REPLICAS, adopting_rollout, create_deployment, deployment
 from weightship_dev import testkit
-from weightship_dev.install import apply_crds, helm, install_chart
 
 NAMESPACE_PREFIX = "wrc-"
-
-
-@pytest.fixture
-def release(cluster: Any, namespace: str) -> Iterator[str]:
-    apply_crds(cluster.api)
-    name = testkit.unique_name("ws")
-    install_chart(cluster.paths, name, namespace, [namespace])
-    yield name
-    helm(cluster.paths, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
 
 
 def test_the_charts_operator_hands_a_deployment_over_and_back(
