@@ -104,7 +104,8 @@ def _describe(
         "ManifestInvalid": "the manifest at the source is invalid",
         "ManifestChanged": "the manifest at the source is not the one the rollout recorded",
     }.get(failure.reason, failure.reason)
-    return f"{what} {where}: {_clip(detail or '')}; {REMEDY}".replace(": ;", ";")
+    said = f": {_clip(detail)}" if detail else ""
+    return f"{what} {where}{said}; {REMEDY}"
 
 
 def parse_failure(raw: object) -> StagingFailure | None:
@@ -120,7 +121,8 @@ def parse_failure(raw: object) -> StagingFailure | None:
 
 def failed_nodes(prefetch: PrefetchObservation | None) -> str:
     """A short account of the target nodes whose last stage failed, for the Prefetched
-    condition's message ("" when none): ``node-3: DiskFull (needs 6291456 B, 0 B free)``."""
+    condition's message ("" when none):
+    ``failed on 1: node-3: DiskFull (needs 6291456 B, 0 B available)``."""
     if prefetch is None:
         return ""
     failing = [(n, f) for n in prefetch.nodes if (f := _failing(n)) is not None]
@@ -132,6 +134,7 @@ def failed_nodes(prefetch: PrefetchObservation | None) -> str:
 
 
 def failure_summary(f: StagingFailure) -> str:
+    """One node's failure in a few words (the condition's message, `weightship status`)."""
     if f.reason == "DiskFull" and f.bytes_needed is not None:
         return f"DiskFull (needs {f.bytes_needed} B, {f.bytes_available or 0} B available)"
     if f.reason == "OriginMismatch":
