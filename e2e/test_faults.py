@@ -66,6 +66,212 @@ def node_ready(cluster: Any, node: str) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
 
+# ---- an S3 error storm mid-staging ------------------------------------------------------
+
+STORM_S = 30.0
+# Staging failures that abort a rollout at once (core/staging_failure.py); a 5xx storm is
+# none of them.
+DETERMINISTIC = {"OriginMismatch", "ManifestInvalid", "ManifestChanged"}
+
+
+def test_an_s3_error_storm_mid_staging_is_ridden_out_without_fetching_a_range_twice(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    proxy = FaultProxy(cluster.s3_endpoint, host=BRIDGE_IP).start()
+    try:
+        s3 = testkit.local_s3(cluster.s3_endpoint)
+        manifests = {
+            v: S3Origin(s3, S3Location.parse(models[v])).read_manifest() for v in ("v1", "v2")
+        }
+        # The rollout's source, for the operator and the agents alike, is the proxy.
+        body = rollout_body("llm", models["v1"], "v1", [{"setWeight": 50}], proxy.url)
+        body["spec"]["prefetch"] = {
+            "enabled": True,
+            "nodeSelector": PROCESS,
+            "minStagedPercent": 100,
+        }
+        rollouts.create(body)
+        agents.wait_staged(manifests["v1"].digest)
+        rollouts.healthy_on("llm", "v1")
+
+        # v2's staging starts, and after its first few chunks the origin answers only
+        # 503 SlowDown / 500 InternalError for STORM_S seconds.
+        digest = manifests["v2"].digest
+        proxy.storm(seconds=STORM_S, after_ranged_gets=3)
+        rollouts.set_model("llm", models["v2"], "v2")
+        seen: dict[str, set[str]] = {n: set() for n in cluster.process_nodes}
+        errors: set[str] = set()
+        phases: set[str] = set()
+
+        def look() -> dict[str, dict[str, Any]] | None:
+            status = rollouts.get("llm").get("status") or {}
+            phases.add(str(status.get("phase")))
+            assert not status.get("abort"), f"the storm aborted the rollout: {status}"
+            entries = {n: agents.entry(n, digest) for n in cluster.process_nodes}
+            for node, entry in entries.items():
+                seen[node].add(str(entry.get("state")))
+                if entry.get("lastError"):
+                    errors.add(entry["lastError"])
+                reason = (entry.get("failure") or {}).get("reason")
+                assert reason not in DETERMINISTIC, f"{node}: a storm reported as {reason}"
+            done = all(e.get("state") == "Staged" for e in entries.values())
+            return entries if done else None
+
+        entries = testkit.wait_until(
+            look,
+            timeout=STORM_S + 150,
+            what=f"{digest} Staged on every node after the storm",
+            detail=lambda: f"{seen} {errors}",
+        )
+        window = proxy.storm_window()
+        assert window is not None, "the storm began"
+        final = rollouts.healthy_on("llm", "v2")["status"]
+    finally:
+        proxy.stop()
+    where = S3Location.parse(models["v2"])
+    files = {f"/{where.bucket}/{where.key(f.path)}" for f in manifests["v2"].files}
+    stormed = [a for a in proxy.answers() if a.injected]
+    data = [a for a in proxy.ranged_gets(ok=True) if a.key in files]  # the weights' chunks
+    twice = {k: n for k, n in proxy.served_twice().items() if k[0] in files}
+    after = [a for a in data if a.at >= window[1]]
+    from_origin = sum(a.body_bytes for a in data)
+    print(
+        f"\nstorm of {STORM_S:.0f}s: {len(stormed)} requests answered 5xx "
+        f"({sorted({a.status for a in stormed})}); v2 ranges served: {len(data)} "
+        f"({len(after)} after the storm), {from_origin} B for a {manifests['v2'].total_size} B "
+        f"model; states seen {seen}; errors reported {sorted(errors)[:3]}"
+    )
+    assert len(stormed) >= 10 and {a.status for a in stormed} == {500, 503}
+    assert after, "staging was still going when the storm ended (it rode it out)"
+    # Nothing left the origin twice: each range once, and no byte in two ranges.
+    to: dict[tuple[str, str], list[str]] = {}
+    for a in data:
+        to.setdefault((a.key, a.range or ""), []).append(a.client)
+    assert not twice, f"{len(twice)} ranges served twice: {[(k, to[k]) for k in sorted(twice)]}"
+    assert from_origin == manifests["v2"].total_size
+    assert final["stableRevision"]["manifestDigest"] == digest
+    assert "Degraded" not in phases
+    assert all(e["bytesDone"] == manifests["v2"].total_size for e in entries.values())
+
+
+# ---- a corrupt peer in a live fleet -----------------------------------------------------
+
+WAVE = "weightship-e2e/wave"
+SERVING = "weightship-e2e/serving"
+
+
+@pytest.fixture(scope="module")
+def tiny(cluster: Any) -> Iterator[dict[str, str]]:
+    yield from tinyllm_models(
+        cluster.s3_endpoint, "fxtiny", [("v1", "good", 11), ("v2", "good", 12)]
+    )
+
+
+def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_bytes(
+    cluster: Any, agents: Agents, rollouts: Rollouts, tiny: dict[str, str]
+) -> None:
+    """v1 serves on two nodes; v2 is staged on the liar and an honest node, then one piece
+    of the liar's copy is damaged (its agent still lists the chunk as verified and serves
+    it), and v2 goes on to the late node while the canary runs: the late node catches the
+    piece, demotes the liar, takes the chunk elsewhere, and every canary pod loads only
+    verified bytes (the reference server's verified loader and golden prompts). The liar
+    stages and serves chunks but runs no inference pod."""
+    s3 = testkit.local_s3(cluster.s3_endpoint)
+    manifest = S3Origin(s3, S3Location.parse(tiny["v2"])).read_manifest()
+    assert manifest.piece_size and manifest.piece_layer_path
+    # Chunks v1 has too are on every node already (staged locally, never asked of a peer).
+    in_v1 = {c.key for c in S3Origin(s3, S3Location.parse(tiny["v1"])).read_manifest().chunks}
+    liar, honest, late = sorted(cluster.process_nodes)
+    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest, late])
+    piece = 1
+    target = next(
+        c
+        for c in manifest.chunks
+        if owners[c.key] == liar
+        and c.key not in in_v1
+        and c.size > (piece + 1) * manifest.piece_size
+    )
+    labels = {
+        liar: {WAVE: "early"},
+        honest: {WAVE: "early", SERVING: "yes"},
+        late: {SERVING: "yes"},
+    }
+
+    def label(node: str, values: dict[str, str | None]) -> None:
+        cluster.core.patch_node(node, {"metadata": {"labels": values}})
+
+    steps: list[dict[str, Any]] = [{"setWeight": 50}, {"pause": {}}]
+    body = tinyllm_rollout_body("llm", tiny["v1"], "v1", steps, cluster.s3_endpoint)
+    body["spec"]["template"]["spec"]["nodeSelector"] = {**PROCESS, SERVING: "yes"}
+    body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    # Each pod loads from its own node's cache (no GPU-to-GPU seeding): the late node's
+    # pod reads the copy it staged past the liar.
+    body["spec"]["seeding"] = {"broadcast": False}
+    try:
+        for node, values in labels.items():
+            label(node, dict(values))
+        rollouts.create(body)
+        rollouts.healthy_on("llm", "v1", timeout=150)
+        # v2 first on the early wave (the liar and the honest node); the canary starts.
+        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: "early"}}})
+        rollouts.set_model("llm", tiny["v2"], "v2")
+        agents.wait_staged(manifest.digest, nodes=[liar, honest])
+        staged = cache_root(cluster, liar) / "models" / manifest.digest_hex / "files" / target.file
+        with open(staged, "r+b") as f:
+            where = target.offset + piece * manifest.piece_size + 17
+            f.seek(where)
+            byte = f.read(1)
+            f.seek(where)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        # Now every process node: the late node stages v2 from its peers, the liar first
+        # for the chunks it owns; the promote sends the second canary pod there.
+        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: None}}})
+        entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
+        rollouts.wait(
+            "llm",
+            "paused at step 2 with the honest node's canary pod verified",
+            lambda s: s.get("phase") == "Paused" and s.get("currentStepIndex") == 1,
+            timeout=120,
+        )
+        user_actions.promote(cluster.api, rollouts.namespace, "llm")
+        final = rollouts.healthy_on("llm", "v2", timeout=150)["status"]
+    finally:
+        for node, values in labels.items():
+            label(node, dict.fromkeys(values))
+    log = all_agent_logs(cluster, agents, late)
+    print(
+        f"\n{late}: {entry['bytesFromPeers']} B from peers, {entry['bytesFromOrigin']} B from "
+        f"the origin; chunk {target.index} of {target.file} corrupted at {liar}; "
+        f"loads {final.get('verification', {}).get('loads')}"
+    )
+    caught = f"peer {liar} served a bad piece ({piece}) for chunk {target.key}: demoted"
+    assert caught in log, log[-2000:]
+    # Nothing corrupt staged on the late node: its files match their publish-time sha256.
+    result = CliRunner().invoke(
+        verify_files_command, [str(cache_root(cluster, late)), manifest.digest]
+    )
+    assert result.exit_code == 0 and "all match" in result.output, result.output
+    # Every v2 pod, the late node's included, loaded and verified its weights.
+    assert final["stableRevision"]["manifestDigest"] == manifest.digest
+    pods = cluster.core.list_namespaced_pod(
+        rollouts.namespace,
+        label_selector=f"{REVISION_LABEL}={final['stableRevision']['podTemplateHash']}",
+    ).items
+    assert sorted(p.spec.node_name for p in pods) == sorted([honest, late])
+    for pod in pods:
+        gate = next(c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE)
+        assert gate.status == "True" and is_ready(pod), (pod.metadata.name, gate.message)
+    loads = {load["pod"]: load for load in final["verification"]["loads"]}
+    assert {loads[p.metadata.name]["source"] for p in pods} == {"cache"}, loads
+
+
+def all_agent_logs(cluster: Any, agents: Agents, node: str) -> str:
+    folder = Path(cluster.paths.root) / "nodes" / node / "logs"
+    return "\n".join(
+        p.read_text(errors="replace") for p in folder.glob(f"{agents.namespace}*agent*")
+    )
+
+
 # ---- a process node lost mid-canary -----------------------------------------------------
 
 
@@ -246,193 +452,4 @@ def test_a_process_node_lost_mid_canary_neither_promotes_on_missing_pods_nor_dro
         f"{len(while_stable)} of them, and the canary not Ready on {lost.node} in "
         f"{sum(not s['probe'] for s in sampler.samples)}; promoted at {promoted_at}, "
         f"{lost.node}'s canary pod Ready again at {back[0].isoformat()}"
-    )
-
-
-# ---- an S3 error storm mid-staging ------------------------------------------------------
-
-STORM_S = 30.0
-# Staging failures that abort a rollout at once (core/staging_failure.py); a 5xx storm is
-# none of them.
-DETERMINISTIC = {"OriginMismatch", "ManifestInvalid", "ManifestChanged"}
-
-
-def test_an_s3_error_storm_mid_staging_is_ridden_out_without_fetching_a_range_twice(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
-) -> None:
-    proxy = FaultProxy(cluster.s3_endpoint, host=BRIDGE_IP).start()
-    try:
-        s3 = testkit.local_s3(cluster.s3_endpoint)
-        manifests = {
-            v: S3Origin(s3, S3Location.parse(models[v])).read_manifest() for v in ("v1", "v2")
-        }
-        # The rollout's source, for the operator and the agents alike, is the proxy.
-        body = rollout_body("llm", models["v1"], "v1", [{"setWeight": 50}], proxy.url)
-        body["spec"]["prefetch"] = {
-            "enabled": True,
-            "nodeSelector": PROCESS,
-            "minStagedPercent": 100,
-        }
-        rollouts.create(body)
-        agents.wait_staged(manifests["v1"].digest)
-        rollouts.healthy_on("llm", "v1")
-
-        # v2's staging starts, and after its first few chunks the origin answers only
-        # 503 SlowDown / 500 InternalError for STORM_S seconds.
-        digest = manifests["v2"].digest
-        proxy.storm(seconds=STORM_S, after_ranged_gets=3)
-        rollouts.set_model("llm", models["v2"], "v2")
-        seen: dict[str, set[str]] = {n: set() for n in cluster.process_nodes}
-        errors: set[str] = set()
-        phases: set[str] = set()
-
-        def look() -> dict[str, dict[str, Any]] | None:
-            status = rollouts.get("llm").get("status") or {}
-            phases.add(str(status.get("phase")))
-            assert not status.get("abort"), f"the storm aborted the rollout: {status}"
-            entries = {n: agents.entry(n, digest) for n in cluster.process_nodes}
-            for node, entry in entries.items():
-                seen[node].add(str(entry.get("state")))
-                if entry.get("lastError"):
-                    errors.add(entry["lastError"])
-                reason = (entry.get("failure") or {}).get("reason")
-                assert reason not in DETERMINISTIC, f"{node}: a storm reported as {reason}"
-            done = all(e.get("state") == "Staged" for e in entries.values())
-            return entries if done else None
-
-        entries = testkit.wait_until(
-            look,
-            timeout=STORM_S + 150,
-            what=f"{digest} Staged on every node after the storm",
-            detail=lambda: f"{seen} {errors}",
-        )
-        window = proxy.storm_window()
-        assert window is not None, "the storm began"
-        final = rollouts.healthy_on("llm", "v2")["status"]
-    finally:
-        proxy.stop()
-    where = S3Location.parse(models["v2"])
-    files = {f"/{where.bucket}/{where.key(f.path)}" for f in manifests["v2"].files}
-    stormed = [a for a in proxy.answers() if a.injected]
-    data = [a for a in proxy.ranged_gets(ok=True) if a.key in files]  # the weights' chunks
-    twice = {k: n for k, n in proxy.served_twice().items() if k[0] in files}
-    after = [a for a in data if a.at >= window[1]]
-    from_origin = sum(a.body_bytes for a in data)
-    print(
-        f"\nstorm of {STORM_S:.0f}s: {len(stormed)} requests answered 5xx "
-        f"({sorted({a.status for a in stormed})}); v2 ranges served: {len(data)} "
-        f"({len(after)} after the storm), {from_origin} B for a {manifests['v2'].total_size} B "
-        f"model; states seen {seen}; errors reported {sorted(errors)[:3]}"
-    )
-    assert len(stormed) >= 10 and {a.status for a in stormed} == {500, 503}
-    assert after, "staging was still going when the storm ended (it rode it out)"
-    # Nothing left the origin twice: each range once, and no byte in two ranges.
-    to: dict[tuple[str, str], list[str]] = {}
-    for a in data:
-        to.setdefault((a.key, a.range or ""), []).append(a.client)
-    assert not twice, f"{len(twice)} ranges served twice: {[(k, to[k]) for k in sorted(twice)]}"
-    assert from_origin == manifests["v2"].total_size
-    assert final["stableRevision"]["manifestDigest"] == digest
-    assert "Degraded" not in phases
-    assert all(e["bytesDone"] == manifests["v2"].total_size for e in entries.values())
-
-
-# ---- a corrupt peer in a live fleet -----------------------------------------------------
-
-WAVE = "weightship-e2e/wave"
-SERVING = "weightship-e2e/serving"
-
-
-@pytest.fixture(scope="module")
-def tiny(cluster: Any) -> Iterator[dict[str, str]]:
-    yield from tinyllm_models(cluster.s3_endpoint, "fxtiny", [("v1", "good", 0), ("v2", "good", 1)])
-
-
-def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_bytes(
-    cluster: Any, agents: Agents, rollouts: Rollouts, tiny: dict[str, str]
-) -> None:
-    """v1 serves on two nodes; v2 is staged on the liar and an honest node, then one piece
-    of the liar's copy is damaged (its agent still lists the chunk as verified and serves
-    it), and v2 goes on to the late node while the canary runs: the late node catches the
-    piece, demotes the liar, takes the chunk elsewhere, and every canary pod loads only
-    verified bytes (the reference server's verified loader and golden prompts). The liar
-    stages and serves chunks but runs no inference pod."""
-    s3 = testkit.local_s3(cluster.s3_endpoint)
-    manifest = S3Origin(s3, S3Location.parse(tiny["v2"])).read_manifest()
-    assert manifest.piece_size and manifest.piece_layer_path
-    liar, honest, late = sorted(cluster.process_nodes)
-    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest, late])
-    piece = 1
-    target = next(
-        c
-        for c in manifest.chunks
-        if owners[c.key] == liar and c.size > (piece + 1) * manifest.piece_size
-    )
-    labels = {
-        liar: {WAVE: "early"},
-        honest: {WAVE: "early", SERVING: "yes"},
-        late: {SERVING: "yes"},
-    }
-
-    def label(node: str, values: dict[str, str | None]) -> None:
-        cluster.core.patch_node(node, {"metadata": {"labels": values}})
-
-    steps: list[dict[str, Any]] = [{"setWeight": 50}, {"pause": {}}]
-    body = tinyllm_rollout_body("llm", tiny["v1"], "v1", steps, cluster.s3_endpoint)
-    body["spec"]["template"]["spec"]["nodeSelector"] = {**PROCESS, SERVING: "yes"}
-    body["spec"]["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
-    try:
-        for node, values in labels.items():
-            label(node, dict(values))
-        rollouts.create(body)
-        rollouts.healthy_on("llm", "v1", timeout=150)
-        # v2 first on the early wave (the liar and the honest node); the canary starts.
-        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: "early"}}})
-        rollouts.set_model("llm", tiny["v2"], "v2")
-        agents.wait_staged(manifest.digest, nodes=[liar, honest])
-        staged = cache_root(cluster, liar) / "models" / manifest.digest_hex / "files" / target.file
-        with open(staged, "r+b") as f:
-            where = target.offset + piece * manifest.piece_size + 17
-            f.seek(where)
-            byte = f.read(1)
-            f.seek(where)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        # Now every process node: the late node stages v2 from its peers, the liar first
-        # for the chunks it owns; the promote sends the second canary pod there.
-        rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: None}}})
-        entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
-        user_actions.promote(cluster.api, rollouts.namespace, "llm")
-        final = rollouts.healthy_on("llm", "v2", timeout=150)["status"]
-    finally:
-        for node, values in labels.items():
-            label(node, dict.fromkeys(values))
-    log = all_agent_logs(cluster, agents, late)
-    print(
-        f"\n{late}: {entry['bytesFromPeers']} B from peers, {entry['bytesFromOrigin']} B from "
-        f"the origin; chunk {target.index} of {target.file} corrupted at {liar}; "
-        f"loads {final.get('verification', {}).get('loads')}"
-    )
-    caught = f"peer {liar} served a bad piece ({piece}) for chunk {target.key}: demoted"
-    assert caught in log, log[-2000:]
-    # Nothing corrupt staged on the late node: its files match their publish-time sha256.
-    result = CliRunner().invoke(
-        verify_files_command, [str(cache_root(cluster, late)), manifest.digest]
-    )
-    assert result.exit_code == 0 and "all match" in result.output, result.output
-    # Every v2 pod, the late node's included, loaded and verified its weights.
-    assert final["stableRevision"]["manifestDigest"] == manifest.digest
-    pods = cluster.core.list_namespaced_pod(
-        rollouts.namespace,
-        label_selector=f"{REVISION_LABEL}={final['stableRevision']['podTemplateHash']}",
-    ).items
-    assert sorted(p.spec.node_name for p in pods) == sorted([honest, late])
-    for pod in pods:
-        gate = next(c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE)
-        assert gate.status == "True" and is_ready(pod), (pod.metadata.name, gate.message)
-
-
-def all_agent_logs(cluster: Any, agents: Agents, node: str) -> str:
-    folder = Path(cluster.paths.root) / "nodes" / node / "logs"
-    return "\n".join(
-        p.read_text(errors="replace") for p in folder.glob(f"{agents.namespace}*agent*")
     )
