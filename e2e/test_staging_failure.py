@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 
 from e2e.agent_fixtures import PROCESS, Agents, cache_root
 from e2e.operator_fixtures import Rollouts, publish_models, rollout_body
+from weightship import rollouts as user_actions
 from weightship.controller.builders import GROUP, staged_node_label
 from weightship.data.manifest import Manifest
 from weightship.data.s3 import S3Location, S3Origin
@@ -36,11 +38,13 @@ NAMESPACE_PREFIX = "sf-"
 MiB = 1 << 20
 DEADLINE_S = 600  # the default: what a deterministic failure no longer waits for
 CORRUPT_CHUNK = 2
+ORIGINALS: dict[str, tuple[str, str, Path]] = {}  # uri -> bucket, key, the published file
 WEIGHTSHIP = shutil.which("weightship", path=str(Path(sys.executable).parent)) or "weightship"
 
 
 @pytest.fixture(scope="module")
 def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """{"corrupt": uri, "good": uri, "restore": the corrupt one's object key}."""
     s3 = testkit.s3_client(cluster.s3_endpoint)
     bucket = testkit.unique_name("stagefail")
     s3.create_bucket(Bucket=bucket)
@@ -51,6 +55,7 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[CORRUPT_CHUNK * MiB + 1234] ^= 0xFF
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    ORIGINALS[uris["corrupt"]] = (bucket, key, root / "corrupt" / "model.safetensors")
     yield uris
     testkit.empty_bucket(s3, bucket)
     s3.delete_bucket(Bucket=bucket)
@@ -106,6 +111,7 @@ def test_a_corrupt_origin_aborts_once_two_nodes_agree_naming_file_and_chunk(
             "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}
         }
         rollouts.create(body)
+        created = time.monotonic()
         final = rollouts.wait(
             "llm",
             "aborted",
@@ -161,6 +167,22 @@ def test_a_corrupt_origin_aborts_once_two_nodes_agree_naming_file_and_chunk(
         rollouts.namespace, label_selector=f"{GROUP}/rollout=llm"
     ).items
     assert all(p.spec.node_name is None for p in pods), [p.spec.node_name for p in pods]
+    print(f"aborted {time.monotonic() - created:.1f}s after the rollout was created")
+
+    # The bytes restored and the rollout retried: the failures from before the retry do
+    # not abort it again, the agents try again at once (their back-off restarts), and it
+    # becomes Healthy on the very manifest it recorded.
+    bucket, key, published = ORIGINALS[models["corrupt"]]
+    testkit.s3_client(cluster.s3_endpoint).put_object(
+        Bucket=bucket, Key=key, Body=published.read_bytes()
+    )
+    retried = time.monotonic()
+    user_actions.retry(cluster.api, rollouts.namespace, "llm")
+    healthy = rollouts.healthy_on("llm", "corrupt", timeout=120)["status"]
+    print(f"Healthy {time.monotonic() - retried:.1f}s after the retry")
+    assert healthy["stableRevision"]["manifestDigest"] == digest
+    assert not healthy.get("abort")
+    agents.wait_staged(digest, timeout=30)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
+from weightship.agent.desired import restarted, wanted
 from weightship.agent.failures import StageError, classify
 from weightship.agent.status import Entry, build_status, recover
 from weightship.api.status import ControlRequest, ControlStatus
@@ -576,3 +577,25 @@ def test_the_operator_reads_when_each_attempt_started() -> None:
     entry["startedAt"] = "yesterday"
     (n1,) = prefetch_observation(DIGEST_B, ["n1"], [cache]).nodes
     assert n1.started_at is None
+
+
+def test_a_retried_rollout_restarts_the_agents_back_off() -> None:
+    def rollout(started: str, role: str = "canaryRevision") -> dict[str, Any]:
+        return {
+            "metadata": {"namespace": "ns", "name": "llm"},
+            "spec": {"prefetch": {"enabled": True}},
+            "status": {role: {"manifestDigest": DIGEST_B}, "stepStartTime": started},
+        }
+
+    seen: dict[str, str] = {}
+    first = wanted([rollout("2026-01-01T12:00:00Z")], {})
+    assert first[0].attempt == "2026-01-01T12:00:00Z"
+    assert restarted(first, seen) == set()  # first sight: nothing to restart
+    assert restarted(first, seen) == set()
+    retried = wanted([rollout("2026-01-01T12:05:00Z")], {})
+    assert restarted(retried, seen) == {DIGEST_B}
+    assert restarted(retried, seen) == set()
+    # A stable's digest has no attempt: its step times say nothing about staging it.
+    stable = wanted([rollout("2026-01-01T12:09:00Z", "stableRevision")], {})
+    assert stable[0].attempt == "" and restarted(stable, seen) == set()
+    assert restarted([], seen) == set() and seen == {}

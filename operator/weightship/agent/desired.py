@@ -48,6 +48,9 @@ class Wanted:
     sources: tuple[ModelSource, ...]  # spec sources of the wanting rollouts, canary first
     peer_to_peer: bool  # False when any wanting rollout turned it off
     bandwidth_limit: int | None  # bytes/s, the lowest cap of the wanting rollouts
+    # The latest status.stepStartTime of the rollouts whose canary it is: a new one while
+    # it is not staged means a prefetch began again (`weightship retry`): back-off restarts.
+    attempt: str = ""
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Acc:
     sources: list[tuple[int, str, ModelSource]] = field(default_factory=list)
     p2p: bool = True
     limit: int | None = None
+    attempt: str = ""
 
 
 def parse_quantity(value: str | int | float | None) -> int | None:
@@ -155,6 +159,9 @@ def wanted(
             if source is not None:
                 a.sources.append((ROLE_ORDER[role], f"{namespace}/{name}", source))
             a.p2p = a.p2p and bool(prefetch.get("peerToPeer", True))
+            started = (r.get("status") or {}).get("stepStartTime")
+            if role == "canary" and isinstance(started, str):
+                a.attempt = max(a.attempt, started[:64])  # RFC 3339 UTC sorts as time
             if limit:
                 a.limit = limit if a.limit is None else min(a.limit, limit)
     out = []
@@ -171,6 +178,7 @@ def wanted(
                 sources=tuple(sources),
                 peer_to_peer=a.p2p,
                 bandwidth_limit=a.limit,
+                attempt=a.attempt,
             )
         )
     return sorted(out, key=lambda w: (ROLE_ORDER[w.role], w.pinned_by, w.digest))
@@ -187,6 +195,18 @@ def next_to_stage(
         if w.digest not in staged and retry_at.get(w.digest, 0.0) <= now:
             return w
     return None
+
+
+def restarted(wants: Iterable[Wanted], seen: dict[str, str]) -> set[str]:
+    """Digests whose canary prefetch began again since the last call (a rollout's retry
+    after a failed stage): their back-off restarts, so the retry is tried at once rather
+    than after up to 5 minutes. ``seen`` (digest -> attempt) is updated, and keeps only
+    the wanted digests."""
+    now = {w.digest: w.attempt for w in wants}
+    out = {d for d, a in now.items() if a and seen.get(d, a) != a}
+    seen.clear()
+    seen.update(now)
+    return out
 
 
 def retry_delay_s(failures: int, base_s: float = 5.0, cap_s: float = 300.0) -> float:

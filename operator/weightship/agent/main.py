@@ -105,6 +105,7 @@ class Agent:
         self._labels: dict[str, str] = {}
         self._labels_at = float("-inf")
         self._totals: dict[str, int] = {}  # digest -> manifest size (manifests are immutable)
+        self._attempts: dict[str, str] = {}  # digest -> its Wanted.attempt last tick
 
     # ---- lifecycle --------------------------------------------------------------------
     def run(self) -> None:
@@ -185,6 +186,10 @@ class Agent:
             if digest not in pins:
                 self.failures.pop(digest, None)
                 self.retry_at.pop(digest, None)
+        for digest in desired.restarted(wants, self._attempts):
+            if self.retry_at.pop(digest, None) is not None:
+                log.info("%s: its rollout's prefetch began again; retrying now", digest)
+            self.failures.pop(digest, None)
         if job is not None and running:
             if job.want.digest not in pins and not job.cancel.is_set():
                 log.info("%s is no longer wanted: cancelling its stage", job.want.digest)
