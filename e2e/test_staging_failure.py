@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -149,6 +150,13 @@ def test_a_corrupt_origin_aborts_once_two_nodes_agree_naming_file_and_chunk(
     )
     # Timestamps are the agents' and the operator's clocks on one host.
     assert -1.0 <= after_second_s <= 60.0, (since, aborted_at)
+
+    # ... and count it by reason (weightship_agent_stage_failures_total).
+    for node in agreeing:
+        url = f"http://{agents.pod_on(node).status.pod_ip}:9101/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        assert 'weightship_agent_stage_failures_total{reason="OriginMismatch"}' in text, node
 
     events = [e for e in rollouts.events("llm") if e.reason == "OriginMismatch"]
     assert events and where in events[0].message

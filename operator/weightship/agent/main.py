@@ -281,6 +281,7 @@ class Agent:
             with self.lock:
                 previous = self.entries[digest].failure if digest in self.entries else None
             failure = classify(e, self.now(), previous)
+            self.metrics.stage_failures.labels(failure.reason).inc()
             self._update(digest, state="Failed", last_error=status.clip(message), failure=failure)
         else:
             self.failures.pop(digest, None)

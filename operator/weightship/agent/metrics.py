@@ -21,6 +21,7 @@ class AgentMetrics:
     cache_used: Gauge
     models: Gauge
     stages: Counter
+    stage_failures: Counter
     stage_seconds: Histogram
     evictions: Counter
     status_writes: Counter
@@ -54,6 +55,12 @@ class AgentMetrics:
                 "weightship_agent_stages",
                 "Staging attempts by outcome (staged, failed, cancelled).",
                 ["outcome"],
+                registry=registry,
+            ),
+            stage_failures=Counter(
+                "weightship_agent_stage_failures",
+                "Failed staging attempts by failure reason (OriginMismatch, DiskFull, ...).",
+                ["reason"],
                 registry=registry,
             ),
             stage_seconds=Histogram(
