@@ -58,12 +58,16 @@ from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship_dev import cluster as local_cluster
 from weightship_dev import testkit
-from weightship_dev.components import NODE_MONITOR_GRACE_SECONDS
+from weightship_dev.components import (
+    KWOK_LEASE_SECONDS,
+    NODE_MONITOR_GRACE_SECONDS,
+    SCALE_LIVENESS,
+)
 from weightship_dev.install import apply_crds
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship_dev.nodes import NODE_LEASE_NAMESPACE, admin_api, kwok_node_body
 from weightship_dev.operatorproc import OperatorProcess
-from weightship_dev.scale import Fleet, healthy_on
+from weightship_dev.scale import Fleet, healthy_on, set_node_liveness
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK = Path(__file__).resolve().parent / "scale_hook"  # counts the operator's own requests
@@ -196,9 +200,10 @@ class NodeUpkeep:
     renewed within the controller manager's grace period. A node without one goes NotReady
     and KWOK stops managing its pods (so a rollout on it never finishes)."""
 
-    def __init__(self, api: client.ApiClient, nodes: list[str]) -> None:
+    def __init__(self, api: client.ApiClient, nodes: list[str], grace_s: int) -> None:
         self.coord = client.CoordinationV1Api(api)
         self.nodes = set(nodes)
+        self.grace_s = grace_s
 
     def live(self) -> int:
         now = time.time()
@@ -208,7 +213,7 @@ class NodeUpkeep:
             for lease in leases
             if lease.metadata.name in self.nodes
             and lease.spec.renew_time is not None
-            and now - lease.spec.renew_time.timestamp() < NODE_MONITOR_GRACE_SECONDS
+            and now - lease.spec.renew_time.timestamp() < self.grace_s
         )
 
     def wait_all(self, timeout: float) -> float | None:
@@ -621,6 +626,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--designs", default="new,old")
     p.add_argument(
+        "--scale-liveness",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the cluster's controller manager and KWOK with components.SCALE_LIVENESS "
+        "(node leases renewed every 50 s, NotReady after 120 s) and back to a kubelet's "
+        "40 s after; default: above 1,000 nodes",
+    )
+    p.add_argument(
         "--new-ref",
         default="HEAD",
         help="commit of the new design (worktree: the working tree as it is)",
@@ -635,12 +648,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"args": vars(args), "load_before": os.getloadavg()[0]}
     bucket, uris = publish_models(endpoint)
     nodes: list[str] = []
+    scale_liveness = args.scale_liveness if args.scale_liveness is not None else args.nodes > 1000
+    lease_s, grace_s = SCALE_LIVENESS if scale_liveness else (0, NODE_MONITOR_GRACE_SECONDS)
     try:
+        if scale_liveness:
+            took = set_node_liveness(paths, lease_s, grace_s)
+            print(
+                f"controller manager and KWOK restarted in {took:.0f} s: node leases of "
+                f"{lease_s} s (renewed every {lease_s / 4:.0f} s), NotReady after {grace_s} s"
+            )
         started = time.monotonic()
         nodes = make_nodes(api, args.nodes)
         results["nodes_s"] = time.monotonic() - started
         print(f"{len(nodes)} KWOK nodes with a WeightCache each in {results['nodes_s']:.0f}s")
-        upkeep = NodeUpkeep(api, nodes)
+        upkeep = NodeUpkeep(api, nodes, grace_s)
         results["leases_s"] = upkeep.wait_all(timeout=300)
         print(f"every node with a live lease after {_fmt(results['leases_s'], ' s')} more")
         results["upkeep"] = measure_upkeep(api, paths, upkeep, UPKEEP_S)
@@ -658,6 +679,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         print(f"removing {len(nodes)} nodes and their WeightCaches")
         delete_nodes(api, nodes)
+        if scale_liveness:
+            set_node_liveness(paths, KWOK_LEASE_SECONDS, NODE_MONITOR_GRACE_SECONDS)
+            print("controller manager and KWOK back to 40 s leases and grace period")
         s3 = testkit.local_s3(endpoint)
         testkit.empty_bucket(s3, bucket)
         s3.delete_bucket(Bucket=bucket)

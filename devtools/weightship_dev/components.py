@@ -25,15 +25,18 @@ from weightship_dev.layout import (
 )
 
 KWOK_CONFIG = Path(__file__).with_name("kwok.yaml")  # KWOK's worker counts
-# KWOK renews each node's lease every quarter of its duration. A kubelet's 40 s (a renewal
-# every 10 s) is 500 lease writes a second at 5,000 KWOK nodes; measured at 1,000 nodes,
-# 100 renewals/s cost the API server 0.3 of a core (and etcd 0.1), so 5,000 nodes' leases
-# alone wanted most of this 2-core machine, and KWOK fell behind. 200 s: one renewal per
-# node per 50 s, 100/s at 5,000 nodes. The controller manager marks a node NotReady after
-# NODE_MONITOR_GRACE_SECONDS without a renewal, so that must exceed the renewal interval
-# with room for a loaded API server; it is also how long a dead process node goes unseen.
-KWOK_LEASE_SECONDS = 200
-NODE_MONITOR_GRACE_SECONDS = 120
+# Node liveness: KWOK renews each node's lease every quarter of its duration; the controller
+# manager marks a node NotReady after its grace period without a renewal (the test of a
+# lost process node waits for that). By default a kubelet's: 40 s leases (a renewal every
+# 10 s) and 40 s. At 5,000 KWOK nodes that is 500 lease writes a second; measured at
+# 1,000 nodes, 100 renewals/s cost the API server 0.3 of a core (etcd 0.1), so 5,000
+# nodes' leases alone wanted most of this 2-core machine and KWOK fell behind (its nodes
+# NotReady, their pods never Ready). bench_scale switches the cluster to SCALE_LIVENESS
+# for its run and back after (scale.set_node_liveness): a renewal per node per 50 s (100/s
+# at 5,000 nodes) and a grace period above two renewal intervals.
+KWOK_LEASE_SECONDS = 40
+NODE_MONITOR_GRACE_SECONDS = 40
+SCALE_LIVENESS = (200, 120)  # (KWOK lease seconds, grace period seconds)
 
 # The order matters: each daemon needs the ones before it.
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -85,7 +88,9 @@ def kube_apiserver(paths: ClusterPaths) -> list[str]:
     ]
 
 
-def kube_controller_manager(paths: ClusterPaths) -> list[str]:
+def kube_controller_manager(
+    paths: ClusterPaths, grace_seconds: int = NODE_MONITOR_GRACE_SECONDS
+) -> list[str]:
     pki = paths.pki
     return [
         str(bin_dir() / "kube-controller-manager"),
@@ -110,7 +115,7 @@ def kube_controller_manager(paths: ClusterPaths) -> list[str]:
         # planes raise it the same way.
         "--concurrent-replicaset-syncs=50",
         # It counts from each node's last lease renewal: see KWOK_LEASE_SECONDS.
-        f"--node-monitor-grace-period={NODE_MONITOR_GRACE_SECONDS}s",
+        f"--node-monitor-grace-period={grace_seconds}s",
         "--v=1",
     ]
 

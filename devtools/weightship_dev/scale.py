@@ -146,6 +146,16 @@ def describe_stragglers(
     return "\n".join(lines) + missing
 
 
+def set_node_liveness(paths: ClusterPaths, lease_seconds: int, grace_seconds: int) -> float:
+    """Restart the local cluster's controller manager and KWOK with these node lease and
+    grace period seconds (components.SCALE_LIVENESS for 5,000 nodes; the defaults after).
+    Returns the seconds it took."""
+    started = time.monotonic()
+    restart_controller_manager(paths, grace_seconds)
+    restart_kwok(paths, lease_seconds)
+    return time.monotonic() - started
+
+
 def restart_kwok(paths: ClusterPaths, lease_seconds: int = components.KWOK_LEASE_SECONDS) -> float:
     """Restart the local cluster's KWOK with components.kwok's flags (after changing them),
     its nodes' leases handed over at once. Returns the seconds it took."""
@@ -154,27 +164,28 @@ def restart_kwok(paths: ClusterPaths, lease_seconds: int = components.KWOK_LEASE
     delete_kwok_leases(admin_api(paths))
     argv = components.kwok(paths, lease_seconds)
     processes.start_daemon("kwok", argv, pids=paths.pids, logs=paths.logs)
-    cluster.wait_for(
-        "kwok",
-        functools.partial(cluster.component_healthy, paths, "kwok"),
-        60,
-        paths.logs / "kwok.log",
-    )
+    _wait_healthy(paths, "kwok")
     return time.monotonic() - started
 
 
-def restart_controller_manager(paths: ClusterPaths) -> float:
+def restart_controller_manager(
+    paths: ClusterPaths, grace_seconds: int = components.NODE_MONITOR_GRACE_SECONDS
+) -> float:
     """Restart the local cluster's controller manager with components' flags (its state is
     all in the API server). Returns the seconds it took."""
     started = time.monotonic()
     name = "kube-controller-manager"
     processes.stop_daemon(paths.pids / f"{name}.pid")
-    argv = components.kube_controller_manager(paths)
+    argv = components.kube_controller_manager(paths, grace_seconds)
     processes.start_daemon(name, argv, pids=paths.pids, logs=paths.logs)
+    _wait_healthy(paths, name)
+    return time.monotonic() - started
+
+
+def _wait_healthy(paths: ClusterPaths, name: str) -> None:
     cluster.wait_for(
         name,
         functools.partial(cluster.component_healthy, paths, name),
         60,
         paths.logs / f"{name}.log",
     )
-    return time.monotonic() - started
