@@ -132,8 +132,7 @@ class Reconciler:
         apply.carry_out(
             self.kube, rollout, decision, cache_dir=self.cache_dir, seed_keys=self.seed_keys
         )
-        for scaled in decision.workloads:  # read it again, not the count before the write
-            self.templates.forget(namespace, scaled.name)
+        self._forget_scaled(namespace, decision)
         laps.lap("apply")
         decision = self._follow_on(rollout, decision, now)
         laps.lap("follow-on")
@@ -176,6 +175,7 @@ class Reconciler:
             apply.carry_out(
                 self.kube, current, following, cache_dir=self.cache_dir, seed_keys=self.seed_keys
             )
+            self._forget_scaled(meta.namespace or "default", following)
             links.append(following)
         if len(links) == 1:
             return decision
@@ -184,6 +184,11 @@ class Reconciler:
             events=tuple(e for link in links for e in link.events),
             notifications=tuple(n for link in links for n in link.notifications),
         )
+
+    def _forget_scaled(self, namespace: str, decision: Decision) -> None:
+        """A workloadRef Deployment just scaled is read again, not the count before."""
+        for scaled in decision.workloads:
+            self.templates.forget(namespace, scaled.name)
 
     def _write(
         self,
