@@ -324,19 +324,23 @@ class Sampler:
     def __exit__(self, *_: object) -> None:
         self.stop.set()
         self.thread.join(timeout=10)
+        self.sample()  # the state the test ended on
 
     def _run(self) -> None:
         while not self.stop.wait(0.5):
-            try:
-                status = self.rollouts.get(self.name).get("status") or {}
-                sets = {
-                    rs.metadata.labels[REVISION_LABEL]: rs.spec.replicas or 0
-                    for rs in self.rollouts.replicasets(self.name)
-                }
-                # Read after the status: what it shows was decided before this.
-                self.samples.append({"status": status, "replicas": sets, "probe": self.probe()})
-            except Exception:  # a missed sample is no evidence either way
-                continue
+            self.sample()
+
+    def sample(self) -> None:
+        try:
+            status = self.rollouts.get(self.name).get("status") or {}
+            sets = {
+                rs.metadata.labels[REVISION_LABEL]: rs.spec.replicas or 0
+                for rs in self.rollouts.replicasets(self.name)
+            }
+            # Read after the status: what it shows was decided before this.
+            self.samples.append({"status": status, "replicas": sets, "probe": self.probe()})
+        except Exception:  # a missed sample is no evidence either way
+            return
 
 
 def test_a_process_node_lost_mid_canary_neither_promotes_on_missing_pods_nor_drops_stable(
