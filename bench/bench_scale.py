@@ -24,6 +24,12 @@ PYTHONPATH pointing at it), in the same run.
     .venv/bin/python bench/bench_scale.py --nodes 200 --rollouts 100 --big 100 --timeout 120 \
         --designs new                                                 # quick
 
+Above 1,000 nodes it first restarts the controller manager and KWOK with
+components.SCALE_LIVENESS (a lease renewal per node per 50 s, NotReady after 120 s: a
+kubelet's renewal every 10 s is 500 lease writes/s at 5,000 nodes, more than this machine
+has for them), and back to a kubelet's 40 s after. Before any operator runs it measures
+the nodes' upkeep alone (30 s), and after each phase counts the nodes with a live lease.
+
 The cluster is shared: the bench removes its nodes, WeightCaches and namespaces after.
 """
 
