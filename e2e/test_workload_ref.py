@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
-from e2e.operator_fixtures import PROCESS_NODES, Rollouts, publish_models, rollout_body
+from e2e.operator_fixtures import (
+    PROCESS_NODES,
+    OperatorProcess,
+    Rollouts,
+    publish_models,
+    rollout_body,
+)
 from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "wr-"
@@ -63,6 +69,14 @@ def create_deployment(cluster: Any, namespace: str, name: str, uri: str) -> None
 
 def deployment(cluster: Any, namespace: str, name: str) -> Any:
     return cluster.apps.read_namespaced_deployment(name, namespace)
+
+
+def rollout_gone(rollouts: Rollouts, name: str) -> bool:
+    try:
+        rollouts.get(name)
+    except ApiException as e:
+        return bool(e.status == 404)
+    return False
 
 
 class Timeline:
@@ -151,14 +165,11 @@ def test_an_adopted_deployment_keeps_its_replicas_until_the_rollout_serves_and_g
         "weightship.io", "v1alpha1", namespace, "modelrollouts", name
     )
 
-    def gone() -> bool:
-        try:
-            rollouts.get(name)
-        except ApiException as e:
-            return bool(e.status == 404)
-        return False
-
-    testkit.wait_until(gone, timeout=60, what="the rollout deleted (finalizer released)")
+    testkit.wait_until(
+        lambda: rollout_gone(rollouts, name),
+        timeout=60,
+        what="the rollout deleted (finalizer released)",
+    )
     assert deployment(cluster, namespace, name).spec.replicas == REPLICAS
     testkit.wait_until(
         lambda: (deployment(cluster, namespace, name).status.ready_replicas or 0) == REPLICAS,
@@ -210,3 +221,34 @@ def test_a_rollout_that_stops_naming_the_deployment_gives_it_back(
     )
     assert "WorkloadReleased" in [e.reason for e in rollouts.events(name)]
     assert released["status"]["replicas"]["stable"] == REPLICAS
+
+
+def test_a_rollout_deleted_while_the_operator_is_down_gives_back_once_it_is_up(
+    cluster: Any, rollouts: Rollouts, models: dict[str, str], operator: OperatorProcess
+) -> None:
+    """Nothing lives only in memory: the finalizer holds the deletion, status.workload
+    holds the count, and a freshly started operator gives the replicas back."""
+    namespace, name = rollouts.namespace, "llm"
+    create_deployment(cluster, namespace, name, models["v1"])
+    rollouts.create(adopting_rollout(name, models["v1"], cluster.s3_endpoint))
+    testkit.wait_until(
+        lambda: deployment(cluster, namespace, name).spec.replicas == 0,
+        timeout=120,
+        what="the Deployment scaled to zero",
+    )
+    operator.kill()
+    try:
+        rollouts.custom.delete_namespaced_custom_object(
+            "weightship.io", "v1alpha1", namespace, "modelrollouts", name
+        )
+        time.sleep(3)
+        held = rollouts.get(name)  # still there: nobody has given the Deployment back
+        assert (
+            held["metadata"].get("deletionTimestamp")
+            and FINALIZER in held["metadata"]["finalizers"]
+        )
+        assert deployment(cluster, namespace, name).spec.replicas == 0
+    finally:
+        operator.start()
+    testkit.wait_until(lambda: rollout_gone(rollouts, name), timeout=90, what="the rollout gone")
+    assert deployment(cluster, namespace, name).spec.replicas == REPLICAS

@@ -8,10 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from e2e.operator_fixtures import Rollouts, publish_models, s3_secret
-from e2e.test_workload_ref import REPLICAS, adopting_rollout, create_deployment, deployment
+from e2e.test_workload_ref import (
+    REPLICAS,
+    adopting_rollout,
+    create_deployment,
+    deployment,
+    rollout_gone,
+)
 from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "wrc-"
@@ -55,15 +60,9 @@ def test_the_charts_operator_hands_a_deployment_over_and_back(
         rollouts.custom.delete_namespaced_custom_object(
             "weightship.io", "v1alpha1", namespace, "modelrollouts", "llm"
         )
-
-        def gone() -> bool:
-            try:
-                rollouts.get("llm")
-            except ApiException as e:
-                return bool(e.status == 404)
-            return False
-
-        testkit.wait_until(gone, timeout=90, what="the rollout deleted")
+        testkit.wait_until(
+            lambda: rollout_gone(rollouts, "llm"), timeout=90, what="the rollout deleted"
+        )
         assert deployment(cluster, namespace, "llm").spec.replicas == REPLICAS
     finally:
         testkit.empty_bucket(s3, bucket)
