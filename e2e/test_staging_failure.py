@@ -190,7 +190,9 @@ def test_a_corrupt_origin_aborts_once_two_nodes_agree_naming_file_and_chunk(
     print(f"Healthy {time.monotonic() - retried:.1f}s after the retry")
     assert healthy["stableRevision"]["manifestDigest"] == digest
     assert not healthy.get("abort")
-    agents.wait_staged(digest, timeout=30)
+    for node in nodes:  # labelled once its WeightCache said Staged
+        labels = cluster.core.read_node(node).metadata.labels or {}
+        assert labels.get(staged_node_label(digest)) == "true", node
 
 
 @pytest.fixture
