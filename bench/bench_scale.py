@@ -73,7 +73,7 @@ from weightship_dev.install import apply_crds
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
 from weightship_dev.nodes import NODE_LEASE_NAMESPACE, admin_api, kwok_node_body
 from weightship_dev.operatorproc import OperatorProcess
-from weightship_dev.scale import Fleet, healthy_on, set_node_liveness
+from weightship_dev.scale import Fleet, describe_stragglers, healthy_on, set_node_liveness
 
 REPO = Path(__file__).resolve().parent.parent
 HOOK = Path(__file__).resolve().parent / "scale_hook"  # counts the operator's own requests
@@ -533,9 +533,11 @@ def run_design(
         # A fleet's progress is rollouts getting there; one rollout's (the big one's) is
         # its pods, which this does not see: it gets the whole timeout.
         stall = args.stall if len(fleet.names) > 1 else None
-        done, _listing = fleet.wait(
+        done, listing = fleet.wait(
             healthy_on(revision), timeout=timeout, interval=interval, stall_s=stall
         )
+        if len(done) < len(fleet.names):
+            print(f"not Healthy on {revision}:\n{describe_stragglers(done, listing)}")
         return done, len(fleet.names)
 
     def hops(r: dict[str, Any], fleet: Fleet, revision: str, replicas: int) -> None:

@@ -156,10 +156,12 @@ class Reconciler:
         links = [decision]
         current = rollout
         meta = rollout.metadata
+        requeue_after: float | None = 0.0  # unless a decide on the final status says
         for _ in range(FOLLOW_ON_LINKS):
             last = links[-1]
             if last.workloads or not last.status_patch(current.status):
-                break  # settled (or a Deployment to read again first)
+                requeue_after = last.requeue_after  # settled (or a Deployment to read again)
+                break
             current = current.model_copy(update={"status": last.status})
             objects = self.view.rollout_objects(meta.namespace or "default", meta.name)
             if objects is None:
@@ -170,8 +172,9 @@ class Reconciler:
             if observation is None:
                 break
             following = decide(current, observation.observed, now, self.gates)
-            if not following.status_patch(current.status):
-                break  # nothing follows (its actions, if any, wait for the next reconcile)
+            if not following.status_patch(current.status) and not _acts(following):
+                requeue_after = following.requeue_after  # decided on the final status
+                break
             apply.carry_out(
                 self.kube, current, following, cache_dir=self.cache_dir, seed_keys=self.seed_keys
             )
@@ -183,6 +186,7 @@ class Reconciler:
             links[-1],
             events=tuple(e for link in links for e in link.events),
             notifications=tuple(n for link in links for n in link.notifications),
+            requeue_after=requeue_after,
         )
 
     def _forget_scaled(self, namespace: str, decision: Decision) -> None:
@@ -253,6 +257,18 @@ class _Laps:
 
     def summary(self) -> str:
         return ", ".join(f"{stage} {s:.2f}" for stage, s in self.seconds.items()) or "-"
+
+
+def _acts(decision: Decision) -> bool:
+    """Whether carrying the decision out writes anything besides the status."""
+    return bool(
+        decision.scales
+        or decision.node_labels
+        or decision.open_gates
+        or decision.workloads
+        or decision.events
+        or decision.notifications
+    )
 
 
 def _first_error(error: ValidationError) -> str:
