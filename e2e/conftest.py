@@ -19,7 +19,7 @@ from prometheus_api_client import PrometheusConnect
 from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present, forget_staging
 from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
 from weightship_dev import cluster as local_cluster
-from weightship_dev import nodes, testkit
+from weightship_dev import demo, nodes, testkit
 from weightship_dev.install import apply_crds, helm, install_chart
 from weightship_dev.layout import ClusterPaths
 
@@ -60,6 +60,9 @@ def cluster() -> Iterator[Cluster]:
                 paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES
             )
         )
+    # A demo left running (`make demo`, then `make test`) runs node agents of its own on
+    # the process nodes, which would share the WeightCaches with the tests' agents.
+    demo.remove(paths)
     api = nodes.admin_api(paths)
     node_list = client.CoreV1Api(api).list_node().items
     kinds = {

@@ -99,10 +99,17 @@ def cluster_status(output: str) -> None:
 
 
 @main.command("demo")
-def dev_demo() -> None:
+@click.option("--remove", is_flag=True, help="Take a demo left running off the cluster, and exit.")
+def dev_demo(remove: bool) -> None:
     """A real rollout and a real rollback on the local cluster (what `make demo` runs)."""
     from weightship_dev.demo import main as demo_main
+    from weightship_dev.demo import remove as remove_demo
+    from weightship_dev.layout import ClusterPaths
 
+    if remove:
+        if not remove_demo(ClusterPaths.default(), log=Console(stderr=True).print):
+            Console(stderr=True).print("no demo on the cluster")
+        return
     demo_main()
 
 

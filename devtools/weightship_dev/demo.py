@@ -145,26 +145,7 @@ class Demo:
         core = client.CoreV1Api(self.api)
         install.apply_crds(self.api)
         self.console.print("CRDs applied")
-        try:
-            core.delete_namespace(NAMESPACE)
-            # A previous demo's operator may be gone: release its finalizers on the way out.
-            for mr in self.custom.list_namespaced_custom_object(
-                GROUP, VERSION, NAMESPACE, PLURAL
-            ).get("items", []):
-                self.custom.patch_namespaced_custom_object(
-                    GROUP,
-                    VERSION,
-                    NAMESPACE,
-                    PLURAL,
-                    mr["metadata"]["name"],
-                    {"metadata": {"finalizers": None}},
-                )
-            testkit.wait_until(
-                lambda: not _exists(core, NAMESPACE), timeout=120, what="old demo namespace to go"
-            )
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        _delete_demo_namespace(core, self.custom)
         core.create_namespace({"metadata": {"name": NAMESPACE}})
         core.create_namespaced_secret(
             NAMESPACE,
@@ -302,7 +283,7 @@ class Demo:
         self.console.print(
             f"\nLook around: weightship status llm -n {NAMESPACE}; "
             f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
-            f"-n {NAMESPACE}"
+            f"-n {NAMESPACE}\nRemove it: weightship-dev demo --remove (make test does so first)"
         )
 
     def serve_with_vllm(self, uri: str, endpoint: str) -> None:
@@ -443,6 +424,54 @@ def _exists(core: client.CoreV1Api, name: str) -> bool:
 
 def main() -> None:
     Demo(Console()).run()
+
+
+def _delete_demo_namespace(core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+    """Delete the demo's namespace and wait until it is gone. Its rollouts' finalizers are
+    released on the way out: the operator that would release them may be gone already."""
+    try:
+        core.delete_namespace(NAMESPACE)
+        for mr in custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL).get(
+            "items", []
+        ):
+            custom.patch_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                NAMESPACE,
+                PLURAL,
+                mr["metadata"]["name"],
+                {"metadata": {"finalizers": None}},
+            )
+    except ApiException as e:
+        if e.status != 404:
+            raise
+    testkit.wait_until(
+        lambda: not _exists(core, NAMESPACE), timeout=120, what="the demo namespace to go"
+    )
+
+
+def remove(paths: ClusterPaths, log: Callable[[str], object] = print) -> bool:
+    """Take a demo left running off the cluster (its release, with the operator and the node
+    agents, and both namespaces): its agents would share the process nodes' WeightCaches
+    with the e2e tests' own. Returns whether there was anything to remove."""
+    api = nodes.admin_api(paths)
+    core = client.CoreV1Api(api)
+    if not (_exists(core, NAMESPACE) or _exists(core, SYSTEM_NAMESPACE)):
+        return False
+    log(f"removing the demo: namespaces {NAMESPACE} and {SYSTEM_NAMESPACE}")
+    if _exists(core, SYSTEM_NAMESPACE):
+        install.helm(
+            paths, "uninstall", "weightship", "-n", SYSTEM_NAMESPACE, "--ignore-not-found", "--wait"
+        )
+    _delete_demo_namespace(core, client.CustomObjectsApi(api))
+    if _exists(core, SYSTEM_NAMESPACE):
+        core.delete_namespace(SYSTEM_NAMESPACE)
+        testkit.wait_until(
+            lambda: not _exists(core, SYSTEM_NAMESPACE),
+            timeout=120,
+            what=f"namespace {SYSTEM_NAMESPACE} to go",
+        )
+    return True
 
 
 def _agent_credentials(core: client.CoreV1Api) -> None:
