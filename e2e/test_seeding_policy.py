@@ -31,8 +31,15 @@ def test_the_operator_creates_only_seeding_key_secrets(cluster: Any, release: Re
             rbac.create_namespaced_role(ns, doc)
         elif doc["kind"] == "RoleBinding":
             rbac.create_namespaced_role_binding(ns, doc)
-    (role,) = [d for d in release.docs if d["kind"] == "Role"]
-    assert {"get", "create"} <= set(role["rules"][0]["verbs"])
+    # The chart's Roles per watched namespace: this one's Secrets (and one for workloadRef's
+    # deployments/scale).
+    (role,) = [
+        d
+        for d in release.docs
+        if d["kind"] == "Role" and any("secrets" in r.get("resources", []) for r in d["rules"])
+    ]
+    (rule,) = [r for r in role["rules"] if "secrets" in r.get("resources", [])]
+    assert {"get", "create"} <= set(rule["verbs"])
     sa = release.named("ServiceAccount", "-operator")["metadata"]["name"]
     operator = client.CoreV1Api(user_api(cluster, token_for(cluster.core, ns, sa)))
     body = copy.deepcopy(VALID_MANIFEST)
