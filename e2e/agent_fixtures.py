@@ -28,6 +28,18 @@ def cache_root(cluster: Any, node: str) -> Path:
     return Path(cluster.paths.root) / "nodes" / node / "root" / CACHE_DIR.lstrip("/")
 
 
+def damage_staged_piece(cluster: Any, node: str, manifest: Any, chunk: Any, piece: int) -> None:
+    """Flip one byte of one piece of a chunk in a node's staged copy: its agent still lists
+    the chunk as verified and serves it from there, as a lying peer would."""
+    files = cache_root(cluster, node) / "models" / manifest.digest_hex / "files"
+    with open(files / chunk.file, "r+b") as f:
+        where = chunk.offset + piece * manifest.piece_size + 17
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def agent_objects(namespace: str) -> dict[str, Any]:
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}

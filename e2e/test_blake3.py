@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.agent_fixtures import PROCESS, Agents, cache_root, damage_staged_piece
 from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
@@ -127,13 +127,7 @@ def test_a_corrupt_piece_from_a_peer_is_caught_and_the_chunk_fetched_elsewhere(
         agents.wait_staged(manifest.digest, nodes=[liar, honest])
         # Damage one byte of one piece in the liar's cached copy: its agent still lists
         # the chunk as verified and serves it from there.
-        staged = cache_root(cluster, liar) / "models" / manifest.digest_hex / "files" / target.file
-        with open(staged, "r+b") as f:
-            where = target.offset + piece * manifest.piece_size + 17
-            f.seek(where)
-            byte = f.read(1)
-            f.seek(where)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        damage_staged_piece(cluster, liar, manifest, target, piece)
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {wave: None}}})
         entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.agent_fixtures import PROCESS, Agents, cache_root, damage_staged_piece
 from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
@@ -236,13 +236,7 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: "early"}}})
         rollouts.set_model("llm", tiny["v2"], "v2")
         agents.wait_staged(manifest.digest, nodes=[liar, honest])
-        staged = cache_root(cluster, liar) / "models" / manifest.digest_hex / "files" / target.file
-        with open(staged, "r+b") as f:
-            where = target.offset + piece * manifest.piece_size + 17
-            f.seek(where)
-            byte = f.read(1)
-            f.seek(where)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        damage_staged_piece(cluster, liar, manifest, target, piece)
         # Now every process node: the late node stages v2 from its peers, the liar first
         # for the chunks it owns; the promote sends the second canary pod there.
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: None}}})
