@@ -849,6 +849,30 @@ class TrafficRouting(ApiModel):
         return self
 
 
+UpdatePolicy = Literal["Recreate", "InPlaceIfPossible"]
+
+
+class InPlaceUpdate(ApiModel):
+    """How a running replica takes new weights without a restart (updatePolicy
+    InPlaceIfPossible): it leaves traffic, drains, swaps verified weights, and is verified
+    again before it takes traffic."""
+
+    drain_timeout_seconds: int = Field(
+        30,
+        description="How long a pod that has left traffic waits for its in-flight requests "
+        "before its weights are swapped; requests still running then are aborted.",
+        ge=0,
+        le=3600,
+    )
+    swap_timeout_seconds: int = Field(
+        300,
+        description="A swap not finished this long after it began fails: the pod stays out "
+        "of traffic until it is swapped back to the stable weights or restarted.",
+        ge=10,
+        le=3600,
+    )
+
+
 _ANALYSIS_DEFINED_MESSAGE = "spec.strategy.canary.analysis must be set when a step uses analysis"
 _METRIC_KNOWN_MESSAGE = (
     "analysis steps may only name metrics defined in spec.strategy.canary.analysis.metrics"
@@ -908,6 +932,18 @@ class CanaryStrategy(ApiModel):
         "so routers can drain. With replicaRatio the old stable scales down at once.",
         ge=0,
         le=86400,
+    )
+
+    update_policy: UpdatePolicy = Field(
+        "Recreate",
+        description="Recreate: every revision gets new pods. InPlaceIfPossible: when only "
+        "spec.model changed, running pods swap to the new weights in place (the inference "
+        "server must support it: the weightship vLLM plugin does); any other change of the "
+        "pod template still replaces pods.",
+    )
+    in_place: InPlaceUpdate = Field(
+        default_factory=InPlaceUpdate,
+        description="Drain and swap limits of in-place updates.",
     )
 
     @model_validator(mode="after")
