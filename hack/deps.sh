@@ -69,6 +69,16 @@ build_prometheus() {
   mark prometheus "$PROMETHEUS_VERSION"
 }
 
+# promtool (same module and version as Prometheus) runs the alert rules' unit tests
+# (tests/alerts, `promtool test rules`).
+build_promtool() {
+  have promtool "$PROMETHEUS_VERSION" && return
+  log "building promtool $PROMETHEUS_VERSION"
+  GOBIN="$BIN" go install -tags "remove_all_sd" -ldflags "-s -w" \
+    "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_VERSION"
+  mark promtool "$PROMETHEUS_VERSION"
+}
+
 build_helm() {
   have helm "$HELM_VERSION" && return
   log "building helm $HELM_VERSION"
@@ -208,13 +218,14 @@ main() {
     versitygw) build_versitygw ;;
     helm) build_helm ;;
     prometheus) build_prometheus ;;
+    promtool) build_promtool ;;
     k8s) build_k8s ;;
     gateway-api) fetch_gateway_api ;;
     argocd-lua) build_argocd_lua ;;
     vllm) build_vllm ;;
     all)
       install_apt
-      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_helm); (build_argocd_lua); (build_vllm)
+      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_promtool); (build_helm); (build_argocd_lua); (build_vllm)
       ;;
     *) echo "unknown target $what" >&2; exit 2 ;;
   esac
