@@ -29,6 +29,17 @@ ROLLOUT_STEP = Gauge("weightship_rollout_step", "Current canary step index", ["n
 ROLLOUT_WEIGHT = Gauge(
     "weightship_rollout_canary_weight", "Canary weight, 0-100", ["namespace", "name"]
 )
+ROLLOUT_ABORTED = Gauge(
+    "weightship_rollout_aborted",
+    "1 while the rollout's canary is aborted (status.abort), by the abort's reason",
+    ["namespace", "name", "reason"],
+)
+ROLLOUT_RECONCILED = Gauge(
+    "weightship_rollout_last_reconcile_timestamp_seconds",
+    "When the rollout was last reconciled to the end (Unix time)",
+    ["namespace", "name"],
+)
+_abort_reasons: dict[tuple[str, str], str] = {}  # the reason each aborted rollout is shown with
 VERIFICATIONS = Counter(
     "weightship_pod_verifications",
     "Readiness-gate verdicts written to pods, by status and reason",
@@ -46,6 +57,22 @@ def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> Non
         ROLLOUT_PHASE.labels(namespace, name, phase).set(1 if status.phase == phase else 0)
     ROLLOUT_STEP.labels(namespace, name).set(status.current_step_index or 0)
     ROLLOUT_WEIGHT.labels(namespace, name).set(status.canary_weight)
+    _record_abort(namespace, name, status.abort.reason if status.abort else None)
+    ROLLOUT_RECONCILED.labels(namespace, name).set_to_current_time()
+
+
+def _record_abort(namespace: str, name: str, reason: str | None) -> None:
+    """One series while aborted, with the abort's reason; none otherwise (so an alert on it
+    resolves when a retry or a new revision clears the abort)."""
+    previous = _abort_reasons.get((namespace, name))
+    if previous is not None and previous != reason:
+        with contextlib.suppress(KeyError):
+            ROLLOUT_ABORTED.remove(namespace, name, previous)
+    if reason is None:
+        _abort_reasons.pop((namespace, name), None)
+        return
+    _abort_reasons[(namespace, name)] = reason
+    ROLLOUT_ABORTED.labels(namespace, name, reason).set(1)
 
 
 def forget_rollout(namespace: str, name: str) -> None:
@@ -53,6 +80,7 @@ def forget_rollout(namespace: str, name: str) -> None:
     for phase in PHASES:
         with contextlib.suppress(KeyError):
             ROLLOUT_PHASE.remove(namespace, name, phase)
-    for gauge in (ROLLOUT_STEP, ROLLOUT_WEIGHT):
+    for gauge in (ROLLOUT_STEP, ROLLOUT_WEIGHT, ROLLOUT_RECONCILED):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
+    _record_abort(namespace, name, None)

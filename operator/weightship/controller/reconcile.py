@@ -119,6 +119,7 @@ class Reconciler:
                 status, int(body["metadata"].get("generation", 0)), _first_error(e), now
             )
             self._write(body, status, decision, resource_version)
+            metrics.record_rollout(namespace, name, decision.status)
             return IDLE_RECHECK_SECONDS
         observation = observe(
             self.view, objects, rollout, self.manifests, self.measurements, self.templates, now
