@@ -26,6 +26,9 @@ SERVE_FLAGS = [
     "--enforce-eager",
 ]
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# In-place weight swaps (POST /weightship/v1/swap): vLLM's weight-transfer engine
+# `weightship`, which the plugin registers.
+IN_PLACE_FLAGS = ["--weight-transfer-config", '{"backend": "weightship"}']
 
 
 def pod_template(
@@ -34,10 +37,14 @@ def pod_template(
     node_selector: Mapping[str, str],
     load_format: str = "weightship",
     env: Mapping[str, str] | None = None,
+    in_place: bool = False,
 ) -> dict[str, Any]:
     """vLLM pods serving the rollout's model from the node cache. ``load_format`` is
     "weightship" (the plugin: verified load, /weightship/v1/loaded, seeding) or vLLM's own
-    "safetensors" (a plain vLLM: verified as checksumMode staged)."""
+    "safetensors" (a plain vLLM: verified as checksumMode staged). ``in_place`` adds the
+    weight-transfer engine that in-place swaps need (the plugin's load format too)."""
+    if in_place and load_format != "weightship":
+        raise ValueError("in-place swaps need --load-format weightship")
     return {
         "metadata": {"labels": {"app": app}},
         "spec": {
@@ -56,6 +63,7 @@ def pod_template(
                         "--port",
                         str(PORT),
                         *SERVE_FLAGS,
+                        *(IN_PLACE_FLAGS if in_place else []),
                     ],
                     "env": [
                         # Both of the plugin's entry points (endpoint plugins load only

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 LoadState = Literal["Loading", "Loaded", "Failed"]
-LoadSource = Literal["cache", "origin", "broadcast"]
+# "swap": swapped in place into a running server, from the node cache (every byte checked).
+LoadSource = Literal["cache", "origin", "broadcast", "swap"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class LoadReport:
             verified=doc.get("verified") is True,
             reason=_opt_str(doc.get("reason")),
             message=_opt_str(doc.get("message")),
-            source=source if source in ("cache", "origin", "broadcast") else None,
+            source=source if source in ("cache", "origin", "broadcast", "swap") else None,
             seeded_from=_opt_str(doc.get("seededFrom")),
             load_seconds=float(seconds) if isinstance(seconds, int | float) else None,
         )

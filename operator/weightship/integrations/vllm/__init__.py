@@ -1,9 +1,12 @@
 """weightship inside vLLM (`pip install weightship[vllm]`), registered by entry points:
 
 - ``vllm.general_plugins: weightship = weightship.integrations.vllm:register`` registers
-  the load format ``weightship`` (``loader``) in every vLLM process;
+  the load format ``weightship`` (``loader``) and the weight-transfer engine
+  ``weightship`` (``engine``: in-place swaps, with
+  ``--weight-transfer-config '{"backend": "weightship"}'``) in every vLLM process;
 - ``vllm.endpoint_plugins: weightship = weightship.integrations.vllm.endpoint:endpoint_plugin``
-  adds GET /weightship/v1/loaded and the seed-root routes to vLLM's API server.
+  adds GET /weightship/v1/loaded, the seed-root routes, the swap routes and the response
+  stamping to vLLM's API server.
 
 Both load with ``VLLM_PLUGINS=weightship`` (endpoint plugins load only when named there).
 See docs/integrations.md.
@@ -50,3 +53,20 @@ def register() -> None:
     from .loader import LOAD_FORMAT, WeightshipModelLoader
 
     register_model_loader(LOAD_FORMAT)(WeightshipModelLoader)
+    register_weight_transfer_engine()
+
+
+WEIGHT_TRANSFER_BACKEND = "weightship"
+
+
+def register_weight_transfer_engine() -> None:
+    """``--weight-transfer-config '{"backend": "weightship"}'``; lazily imported (the
+    factory loads the module in the workers only). vLLM's factory refuses a name twice."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND,
+            "weightship.integrations.vllm.engine",
+            "WeightshipTransferEngine",
+        )

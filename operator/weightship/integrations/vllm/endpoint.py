@@ -3,13 +3,21 @@
 GET  /weightship/v1/loaded        what every rank loaded (core.verification.LoadReport)
 POST /weightship/v1/seed/join     forwarded to this replica's seed root, if it is one
 GET  /weightship/v1/seed/status   the broadcasts it ran as a root
+POST /weightship/v1/swap          swap verified weights in place (``swap``, ``swapdriver``)
+GET  /weightship/v1/swap          the latest swap's state
+
+and a middleware that stamps every response with the weights that made it
+(``X-Weightship-Revision``, ``X-Weightship-Manifest-Digest``) and holds requests while a
+swap runs (``stamp``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import time
 import urllib.error
 import urllib.request
 from argparse import Namespace
@@ -23,9 +31,23 @@ from starlette.datastructures import State
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 
-from .loader import SEED_PORT_FILE
 from .reports import merge, read_rank_reports
-from .settings import RUN_DIR_ENV
+from .roots import SEED_PORT_FILE
+from .settings import RUN_DIR_ENV, PluginSettings
+from .stamp import StampMiddleware, Weights, WeightsGate
+from .swap import (
+    MAX_SWAP_BODY,
+    NOT_SWAPPABLE,
+    SWAP_PATH,
+    SwapAuth,
+    SwapRequest,
+    SwapRequestError,
+    SwapTracker,
+    refusal_doc,
+)
+from .swapdriver import SwapDriver
+
+log = logging.getLogger("vllm.weightship")
 
 LOADED_PATH = "/weightship/v1/loaded"
 MAX_JOIN_BYTES = 64 * 1024
@@ -83,17 +105,142 @@ async def seed_status() -> JSONResponse:
     return JSONResponse(doc, status)
 
 
+def initial_weights(env: dict[str, str] | os._Environ[str]) -> Weights:
+    """What the server started with (the pod's WEIGHTSHIP_MODEL_REVISION and
+    WEIGHTSHIP_MANIFEST_DIGEST)."""
+    return Weights(
+        env.get("WEIGHTSHIP_MODEL_REVISION") or "unknown",
+        env.get("WEIGHTSHIP_MANIFEST_DIGEST") or None,
+    )
+
+
+def not_swappable(engine_client: Any, args: Namespace) -> str | None:
+    """Why this server cannot swap in place, or None."""
+    config = getattr(engine_client, "vllm_config", None)
+    if config is None:
+        return "this server has no engine"
+    transfer = getattr(config, "weight_transfer_config", None)
+    if transfer is None or getattr(transfer, "backend", None) != "weightship":
+        return 'vLLM runs without --weight-transfer-config \'{"backend": "weightship"}\''
+    if getattr(config.load_config, "load_format", None) != "weightship":
+        return "vLLM did not load its weights with --load-format weightship"
+    if config.parallel_config.data_parallel_size > 1:
+        return "in-place swaps support one engine (data parallel size 1)"
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        return "in-place swaps support one API server process (--api-server-count 1)"
+    return None
+
+
+class SwapService:
+    """The swap endpoint's state: who may swap, the gate, the latest swap."""
+
+    def __init__(self, env: dict[str, str] | os._Environ[str]) -> None:
+        self.auth = SwapAuth.from_env(env)
+        self.gate = WeightsGate(initial_weights(env))
+        self.tracker = SwapTracker()
+        self.driver: SwapDriver | None = None
+        self.unswappable = "the engine is not up yet"
+
+    def bind(self, engine_client: Any, args: Namespace) -> None:
+        why = not_swappable(engine_client, args)
+        if why is not None:
+            self.unswappable = why
+            return
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        config = engine_client.vllm_config
+        extra = config.load_config.model_loader_extra_config
+        settings = PluginSettings.from_env(os.environ, extra if isinstance(extra, dict) else {})
+        self.driver = SwapDriver(
+            engine=engine_client,
+            gate=self.gate,
+            tracker=self.tracker,
+            run_dir=run_dir(),
+            cache_dir=settings.cache_dir,
+            world=int(config.parallel_config.world_size),
+            make_update=lambda info: WeightTransferUpdateRequest(update_info=info),
+        )
+
+    async def post(self, request: Request) -> JSONResponse:
+        authorization = request.headers.get("authorization")
+        refusal = self.auth.missing(authorization)
+        if refusal is not None:
+            return JSONResponse(refusal_doc(refusal), refusal.status)
+        try:
+            body = await read_bounded(request, MAX_SWAP_BODY)
+            swap = SwapRequest.parse(body)
+        except SwapRequestError as exc:
+            doc = {"accepted": False, "reason": "BadRequest", "message": str(exc)}
+            return JSONResponse(doc, exc.status)
+        refusal = self.auth.check(authorization, swap, time.time())
+        if refusal is not None:
+            return JSONResponse(refusal_doc(refusal), refusal.status)
+        driver = self.driver
+        if driver is None:
+            doc = {"accepted": False, "reason": NOT_SWAPPABLE, "message": self.unswappable}
+            return JSONResponse(doc, 501)
+        if driver.running:
+            doc = {
+                "accepted": False,
+                "reason": "SwapInProgress",
+                "message": "a swap is already running: GET this path for its state",
+                "swap": self.tracker.current.to_json(),
+            }
+            return JSONResponse(doc, 409)
+        if (
+            driver.mixed is None
+            and self.gate.weights.manifest_digest == swap.manifest_digest
+            and await asyncio.to_thread(driver.loaded_digest) == swap.manifest_digest
+        ):
+            doc = {
+                "accepted": True,
+                "message": f"{swap.manifest_digest} is already loaded and verified",
+                "swap": self.tracker.current.to_json(),
+            }
+            return JSONResponse(doc, 200)
+        state = driver.start(swap)
+        log.info("swap to %s (%s) accepted", swap.manifest_digest, swap.revision)
+        return JSONResponse({"accepted": True, "swap": state.to_json()}, 202)
+
+    async def get(self) -> JSONResponse:
+        return JSONResponse(self.tracker.current.to_json())
+
+
+async def read_bounded(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise SwapRequestError(f"the body is over {limit} bytes", 413)
+    body = b""
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise SwapRequestError(f"the body is over {limit} bytes", 413)
+    return body
+
+
 class WeightshipEndpoints:
     name = "weightship"
     required_tasks = None
+
+    def __init__(self) -> None:
+        self.swaps = SwapService(os.environ)
 
     def attach_router(self, app: FastAPI) -> None:
         app.add_api_route(LOADED_PATH, loaded, methods=["GET"])
         app.add_api_route(JOIN_PATH, join, methods=["POST"])
         app.add_api_route(STATUS_PATH, seed_status, methods=["GET"])
+        app.add_api_route(SWAP_PATH, self.swaps.post, methods=["POST"])
+        app.add_api_route(SWAP_PATH, self.swaps.get, methods=["GET"])
+        # vLLM adds its own middlewares (CORS, --api-key, request ids) after this, so they
+        # wrap this one: what they answer themselves (an --api-key 401) is not stamped.
+        # The app's middleware stack is already built by the time init_state runs.
+        app.add_middleware(StampMiddleware, gate=self.swaps.gate)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
-        """No per-app state: the ranks' reports are files in the run directory."""
+        """The ranks' reports are files in the run directory; the swap service needs the
+        engine."""
+        if engine_client is not None:
+            self.swaps.bind(engine_client, args)
 
 
 def endpoint_plugin() -> WeightshipEndpoints:

@@ -22,16 +22,16 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from weightship.core.loadreport import LoadReport, termination_message
-from weightship.seeding.endpoints import serve
-from weightship.seeding.root import SeedRoot
 
+from . import roots
 from .reports import RankReport, write_rank_report
 from .settings import PluginSettings
+from .staging import remember_loaded
 from .weights import LoadFailure, Obtained, checked_tensors, obtain
 
 log = logging.getLogger("vllm.weightship")  # under vLLM's own log handlers
 LOAD_FORMAT = "weightship"
-SEED_PORT_FILE = "seed-port"
+SEED_PORT_FILE = roots.SEED_PORT_FILE
 
 
 def _ranks() -> tuple[int, int]:
@@ -78,9 +78,12 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
             message=f"{got.manifest.total_size} bytes verified, from {_from(got)}",
         )
         write_rank_report(settings.run_dir, RankReport(rank, world, report))
+        remember_loaded(got.manifest, os.environ.get("WEIGHTSHIP_MODEL_REVISION") or None)
         log.info("rank %d/%d: %s in %.2f s", rank, world, report.message, got.seconds)
         if rank == 0 and world == 1:
-            self._become_root(settings, got)
+            # Keep the verified raw tensors (host memory: one copy of the checkpoint) and
+            # serve joins on loopback; the API server's endpoint forwards them there.
+            roots.become_root(settings, got.tensors, got.manifest)
 
     def _refuse(self, settings: PluginSettings, rank: int, world: int, exc: LoadFailure) -> None:
         report = LoadReport(
@@ -95,24 +98,6 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
             settings.termination_log.write_text(termination_message(report) + "\n")
         except OSError as err:  # not in a Kubernetes container
             log.warning("cannot write the termination message: %s", err)
-
-    def _become_root(self, settings: PluginSettings, got: Obtained) -> None:
-        """Keep the verified raw tensors (host memory: one copy of the checkpoint) and
-        serve joins on loopback; the API server's endpoint forwards them here."""
-        if not settings.seed_root or settings.root.host is None:
-            return
-        try:
-            root = SeedRoot.from_settings(got.tensors, got.manifest, settings.root)
-        except Exception as exc:  # e.g. a manifest without tensor checksums
-            log.warning("this replica cannot seed others: %s", exc)
-            return
-        server = serve(root, "127.0.0.1", 0)
-        _ROOTS.append((root, server))  # alive as long as the worker
-        (settings.run_dir / SEED_PORT_FILE).write_text(str(server.server_address[1]))
-        log.info("seed root for %s on loopback port %d", got.manifest.digest, server.server_port)
-
-
-_ROOTS: list[tuple[SeedRoot, Any]] = []
 
 
 def _from(got: Obtained) -> str:

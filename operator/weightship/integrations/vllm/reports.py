@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,7 @@ def merge(reports: Sequence[RankReport]) -> LoadReport:
             state="Failed",
             manifest_digest=failed.report.manifest_digest,
             reason=failed.report.reason or "LoadFailed",
-            message=f"rank {failed.rank}: {failed.report.message or 'failed to load'}",
+            message=_named(failed),
         )
     worlds = {r.world_size for r in reports}
     if len(worlds) != 1:
@@ -107,3 +108,13 @@ def merge(reports: Sequence[RankReport]) -> LoadReport:
 
 def _rank(r: RankReport) -> int:
     return r.rank
+
+
+def _named(failed: RankReport) -> str:
+    """``rank <r>: <message>``; a message that already names the rank it comes from (every
+    rank reports a swap that left mixed weights as the failing rank's) is kept as it is."""
+    message = failed.report.message or "failed to load"
+    return message if _RANK_PREFIX.match(message) else f"rank {failed.rank}: {message}"
+
+
+_RANK_PREFIX = re.compile(r"^rank \d+: ")

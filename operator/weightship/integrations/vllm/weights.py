@@ -53,31 +53,28 @@ class Obtained:
     files: dict[str, bytes] = field(default_factory=dict)
 
 
-def staged_model(settings: PluginSettings) -> tuple[Path, Manifest]:
-    """The pinned model's files folder in the node cache and its manifest."""
-    if settings.cache_dir is None or settings.manifest_digest is None:
+def staged_model(settings: PluginSettings, digest: str | None = None) -> tuple[Path, Manifest]:
+    """The files folder in the node cache and the manifest of the pinned model (or of
+    ``digest``, a swap's target)."""
+    digest = digest or settings.manifest_digest
+    if settings.cache_dir is None or digest is None:
         raise LoadFailure(
             "NotConfigured",
             "WEIGHTSHIP_CACHE_DIR and WEIGHTSHIP_MANIFEST_DIGEST must be set "
             "(the operator sets both on the pods of a ModelRollout)",
         )
-    files = locate_staged(settings.cache_dir, settings.manifest_digest)
+    files = locate_staged(settings.cache_dir, digest)
     if files is None:
-        raise LoadFailure(
-            "NotStaged",
-            f"{settings.manifest_digest} is not staged in {settings.cache_dir}",
-            settings.manifest_digest,
-        )
+        raise LoadFailure("NotStaged", f"{digest} is not staged in {settings.cache_dir}", digest)
     path = files.parent / "manifest.json"
     try:
         manifest = Manifest.parse(path.read_bytes(), source=str(path))
     except (OSError, ManifestError) as exc:
         raise LoadFailure("LoadError", f"cannot read the manifest: {exc}") from exc
-    if manifest.digest != settings.manifest_digest:
+    if manifest.digest != digest:
         raise LoadFailure(
             "ManifestMismatch",
-            f"the manifest at {path} is {manifest.digest}, the rollout pins "
-            f"{settings.manifest_digest}",
+            f"the manifest at {path} is {manifest.digest}, the rollout pins {digest}",
             manifest.digest,
         )
     return files, manifest
@@ -129,6 +126,12 @@ def obtain(settings: PluginSettings, model_dir: Path, *, broadcast: bool = True)
         seconds=time.monotonic() - started,
         files=loaded.files,
     )
+
+
+def read_verified(files: Path, manifest: Manifest) -> LoadedModel:
+    """Every file of a staged model into host memory, every chunk checked (LoadFailure
+    ChecksumMismatch or LoadError otherwise)."""
+    return _load(files, manifest)
 
 
 def _load(files: Path, manifest: Manifest, paths: list[str] | None = None) -> LoadedModel:

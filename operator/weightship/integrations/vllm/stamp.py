@@ -1,0 +1,243 @@
+"""Which weights made each response: a gate in front of vLLM's routes and the headers it
+stamps (plain ASGI, asyncio only; no HTTP framework, no vLLM).
+
+Every HTTP response carries ``X-Weightship-Revision`` and
+``X-Weightship-Manifest-Digest``. A request that may reach the model (anything but the
+paths in ``UNGATED``) is admitted through the gate, which hands it the weights serving at
+that moment; its response is stamped with those. While a swap runs the gate is closed:
+new requests wait (up to the swap's bound) and are admitted, after the swap, with the
+weights then serving. The swap seals the gate before any parameter changes: a request
+admitted before that and still running is cut from then on (a 503 if it has sent nothing
+yet, else the end of its body), so no response is ever stamped with one revision and made
+by the other. After a swap that left mixed weights the gate refuses (503) until a later
+swap succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .swap import UNKNOWN_REVISION
+
+REVISION_HEADER = b"x-weightship-revision"
+DIGEST_HEADER = b"x-weightship-manifest-digest"
+# Paths that never run the model: answered at once, even during a swap (probes, metrics,
+# the plugin's own routes), stamped with the weights serving now.
+UNGATED = frozenset({"/health", "/ping", "/metrics", "/version", "/v1/models", "/load"})
+UNGATED_PREFIXES = ("/weightship/",)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Weights:
+    revision: str
+    manifest_digest: str | None
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [
+            (REVISION_HEADER, _header_value(self.revision or UNKNOWN_REVISION)),
+            (DIGEST_HEADER, _header_value(self.manifest_digest or "")),
+        ]
+
+
+def _header_value(text: str) -> bytes:
+    """Printable ASCII only: an env value with anything else cannot split a header."""
+    return "".join(c for c in text if " " <= c <= "~")[:128].encode("ascii")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request: the weights its response is stamped with, and the gate's
+    epoch when it came in (a later seal makes it stale)."""
+
+    epoch: int
+    weights: Weights
+
+
+@dataclass(frozen=True)
+class Refused:
+    status: int
+    reason: str
+    message: str
+
+
+GateMode = Literal["open", "closed", "refusing"]
+
+
+class WeightsGate:
+    def __init__(self, weights: Weights, clock: Callable[[], float] = time.monotonic) -> None:
+        self.weights = weights
+        self.epoch = 0
+        self.mode: GateMode = "open"
+        self.refusal = Refused(503, "SwapInProgress", "the weights are being swapped")
+        self._clock = clock
+        self._hold_until = 0.0
+        self._opened = asyncio.Event()
+        self._opened.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0
+        self.held = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def admit(self) -> Ticket | Refused:
+        while True:
+            if self.mode == "open":
+                self.in_flight += 1
+                self._idle.clear()
+                return Ticket(self.epoch, self.weights)
+            if self.mode == "refusing":
+                return self.refusal
+            remaining = self._hold_until - self._clock()
+            if remaining <= 0:
+                return Refused(
+                    503, "SwapInProgress", "held for the whole of a swap that has not ended"
+                )
+            self.held += 1
+            try:
+                await asyncio.wait_for(self._opened.wait(), remaining)
+            except TimeoutError:
+                pass
+            finally:
+                self.held -= 1
+
+    def release(self, ticket: Ticket) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle.set()
+
+    def is_stale(self, ticket: Ticket) -> bool:
+        return ticket.epoch < self.epoch
+
+    # -- the swap ------------------------------------------------------------------------
+
+    def close(self, hold_seconds: float) -> None:
+        """New requests wait, up to ``hold_seconds`` from now."""
+        self.mode = "closed"
+        self._hold_until = self._clock() + hold_seconds
+        self._opened.clear()
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """True once every admitted request is done, False after ``seconds``."""
+        if self.in_flight == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, seconds))
+        except TimeoutError:
+            return self.in_flight == 0
+        return True
+
+    def seal(self) -> None:
+        """Before any parameter changes: every request admitted so far is stale."""
+        self.epoch += 1
+
+    def open(self, weights: Weights) -> None:
+        self.weights = weights
+        self.mode = "open"
+        self._opened.set()
+
+    def refuse(self, reason: str, message: str) -> None:
+        """No request is served (the weights are mixed) until ``open``."""
+        self.refusal = Refused(503, reason, message)
+        self.mode = "refusing"
+        self._opened.set()  # the held ones are answered now
+
+
+def gated(path: str) -> bool:
+    return path not in UNGATED and not path.startswith(UNGATED_PREFIXES)
+
+
+def _stamped(message: Message, weights: Weights) -> Message:
+    drop = {REVISION_HEADER, DIGEST_HEADER}
+    headers = [(k, v) for k, v in message.get("headers") or [] if bytes(k).lower() not in drop]
+    return {**message, "headers": [*headers, *weights.headers()]}
+
+
+def _refusal_messages(refused: Refused, weights: Weights) -> list[Message]:
+    body = json.dumps(
+        {
+            "error": {"message": refused.message, "type": "ServiceUnavailable", "code": 503},
+            "reason": refused.reason,
+        }
+    ).encode()
+    start = {
+        "type": "http.response.start",
+        "status": refused.status,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"),
+        ],
+    }
+    return [_stamped(start, weights), {"type": "http.response.body", "body": body}]
+
+
+class StampMiddleware:
+    """ASGI middleware: the gate, and the two headers on every HTTP response."""
+
+    def __init__(self, app: ASGIApp, gate: WeightsGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        gate = self.gate
+        if not gated(str(scope.get("path", ""))):
+
+            async def send_now(message: Message) -> None:
+                if message.get("type") == "http.response.start":
+                    message = _stamped(message, gate.weights)
+                await send(message)
+
+            await self.app(scope, receive, send_now)
+            return
+
+        admitted = await gate.admit()
+        if isinstance(admitted, Refused):
+            for message in _refusal_messages(admitted, gate.weights):
+                await send(message)
+            return
+        ticket = admitted
+        started = cut = False
+
+        async def send_checked(message: Message) -> None:
+            nonlocal started, cut
+            kind = message.get("type")
+            if cut or kind not in ("http.response.start", "http.response.body"):
+                if not cut:
+                    await send(message)
+                return
+            if gate.is_stale(ticket):
+                cut = True
+                if not started:
+                    stale = Refused(
+                        503, "WeightsChanged", "the weights were swapped during this request"
+                    )
+                    for refusal in _refusal_messages(stale, gate.weights):
+                        await send(refusal)
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if kind == "http.response.start":
+                started = True
+                message = _stamped(message, ticket.weights)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_checked)
+        finally:
+            gate.release(ticket)
