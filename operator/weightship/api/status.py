@@ -18,6 +18,7 @@ MAX_MEASUREMENTS = 10
 MAX_PREFETCH_NODES = 50
 MAX_VERIFICATION_FAILURES = 5
 MAX_POD_LOADS = 20
+MAX_SWAP_PODS = 50
 
 # Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
 # Healthy → Healthy, Degraded → Degraded.
@@ -48,7 +49,10 @@ MeasurementPhase = Literal["Successful", "Failed", "Inconclusive", "Error"]
 AnalysisPhase = Literal["Running", "Successful", "Failed", "Inconclusive"]
 NodeStageState = Literal["Pending", "Staging", "Staged", "Failed"]
 PromoteMode = Literal["Step", "Full"]
-LoadSource = Literal["cache", "origin", "broadcast"]
+LoadSource = Literal["cache", "origin", "broadcast", "swap"]
+UpdateMode = Literal["InPlace", "Replace"]
+SwapState = Literal["Swapping", "Swapped", "Failed"]
+PodArrival = Literal["Started", "Seeded", "Swapped"]
 
 
 class Condition(ApiModel):
@@ -82,6 +86,65 @@ class RevisionStatus(ApiModel):
     )
     pod_template_hash: str = Field(
         description="Hash naming the ReplicaSet (pod template plus weights).", max_length=63
+    )
+    template_hash: str | None = Field(
+        None,
+        description="Hash of the pod template alone: revisions with the same one differ "
+        "only in their weights, which updatePolicy InPlaceIfPossible swaps in place.",
+        max_length=63,
+    )
+    update: UpdateMode | None = Field(
+        None,
+        description="How this revision reached its pods: InPlace (running pods swapped "
+        "their weights) or Replace (new pods).",
+    )
+    update_reason: str | None = Field(
+        None, description="Why it went that way.", max_length=MAX_SHORT_TEXT
+    )
+
+
+class PodSwapStatus(ApiModel):
+    """One pod of an in-place rollout: the weights it serves and how they got there."""
+
+    pod: str = Field(description="Pod name.", max_length=MAX_NAME)
+    revision: str | None = Field(
+        None, description="spec.model.revision of the weights it holds.", max_length=MAX_LABEL_VALUE
+    )
+    pod_template_hash: str | None = Field(
+        None, description="The revision hash it belongs to now.", max_length=63
+    )
+    arrival: PodArrival = Field(
+        "Started",
+        description="Started (loaded at start), Seeded (by broadcast) or Swapped (in place).",
+    )
+    swap_state: SwapState | None = Field(
+        None, description="The last swap: Swapping, Swapped or Failed."
+    )
+    swap_to: str | None = Field(
+        None, description="Revision the last swap went to.", max_length=MAX_LABEL_VALUE
+    )
+    swap_seconds: float | None = Field(
+        None, description="Duration of the last swap (out of traffic to swapped).", ge=0
+    )
+    paused_seconds: float | None = Field(
+        None, description="How long the engine was paused in the last swap.", ge=0
+    )
+    reason: str | None = Field(
+        None, description="Why the last swap failed.", max_length=MAX_SHORT_TEXT
+    )
+    message: str | None = Field(None, description="Detail.", max_length=MAX_SHORT_TEXT)
+
+
+class InPlaceStatus(ApiModel):
+    """Pods of a rollout with updatePolicy InPlaceIfPossible and their swaps."""
+
+    swapping: str | None = Field(
+        None, description="The pod swapping its weights now.", max_length=MAX_NAME
+    )
+    pods: list[PodSwapStatus] = Field(
+        default_factory=list,
+        description=f"Up to {MAX_SWAP_PODS} pods, by name.",
+        max_length=MAX_SWAP_PODS,
     )
 
 
@@ -386,6 +449,9 @@ class ModelRolloutStatus(ApiModel):
         None,
         description="Set while the spec.workloadRef Deployment is scaled to zero by this "
         "rollout (its deletion then waits until the Deployment has its replicas back).",
+    )
+    in_place: InPlaceStatus | None = Field(
+        None, description="In-place swaps (updatePolicy InPlaceIfPossible only)."
     )
 
     def condition(self, type_: ConditionType) -> Condition | None:

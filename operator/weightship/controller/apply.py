@@ -17,6 +17,7 @@ from weightship.controller.builders import (
     REVISION_LABEL,
     replicaset_body,
     replicaset_name,
+    retemplate_patch,
     scale_patch,
     staged_node_label,
     verified_condition,
@@ -47,6 +48,9 @@ def carry_out(
     namespace = rollout.metadata.namespace or "default"
     for gate in decision.open_gates:
         kube.patch_pod_condition(namespace, gate.pod, verified_condition(gate))
+    for pod in decision.restart_pods:
+        log.info("restarting pod %s/%s: its swap back to stable failed", namespace, pod)
+        kube.delete_pod(namespace, pod)
 
 
 def apply_replica_sets(
@@ -77,10 +81,23 @@ def apply_replica_sets(
                     replicas=action.replicas,
                     require_staged=action.require_staged,
                     cache_dir=cache_dir,
+                    template_hash=action.template_hash,
                 )
             )
         else:
             kube.scale_replicaset(namespace, action.name, scale_patch(action.replicas, action.seed))
+    for retemplate in decision.retemplates:
+        body = replicaset_body(
+            rollout,
+            template=retemplate.template,
+            revision_hash=retemplate.revision_hash,
+            manifest_digest=retemplate.manifest_digest,
+            replicas=rollout.spec.replicas,
+            require_staged=False,
+            cache_dir=cache_dir,
+            template_hash=retemplate.template_hash,
+        )
+        kube.retemplate_replicaset(namespace, retemplate.name, retemplate_patch(body))
 
 
 def apply_traffic(kube: Kube, rollout: ModelRollout, decision: Decision) -> None:

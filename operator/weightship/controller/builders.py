@@ -15,6 +15,7 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.controller.seedkey import seed_key_env
 from weightship.core.decision import OpenGate, SeedEnv
+from weightship.data import viewlayout
 
 GROUP = "weightship.io"
 ROLLOUT_LABEL = f"{GROUP}/rollout"
@@ -23,6 +24,11 @@ DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
 MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
 VERIFIED_GATE = f"{GROUP}/weights-verified"
 FINALIZER = f"{GROUP}/finalizer"  # kopf's; on a rollout only while it holds a workload
+# updatePolicy InPlaceIfPossible: one ReplicaSet per pod template selects its pods by this
+# label, so a pod that swaps its weights (its revision-hash label changes) stays in it.
+TEMPLATE_LABEL = f"{GROUP}/template-hash"
+# The swapper's record of a pod's last in-place swap (JSON; controller/swapper.py).
+SWAP_ANNOTATION = f"{GROUP}/swap"
 # The node cache is install-time configuration (the chart's agent.cacheDir, the operator's
 # WEIGHTSHIP_CACHE_DIR), never a rollout's: a rollout-chosen hostPath could be `/`.
 DEFAULT_CACHE_DIR = "/var/cache/weightship"
@@ -40,6 +46,17 @@ MODEL_VOLUMES = {
 # The pinned model's staged folder, for servers that read it themselves (`vllm serve
 # $(WEIGHTSHIP_MODEL_DIR)`): the path the node agent stages it at (data.chunkstore).
 MODEL_DIR_ENV = "WEIGHTSHIP_MODEL_DIR"
+# A pod of an updatePolicy InPlaceIfPossible rollout swaps to weights that were not known
+# when it started, so instead it mounts its rollout's view (weightship.data.views): one
+# folder the node agent keeps holding exactly the models that rollout pins and the node
+# has staged (hard links), plus the view's receipt for its own revision, which exists
+# only once the view shows it: a `File` mount, so the pod waits for it as for STAGED. The
+# view folder alone would not do: it exists as soon as an earlier revision is shown.
+VIEW_VOLUME = "weightship-view"
+VIEW_READY_VOLUME = "weightship-view-ready"
+VIEW_VOLUMES = {VIEW_VOLUME: "Directory", VIEW_READY_VOLUME: "File"}
+# Names a pod template cannot use: the controller's node mounts replace them.
+NODE_VOLUMES = frozenset({*MODEL_VOLUMES, *VIEW_VOLUMES})
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 
@@ -62,6 +79,42 @@ def staged_model_dir(cache_dir: str, manifest_digest: str) -> str | None:
     return f"{staged_model_root(cache_dir, manifest_digest)}/files"
 
 
+def rollout_view_root(cache_dir: str, uid: str) -> str:
+    """`<cacheDir>/views/<uid>`: the rollout's view of the node cache (data.views); the
+    uid must be a lowercase UUID (ValueError otherwise)."""
+    return viewlayout.view_root(cache_dir, uid)
+
+
+def uses_view(rollout: ModelRollout) -> bool:
+    """Whether the rollout's new pods mount its view rather than one model: prefetch on
+    and updatePolicy InPlaceIfPossible."""
+    return (
+        rollout.spec.prefetch.enabled
+        and rollout.spec.strategy.canary.update_policy == "InPlaceIfPossible"
+    )
+
+
+def mounts_view(pod: Mapping[str, Any]) -> bool:
+    """Whether a pod (a raw or cache-trimmed pod object) mounts its rollout's view, so it
+    can read revisions other than the one it started on."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return any(
+        m.get("name") == VIEW_VOLUME for c in containers for m in c.get("volumeMounts") or []
+    )
+
+
+def pod_model_dir(
+    cache_dir: str, manifest_digest: str, *, view_uid: str | None = None
+) -> str | None:
+    """`$(WEIGHTSHIP_MODEL_DIR)` of a pod: the model's files in its rollout's view with
+    ``view_uid``, else in the node cache; None for a digest that is not sha256."""
+    if not _DIGEST.fullmatch(manifest_digest or ""):
+        return None
+    if view_uid is None:
+        return staged_model_dir(cache_dir, manifest_digest)
+    return viewlayout.view_model_dir(cache_dir, view_uid, manifest_digest)
+
+
 def staged_node_label(manifest_digest: str) -> str:
     """Node label set once a node has every chunk of `manifest_digest` staged."""
     return f"staged.{GROUP}/{manifest_digest.removeprefix('sha256:')[:16]}"
@@ -76,11 +129,23 @@ def model_env(
 ) -> list[dict[str, Any]]:
     """What the pod's servers read: the model, and, with prefetch on, where its staged copy
     is mounted (the same paths as on the node, so `locate_staged(WEIGHTSHIP_CACHE_DIR,
-    digest)` finds it). With prefetch off nothing of the node is mounted, so no cache path
-    is named either: a server then fetches its own weights."""
+    digest)` finds it). With updatePolicy InPlaceIfPossible the cache a pod is told of is
+    its rollout's view, where `locate_staged` finds every revision the rollout pins (the
+    next one of an in-place swap too), and the model folder is its revision's there.
+    With prefetch off nothing of the node is mounted, so no cache path is named either:
+    a server then fetches its own weights."""
     model = rollout.spec.model
     cache_env: list[dict[str, Any]] = []
-    if rollout.spec.prefetch.enabled:
+    if uses_view(rollout):  # the view: every revision the rollout pins, as its cache
+        uid = _view_uid(rollout)
+        cache_env = [
+            {"name": CACHE_DIR_ENV, "value": rollout_view_root(cache_dir, uid)},
+            {
+                "name": MODEL_DIR_ENV,
+                "value": viewlayout.view_model_dir(cache_dir, uid, manifest_digest),
+            },
+        ]
+    elif rollout.spec.prefetch.enabled:
         cache_env = [
             {"name": CACHE_DIR_ENV, "value": cache_dir},
             {"name": MODEL_DIR_ENV, "value": staged_model_dir(cache_dir, manifest_digest) or ""},
@@ -123,8 +188,21 @@ def verified_condition(gate: OpenGate) -> dict[str, Any]:
     }
 
 
-def model_volumes(cache_dir: str, manifest_digest: str) -> list[dict[str, Any]]:
-    """The read-only hostPath volumes of one staged model, nothing else of the node."""
+def model_volumes(
+    cache_dir: str, manifest_digest: str, *, view_uid: str | None = None
+) -> list[dict[str, Any]]:
+    """The read-only hostPath volumes of one staged model, nothing else of the node; with
+    ``view_uid``, those of that rollout's view instead: the view, and its receipt for
+    this model (the start gate)."""
+    if view_uid is not None:
+        paths = {
+            VIEW_VOLUME: rollout_view_root(cache_dir, view_uid),
+            VIEW_READY_VOLUME: viewlayout.ready_marker(cache_dir, view_uid, manifest_digest),
+        }
+        return [
+            {"name": name, "hostPath": {"path": paths[name], "type": kind}}
+            for name, kind in VIEW_VOLUMES.items()
+        ]
     root = staged_model_root(cache_dir, manifest_digest)
     return [
         {"name": name, "hostPath": {"path": f"{root}/{sub}", "type": kind}}
@@ -132,13 +210,27 @@ def model_volumes(cache_dir: str, manifest_digest: str) -> list[dict[str, Any]]:
     ]
 
 
+def _view_uid(rollout: ModelRollout) -> str:
+    """The rollout's uid as a view path element: a UUID, as the API server assigns."""
+    uid = rollout.metadata.uid
+    try:
+        return viewlayout.check_uid(uid)
+    except ValueError:
+        raise ValueError(
+            f"rollout {rollout.metadata.namespace}/{rollout.metadata.name} has uid "
+            f"{str(uid)[:80]!r}, not a UUID: its view of the node cache has no path"
+        ) from None
+
+
 def _inject_container(
     container: dict[str, Any], env: list[dict[str, Any]], volumes: list[dict[str, Any]]
 ) -> None:
     names = {e["name"] for e in env}
     container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + env
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in MODEL_VOLUMES]
-    for volume in volumes:  # at the path it has on the node
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in NODE_VOLUMES]
+    # At the path it has on the node; the view's receipt lies inside the view, so the
+    # view comes first (a runtime mounts a parent before what lies inside it anyway).
+    for volume in volumes:
         mounts.append(
             {"name": volume["name"], "mountPath": volume["hostPath"]["path"], "readOnly": True}
         )
@@ -166,15 +258,21 @@ def replicaset_body(
     replicas: int,
     require_staged: bool,
     cache_dir: str = DEFAULT_CACHE_DIR,
+    template_hash: str | None = None,
 ) -> dict[str, Any]:
     """The ReplicaSet of one revision, owned by the rollout (garbage-collected with it).
+    With ``template_hash`` (updatePolicy InPlaceIfPossible) it is named and selects its
+    pods by the template hash instead, so its pods may swap to later revisions in place.
 
-    With prefetch on, its pods mount the staged model (model_volumes); with it off nothing
-    of the node: the server fetches its weights itself."""
+    With prefetch on, its pods mount the staged model (model_volumes), or with updatePolicy
+    InPlaceIfPossible their rollout's view; with it off nothing of the node: the server
+    fetches its weights itself."""
     meta = rollout.metadata
-    name = replicaset_name(meta.name, revision_hash)
+    name = replicaset_name(meta.name, template_hash or revision_hash)
     selector = dict(rollout.spec.selector.match_labels or {})
     own_labels = {ROLLOUT_LABEL: meta.name, REVISION_LABEL: revision_hash}
+    if template_hash is not None:
+        own_labels[TEMPLATE_LABEL] = template_hash
     pod = copy.deepcopy(dict(template))
     pod_meta = pod.setdefault("metadata", {}) or {}
     pod["metadata"] = pod_meta
@@ -186,10 +284,14 @@ def replicaset_body(
     }
     spec = pod.setdefault("spec", {})
     env = model_env(rollout, manifest_digest, cache_dir)
-    mine = model_volumes(cache_dir, manifest_digest) if rollout.spec.prefetch.enabled else []
+    mine: list[dict[str, Any]] = []
+    if uses_view(rollout):
+        mine = model_volumes(cache_dir, manifest_digest, view_uid=_view_uid(rollout))
+    elif rollout.spec.prefetch.enabled:
+        mine = model_volumes(cache_dir, manifest_digest)
     for container in spec.get("containers") or []:
         _inject_container(container, env, mine)
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in MODEL_VOLUMES]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in NODE_VOLUMES]
     spec["volumes"] = [*volumes, *mine]
     gates = [g for g in spec.get("readinessGates") or [] if g.get("conditionType") != VERIFIED_GATE]
     spec["readinessGates"] = [*gates, {"conditionType": VERIFIED_GATE}]
@@ -219,7 +321,26 @@ def replicaset_body(
         },
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": {**selector, **own_labels}},
+            "selector": {"matchLabels": {**selector, **_selecting(own_labels)}},
             "template": pod,
         },
     }
+
+
+def _selecting(own_labels: Mapping[str, str]) -> dict[str, str]:
+    """An in-place ReplicaSet selects by template, not revision: its pods change revision."""
+    if TEMPLATE_LABEL in own_labels:
+        return {k: v for k, v in own_labels.items() if k != REVISION_LABEL}
+    return dict(own_labels)
+
+
+def retemplate_patch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSON patch pointing an in-place ReplicaSet at the revision ``body`` (a
+    replicaset_body) renders: its template whole, and its revision label and annotations.
+    Its selector stays: the template keeps the template-hash label it selects by."""
+    meta = body["metadata"]
+    return [
+        {"op": "replace", "path": "/metadata/labels", "value": meta["labels"]},
+        {"op": "replace", "path": "/metadata/annotations", "value": meta["annotations"]},
+        {"op": "replace", "path": "/spec/template", "value": body["spec"]["template"]},
+    ]

@@ -39,6 +39,8 @@ from weightship.controller.events import EventPoster
 from weightship.controller.informer import Informer
 from weightship.controller.kube import VERSION, Conflict, Kube, load_client
 from weightship.controller.reconcile import Reconciler
+from weightship.controller.swapper import DEFAULT_WORKERS as SWAP_WORKERS
+from weightship.controller.swapper import Swapper
 from weightship.controller.verifier import Verifier
 from weightship.controller.workqueue import Workers, WorkQueue
 from weightship.core.workload import give_back
@@ -81,7 +83,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     # One connection per thread that calls the API (the 2 informers' watches hold theirs):
     # past its pool size urllib3 opens and drops a TLS connection per request.
     api = await asyncio.to_thread(
-        _client, reconcile_workers + verify_workers + EVENT_THREADS + 2 + 4
+        _client, reconcile_workers + verify_workers + SWAP_WORKERS + EVENT_THREADS + 2 + 4
     )
     kube = Kube(api)
     queue: WorkQueue[cache.RolloutKey] = WorkQueue()
@@ -106,6 +108,11 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         view,
         slack=SlackSender(),
         verifier=Verifier(kube, workers=verify_workers, cache_dir=cache_dir),
+        swapper=Swapper(
+            kube,
+            workers=SWAP_WORKERS,
+            on_done=lambda namespace, name: queue.add((namespace, name)),
+        ),
         requeue=queue.add,
         cache_dir=cache_dir,
         events=EventPoster(kube.event, threads=EVENT_THREADS),

@@ -119,14 +119,46 @@ class Kube:
         name: str,
         condition: dict[str, Any],
         annotations: dict[str, str | None] | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
-        """Set one condition (merged by type) and, in the same write, annotations: the
-        status subresource carries metadata too, so no write access to pod specs is needed."""
+        """Set one condition (merged by type) and, in the same write, annotations and
+        labels: the status subresource carries metadata too, so no write access to pod
+        specs is needed."""
         patch: dict[str, Any] = {"status": {"conditions": [condition]}}
+        if annotations or labels:
+            patch["metadata"] = {}
         if annotations:
-            patch["metadata"] = {"annotations": annotations}
+            patch["metadata"]["annotations"] = annotations
+        if labels:
+            patch["metadata"]["labels"] = labels
         self._wrote(
             "Pod", self.to_dict(self.core.patch_namespaced_pod_status(name, namespace, patch))
+        )
+
+    @api_retry
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A pod as the API has it now (the swapper's wait for unready); None when gone."""
+        try:
+            return self.to_dict(self.core.read_namespaced_pod(name, namespace))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    @api_retry
+    def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    @api_retry
+    def retemplate_replicaset(self, namespace: str, name: str, patch: list[dict[str, Any]]) -> None:
+        """A JSON patch of an in-place ReplicaSet (builders.retemplate_patch)."""
+        self._wrote(
+            "ReplicaSet",
+            self.to_dict(self.apps.patch_namespaced_replica_set(name, namespace, patch)),
         )
 
     @api_retry

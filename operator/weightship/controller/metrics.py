@@ -50,6 +50,16 @@ VERIFICATION_SECONDS = Histogram(
     "One verification round of one pod (load report and golden prompts)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+SWAPS = Counter(
+    "weightship_pod_swaps",
+    "In-place weight swaps that ended, by outcome (Swapped, Failed) and failure reason",
+    ["namespace", "outcome", "reason"],
+)
+SWAP_SECONDS = Histogram(
+    "weightship_pod_swap_duration_seconds",
+    "One in-place swap of one pod, from leaving traffic to swapped (verification after)",
+    buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
 
 
 def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> None:

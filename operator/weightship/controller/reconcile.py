@@ -33,6 +33,7 @@ from weightship.controller.observe import (
     prometheus_measure,
 )
 from weightship.controller.seedkey import SeedKeys
+from weightship.controller.swapper import Swapper
 from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
@@ -61,6 +62,8 @@ class Reconciler:
     measure: MeasureFn = prometheus_measure
     slack: SlackSender | None = None
     verifier: Verifier | None = None
+    swapper: Swapper | None = None
+    """Carries out in-place swaps (None: the decision's swaps are not carried out)."""
     requeue: Callable[[RolloutKey], None] = _never
     """Called when a lookup the reconcile did not wait for completes (the work queue's add)."""
     cache_dir: str = DEFAULT_CACHE_DIR  # the node cache (install-time: WEIGHTSHIP_CACHE_DIR)
@@ -137,7 +140,12 @@ class Reconciler:
         laps.lap("apply")
         decision = self._follow_on(rollout, decision, now)
         laps.lap("follow-on")
-        verifying = self.verifier is not None and self.verifier.submit(rollout, pods)
+        if self.swapper is not None:
+            self.swapper.submit(rollout, decision.swaps, pods)
+            verifying = self.swapper.resume(rollout, pods)
+        else:
+            verifying = False
+        verifying = (self.verifier is not None and self.verifier.submit(rollout, pods)) or verifying
         self._write(body, rollout.status, decision, resource_version)
         laps.lap("status")
         metrics.record_rollout(namespace, name, decision.status)
@@ -267,6 +275,9 @@ def _acts(decision: Decision) -> bool:
         or decision.node_labels
         or decision.open_gates
         or decision.workloads
+        or decision.swaps
+        or decision.retemplates
+        or decision.restart_pods
         or decision.events
         or decision.notifications
     )

@@ -40,8 +40,10 @@ def seed_key_secret_name(rollout_name: str) -> str:
 
 def seed_key_env(rollout: ModelRollout) -> list[dict[str, Any]]:
     """The key (by reference, never its value) and the rollout's uid, for a rollout that
-    seeds by broadcast."""
-    if not rollout.spec.seeding.broadcast:
+    seeds by broadcast or swaps weights in place (the swapper's requests carry a token made
+    with it: controller/swapper.py)."""
+    in_place = rollout.spec.strategy.canary.update_policy == "InPlaceIfPossible"
+    if not rollout.spec.seeding.broadcast and not in_place:
         return []
     ref = {"name": seed_key_secret_name(rollout.metadata.name), "key": KEY_FIELD}
     return [

@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE, staged_node_label
+from weightship.controller.builders import (
+    REVISION_LABEL,
+    SWAP_ANNOTATION,
+    TEMPLATE_LABEL,
+    VERIFIED_GATE,
+    staged_node_label,
+)
 from weightship.controller.pods import condition, is_true
 from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.observed import (
@@ -17,11 +23,14 @@ from weightship.core.observed import (
     ObservedPod,
     PodFailure,
     PodLoad,
+    PodSwap,
     PrefetchObservation,
     ReplicaSetObservation,
 )
 from weightship.core.staging_failure import parse_failure
 from weightship.core.verification import IN_PROGRESS_REASONS
+
+SWAP_REASONS = frozenset({"Swapping", "SwapFailed"})  # controller/swapper.py
 
 
 def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
@@ -70,9 +79,33 @@ def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
                 restarts=sum(
                     int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
                 ),
+                node=(pod.get("spec") or {}).get("nodeName") or None,
+                template_hash=(meta.get("labels") or {}).get(TEMPLATE_LABEL),
+                swap=pod_swap(meta.get("annotations") or {}),
             )
         )
     return tuple(out)
+
+
+def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
+    """The swapper's record of a pod's last swap (builders.SWAP_ANNOTATION)."""
+    doc = _json_annotation(dict(annotations), SWAP_ANNOTATION)
+    state, to, digest = doc.get("state"), doc.get("to"), doc.get("manifestDigest")
+    if state not in ("Swapping", "Swapped", "Failed") or not isinstance(to, str) or not digest:
+        return None
+    seconds, paused = doc.get("seconds"), doc.get("pausedSeconds")
+    return PodSwap(
+        to_revision_hash=to,
+        manifest_digest=str(digest),
+        revision=str(doc.get("revision") or ""),
+        state=state,
+        from_revision_hash=_opt_str(doc.get("from")),
+        started_at=_time(doc.get("startedAt")),
+        seconds=float(seconds) if isinstance(seconds, int | float) else None,
+        paused_seconds=float(paused) if isinstance(paused, int | float) else None,
+        reason=_opt_str(doc.get("reason")),
+        message=_opt_str(doc.get("message")),
+    )
 
 
 def _container_names(pods: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -88,76 +121,101 @@ def _container_names(pods: list[dict[str, Any]]) -> tuple[str, ...]:
 def replica_set_observations(
     replica_sets: list[dict[str, Any]], pods: list[dict[str, Any]]
 ) -> tuple[ReplicaSetObservation, ...]:
-    """Pure: count ready, verified and failed pods per revision."""
-    by_revision: dict[str, list[dict[str, Any]]] = {}
+    """Pure: count ready, verified and failed pods per revision. An in-place ReplicaSet
+    (template-hash label) holds pods of several revisions: each revision among them is
+    observed as a ReplicaSet of its own (core.inplace)."""
+    by_revision: dict[tuple[str | None, str], list[dict[str, Any]]] = {}
     for pod in pods:
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
-        revision = (pod["metadata"].get("labels") or {}).get(REVISION_LABEL)
+        labels = pod["metadata"].get("labels") or {}
+        revision = labels.get(REVISION_LABEL)
         if revision:
-            by_revision.setdefault(revision, []).append(pod)
+            by_revision.setdefault((labels.get(TEMPLATE_LABEL), revision), []).append(pod)
     out = []
     for rs in replica_sets:
-        revision = (rs["metadata"].get("labels") or {}).get(REVISION_LABEL)
+        labels = rs["metadata"].get("labels") or {}
+        revision = labels.get(REVISION_LABEL)
         if not revision:
             continue
-        members = by_revision.get(revision, [])
-        failed = []
-        loads = []
-        for pod in members:
-            gate = condition(pod, VERIFIED_GATE)
-            notes = pod["metadata"].get("annotations") or {}
-            if (
-                gate
-                and gate.get("status") == "False"
-                and gate.get("reason") not in IN_PROGRESS_REASONS
-            ):
-                prompt = _json_annotation(notes, FAILED_PROMPT_ANNOTATION)
-                failed.append(
-                    PodFailure(
-                        pod["metadata"]["name"],
-                        str(gate.get("reason")),
-                        str(gate.get("message") or ""),
-                        prompt=_opt_str(prompt.get("name")),
-                        expected=_opt_str(prompt.get("expected")),
-                        got=_opt_str(prompt.get("got")),
-                    )
-                )
-            loaded = _json_annotation(notes, LOADED_ANNOTATION)
-            if loaded:
-                source = loaded.get("source")
-                seconds = loaded.get("seconds")
-                loads.append(
-                    PodLoad(
-                        pod["metadata"]["name"],
-                        source if source in ("cache", "origin", "broadcast") else None,
-                        _opt_str(loaded.get("seededFrom")),
-                        float(seconds) if isinstance(seconds, int | float) else None,
-                        mode
-                        if (mode := loaded.get("mode")) in ("loaded", "staged", "none")
-                        else None,
-                    )
-                )
-        ready = sum(is_true(p, "Ready") for p in members)
-        out.append(
-            ReplicaSetObservation(
-                name=rs["metadata"]["name"],
-                revision_hash=revision,
-                replicas=int((rs.get("spec") or {}).get("replicas") or 0),
-                ready=ready,
-                available=ready,
-                seeded=sum(
-                    LOADED_ANNOTATION in (p["metadata"].get("annotations") or {})
-                    or is_true(p, "ContainersReady")
-                    for p in members
-                ),
-                verified=sum(is_true(p, VERIFIED_GATE) for p in members),
-                failed=tuple(failed),
-                loads=tuple(sorted(loads, key=lambda load: load.pod)),
-                containers=_container_names(members),
-            )
-        )
+        name = rs["metadata"]["name"]
+        size = int((rs.get("spec") or {}).get("replicas") or 0)
+        template = labels.get(TEMPLATE_LABEL)
+        if template is None:
+            out.append(_observation(name, revision, size, by_revision.get((None, revision), [])))
+            continue
+        others = {r: members for (t, r), members in by_revision.items() if t == template}
+        others.pop(revision, None)
+        own = by_revision.get((template, revision), [])
+        rest = sum(len(m) for m in others.values())
+        out.append(_observation(name, revision, max(0, size - rest), own, template, revision))
+        for other, members in sorted(others.items()):
+            out.append(_observation(name, other, len(members), members, template, revision))
     return tuple(out)
+
+
+def _observation(
+    name: str,
+    revision: str,
+    replicas: int,
+    members: list[dict[str, Any]],
+    template: str | None = None,
+    template_revision: str | None = None,
+) -> ReplicaSetObservation:
+    failed = []
+    loads = []
+    for pod in members:
+        gate = condition(pod, VERIFIED_GATE)
+        notes = pod["metadata"].get("annotations") or {}
+        if (
+            gate
+            and gate.get("status") == "False"
+            and gate.get("reason") not in IN_PROGRESS_REASONS
+            and gate.get("reason") not in SWAP_REASONS  # a swap's outcome is its record's
+        ):
+            prompt = _json_annotation(notes, FAILED_PROMPT_ANNOTATION)
+            failed.append(
+                PodFailure(
+                    pod["metadata"]["name"],
+                    str(gate.get("reason")),
+                    str(gate.get("message") or ""),
+                    prompt=_opt_str(prompt.get("name")),
+                    expected=_opt_str(prompt.get("expected")),
+                    got=_opt_str(prompt.get("got")),
+                )
+            )
+        loaded = _json_annotation(notes, LOADED_ANNOTATION)
+        if loaded:
+            source = loaded.get("source")
+            seconds = loaded.get("seconds")
+            loads.append(
+                PodLoad(
+                    pod["metadata"]["name"],
+                    source if source in ("cache", "origin", "broadcast", "swap") else None,
+                    _opt_str(loaded.get("seededFrom")),
+                    float(seconds) if isinstance(seconds, int | float) else None,
+                    mode if (mode := loaded.get("mode")) in ("loaded", "staged", "none") else None,
+                )
+            )
+    ready = sum(is_true(p, "Ready") for p in members)
+    return ReplicaSetObservation(
+        name=name,
+        revision_hash=revision,
+        replicas=replicas,
+        ready=ready,
+        available=ready,
+        seeded=sum(
+            LOADED_ANNOTATION in (p["metadata"].get("annotations") or {})
+            or is_true(p, "ContainersReady")
+            for p in members
+        ),
+        verified=sum(is_true(p, VERIFIED_GATE) for p in members),
+        failed=tuple(failed),
+        loads=tuple(sorted(loads, key=lambda load: load.pod)),
+        containers=_container_names(members),
+        template_hash=template,
+        template_revision_hash=template_revision,
+    )
 
 
 def prefetch_observation(

@@ -29,9 +29,10 @@ from weightship.controller.builders import (
     DIGEST_ANNOTATION,
     GROUP,
     MODEL_DIR_ENV,
-    MODEL_VOLUMES,
+    NODE_VOLUMES,
     VERIFIED_GATE,
-    staged_model_dir,
+    mounts_view,
+    pod_model_dir,
     staged_node_label,
 )
 from weightship.controller.kube import Kube
@@ -132,11 +133,13 @@ def completion_request(prompt: GoldenPrompt, *, chat: bool, model: str | None) -
 
 
 def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidence:
-    """Pure: what the pod object says for checksum staged (the node's label is read later)."""
+    """Pure: what the pod object says for checksum staged (the node's label is read later).
+    The node cache it mounts is its model's three paths, or its rollout's view (which
+    shows only the models the rollout pins, each once staged): either read-only."""
     spec = pod.get("spec") or {}
     containers = spec.get("containers") or []
     mounts = [
-        m for c in containers for m in c.get("volumeMounts") or [] if m.get("name") in MODEL_VOLUMES
+        m for c in containers for m in c.get("volumeMounts") or [] if m.get("name") in NODE_VOLUMES
     ]
     words = [
         str(w) for c in containers for w in [*(c.get("command") or []), *(c.get("args") or [])]
@@ -232,9 +235,18 @@ class Verifier:
             != restarts(pod),
             chat=validation.endpoint.chat,
             model=validation.endpoint.model,
-            evidence=staged_evidence(pod, staged_model_dir(self.cache_dir, digest)),
+            evidence=staged_evidence(pod, self._model_dir(rollout, pod, digest)),
             terminations=termination_messages(pod),
         )
+
+    def _model_dir(self, rollout: ModelRollout, pod: dict[str, Any], digest: str) -> str | None:
+        """The folder the pod's `$(WEIGHTSHIP_MODEL_DIR)` names: in its rollout's view
+        when it mounts one, else in the node cache."""
+        view = rollout.metadata.uid if mounts_view(pod) else None
+        try:
+            return pod_model_dir(self.cache_dir, digest, view_uid=view)
+        except ValueError:
+            return None
 
     def _run(self, check: _Check) -> None:
         try:

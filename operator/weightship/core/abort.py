@@ -62,6 +62,9 @@ def aborted(ctx: RolloutContext) -> None:
         stable_rs is not None and stable_rs.available >= ctx.spec.replicas
     )
     delay = timedelta(seconds=ctx.spec.strategy.canary.abort_scale_down_delay_seconds)
+    if ctx.in_place is not None:
+        # The canary's pods are the stable's capacity: they swap back at once.
+        stable_ready, delay = True, timedelta(0)
     if abort.canary_scale_down_at is None and stable_ready:
         abort.canary_scale_down_at = ctx.now + delay
     if abort.canary_scale_down_at is None:

@@ -4,6 +4,7 @@ superseded, aborted, retried, prefetching, stepping); and the retiring old stabl
 from __future__ import annotations
 
 from weightship.api.status import RevisionStatus
+from weightship.core import inplace
 from weightship.core.abort import abort, aborted
 from weightship.core.context import POLL_SECONDS, RolloutContext, ceil_seconds
 from weightship.core.control import ignore_requests
@@ -54,6 +55,17 @@ def canary(ctx: RolloutContext, desired: RevisionStatus) -> None:
     if ctx.abort_reason is not None:
         abort(ctx, "ManualAbort", ctx.abort_reason, outcome="Aborted")
         return
+    failed = inplace.canary_swap_failure(ctx) if ctx.in_place is not None else None
+    if failed is not None and failed.swap is not None:
+        swap = failed.swap
+        abort(
+            ctx,
+            "SwapFailed",
+            f"pod {failed.name} could not swap to {swap.revision} in place "
+            f"({swap.reason or 'Failed'}): {swap.message or ''}".rstrip(": "),
+            details=(("pod", failed.name), ("swap failure", swap.reason or "Failed")),
+        )
+        return
     if prefetched(ctx):
         step(ctx)
 
@@ -71,6 +83,8 @@ def _start_canary(
         )
     ctx.clear_canary()
     status = ctx.status
+    mode, why = inplace.update_mode(ctx, desired)
+    desired = desired.model_copy(update={"update": mode, "update_reason": why})
     status.canary_revision = desired
     status.current_step_index = 0 if status.stable_revision is not None else len(ctx.steps)
     status.canary_weight = 0
@@ -78,11 +92,13 @@ def _start_canary(
     status.prefetch = None
     ctx.retry = False
     first = " (first revision: steps skipped)" if status.stable_revision is None else ""
+    how = "in place" if mode == "InPlace" else "by new pods"
     ctx.events.append(
         Event(
             "Normal",
             "NewRevision",
-            f"new revision {desired.revision} ({desired.manifest_digest}){first}",
+            f"new revision {desired.revision} ({desired.manifest_digest}){first}; "
+            f"update {how}: {why}",
         )
     )
 

@@ -26,7 +26,7 @@ from weightship.api.status import (
 from weightship.core.conditions import set_condition
 from weightship.core.decision import Event, Notification
 from weightship.core.gates import GateInput, GateSet
-from weightship.core.observed import Observed
+from weightship.core.observed import Observed, ReplicaSetObservation
 
 POLL_SECONDS = 15.0
 """Re-check this often while waiting on observations (watches usually come sooner)."""
@@ -55,6 +55,9 @@ class RolloutContext:
     """The spec or its manifest is unusable: no ReplicaSet actions this time."""
     desired: RevisionStatus | None = None
     """The revision the spec asks for (None while the spec is invalid)."""
+    in_place: ReplicaSetObservation | None = None
+    """The in-place ReplicaSet whose pods swap weights to reach the wanted counts (None:
+    ReplicaSets are resized as usual); see core.inplace."""
 
     def __post_init__(self) -> None:
         self.status = self.rollout.status.model_copy(deep=True)

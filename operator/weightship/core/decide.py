@@ -24,13 +24,13 @@ from datetime import datetime
 
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
-from weightship.core import canary, prefetch, projection, scaling, workload
+from weightship.core import canary, inplace, prefetch, projection, scaling, workload
 from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
-from weightship.core.decision import Decision
+from weightship.core.decision import Decision, ReplicaSetAction, RetemplateReplicaSet, SwapPod
 from weightship.core.desired import desired_revision, mark_invalid, spec_template
 from weightship.core.gates import DEFAULT_GATES, GateSet
-from weightship.core.observed import Observed
+from weightship.core.observed import Observed, ReplicaSetObservation
 from weightship.core.targets import prefetch_node_selector
 from weightship.core.trivial_gates import trivial_gates
 
@@ -60,6 +60,7 @@ def _reconcile(ctx: RolloutContext) -> None:
         return
     ctx.condition("InvalidSpec", "False", "Valid", "spec and manifest are valid")
     ctx.status.prefetch_node_selector = prefetch_node_selector(ctx.spec, spec_template(ctx)) or None
+    ctx.in_place = inplace.home_replica_set(ctx)
     stable = ctx.status.stable_revision
     if stable is not None and desired.pod_template_hash == stable.pod_template_hash:
         canary.steady(ctx, stable)
@@ -75,7 +76,24 @@ def _decision(ctx: RolloutContext) -> Decision:
     ctx.status.conditions = [
         c.model_copy(update={"observed_generation": ctx.generation}) for c in ctx.status.conditions
     ]
-    replica_sets, not_rebuilt = ((), ()) if ctx.invalid else scaling.replica_set_actions(ctx)
+    swaps: tuple[SwapPod, ...] = ()
+    retemplates: tuple[RetemplateReplicaSet, ...] = ()
+    restarts: tuple[str, ...] = ()
+    home = None if ctx.invalid else inplace.home_replica_set(ctx)  # after any promotion
+    replica_sets: tuple[ReplicaSetAction, ...] = ()
+    not_rebuilt: tuple[str, ...] = ()
+    if ctx.invalid:
+        pass
+    elif home is not None:
+        scales, rebuilt = inplace.replica_set_actions(ctx, home)
+        replica_sets, not_rebuilt, retemplates = tuple(scales), (), tuple(rebuilt)
+        replica_sets += scaling.obsolete_scale_downs(ctx, home)
+        swaps = tuple(inplace.swaps(ctx, home, scaling.canary_target(ctx)))
+        restarts = inplace.restarts(ctx, home)
+    else:
+        replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
+    if not ctx.invalid and inplace.enabled(ctx):
+        ctx.status.in_place = inplace.in_place_status(ctx, home or _template_home(ctx))
     workloads = workload.workload_actions(ctx)
     return Decision(
         status=ctx.status,
@@ -88,5 +106,15 @@ def _decision(ctx: RolloutContext) -> Decision:
         traffic=scaling.traffic(ctx),
         pin_digests=scaling.pins(ctx),
         workloads=workloads,
+        swaps=swaps,
+        retemplates=retemplates,
+        restart_pods=restarts,
         requeue_after=min(ctx.timers) if ctx.timers else None,
     )
+
+
+def _template_home(ctx: RolloutContext) -> ReplicaSetObservation | None:
+    """The stable's in-place ReplicaSet even while a canary replaces pods (for status)."""
+    stable = ctx.status.stable_revision
+    home = ctx.observed.replica_set(stable.pod_template_hash) if stable else None
+    return home if home is not None and home.template_hash is not None else None

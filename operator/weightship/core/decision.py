@@ -53,10 +53,40 @@ class CreateReplicaSet:
     template_source: Literal["spec.template", "workloadRef"]
     require_staged: bool
     """Its pods require nodes labelled as holding the staged weights (NodeLabel)."""
+    template_hash: str | None = None
+    """Set for updatePolicy InPlaceIfPossible: the ReplicaSet selects its pods by this
+    template hash, not by revision, so they can swap weights without leaving it."""
     template: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 ReplicaSetAction = ScaleAction | CreateReplicaSet
+
+
+SwapPurpose = Literal["canary", "promote", "rollback", "repair"]
+
+
+@dataclass(frozen=True)
+class SwapPod:
+    """Swap a running pod's weights in place to another revision (the swapper drives the
+    pod's inference server: out of traffic, drain, verified load, verify again)."""
+
+    pod: str
+    to_revision_hash: str
+    manifest_digest: str
+    revision: str
+    purpose: SwapPurpose
+
+
+@dataclass(frozen=True)
+class RetemplateReplicaSet:
+    """Point an in-place ReplicaSet's pod template at the stable revision, so a pod it
+    creates from now on (a replacement) starts on the stable weights."""
+
+    name: str
+    revision_hash: str
+    manifest_digest: str
+    template_hash: str
+    template: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -132,6 +162,12 @@ class Decision:
     """Manifests the node agents must keep staged and pinned (canary, stable, retiring)."""
     workloads: tuple[ScaleWorkload, ...] = ()
     """Deployments named by spec.workloadRef to scale down, or given back (core.workload)."""
+    swaps: tuple[SwapPod, ...] = ()
+    """In-place weight swaps to start (core.inplace); at most one per rollout at a time."""
+    retemplates: tuple[RetemplateReplicaSet, ...] = ()
+    restart_pods: tuple[str, ...] = ()
+    """Pods to delete (their ReplicaSet replaces them): an in-place swap back to stable
+    failed, so only a fresh start gets them to verified weights."""
     requeue_after: float | None = None
     """Seconds until decide should run again even if nothing changes; None: wait for events."""
 

@@ -9,7 +9,7 @@ from weightship.api.status import ModelRolloutStatus, RevisionStatus
 from weightship.core.conditions import set_condition
 from weightship.core.context import RolloutContext
 from weightship.core.decision import Event
-from weightship.core.revision import revision_hash
+from weightship.core.revision import revision_hash, template_hash
 
 INVALID_SPEC_RETRY_SECONDS = 60.0
 """S3 is not watched: look for a missing manifest again this often."""
@@ -60,6 +60,7 @@ def desired_revision(ctx: RolloutContext) -> RevisionStatus | None:
             model_revision=model.revision,
             manifest_digest=manifest.digest,
         ),
+        template_hash=template_hash(template),
     )
 
 

@@ -27,10 +27,29 @@ class PodLoad:
     """How a pod got its weights, as its verifier recorded it."""
 
     pod: str
-    source: Literal["cache", "origin", "broadcast"] | None = None
+    source: Literal["cache", "origin", "broadcast", "swap"] | None = None
     seeded_from: str | None = None
     seconds: float | None = None
     mode: Literal["loaded", "staged", "none"] | None = None  # how the verifier checked it
+
+
+SwapPhase = Literal["Swapping", "Swapped", "Failed"]
+
+
+@dataclass(frozen=True)
+class PodSwap:
+    """A pod's last in-place swap, as the swapper recorded it on the pod."""
+
+    to_revision_hash: str
+    manifest_digest: str
+    revision: str
+    state: SwapPhase
+    from_revision_hash: str | None = None
+    started_at: datetime | None = None
+    seconds: float | None = None
+    paused_seconds: float | None = None
+    reason: str | None = None
+    message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,13 @@ class ReplicaSetObservation:
     loads: tuple[PodLoad, ...] = ()
     containers: tuple[str, ...] = ()
     """Container names of its pods (where a scale-up's seed env goes); () without pods."""
+    template_hash: str | None = None
+    """Set for an in-place ReplicaSet (selected by template hash, not revision): its pods
+    may hold different revisions, and this observation counts only those of
+    ``revision_hash``; ``replicas`` is then that count (the rest of the ReplicaSet's size
+    goes to the revision its template names)."""
+    template_revision_hash: str | None = None
+    """The revision the in-place ReplicaSet's template names (what a new pod starts on)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +142,11 @@ class ObservedPod:
     containers: tuple[str, ...] = ()
     restarts: int = 0
     """Container restarts, summed over its containers."""
+    node: str | None = None
+    template_hash: str | None = None
+    """The in-place ReplicaSet it belongs to (its template-hash label), if any."""
+    swap: PodSwap | None = None
+    """Its last in-place swap."""
 
 
 @dataclass(frozen=True)

@@ -20,3 +20,10 @@ def revision_hash(
     }
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:HASH_LENGTH]
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    """The pod template alone: two revisions with the same one differ only in their
+    weights, so running pods can swap from one to the other in place."""
+    canonical = json.dumps({"template": template}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:HASH_LENGTH]

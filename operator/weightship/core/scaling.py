@@ -13,6 +13,7 @@ from weightship.core.decision import (
     TrafficWeights,
 )
 from weightship.core.desired import spec_template
+from weightship.core.observed import ReplicaSetObservation
 from weightship.core.prefetch import prefetch_done
 from weightship.core.replicas import canary_replicas, weight_at_step
 from weightship.core.seeding import scale_up_seed
@@ -60,6 +61,8 @@ def replica_set_actions(
     not_rebuilt = []
     for revision, (role, replicas) in sorted(targets(ctx).items()):
         current = ctx.observed.replica_set(revision)
+        if current is not None and not _sized_by(current):
+            continue  # pods of another revision inside an in-place ReplicaSet
         if current is None and replicas > 0:
             create = _create(ctx, revision, role, replicas)
             if create is None:
@@ -70,6 +73,31 @@ def replica_set_actions(
             seed = scale_up_seed(ctx.spec, ctx.observed.pods, current, replicas)
             actions.append(ScaleAction(revision, role, replicas, current.name, seed))
     return tuple(actions), tuple(not_rebuilt)
+
+
+def _sized_by(observation: ReplicaSetObservation) -> bool:
+    """Whether resizing this observation resizes its ReplicaSet: always, except for the
+    pods of an in-place ReplicaSet that hold another revision than its template's."""
+    return (
+        observation.template_hash is None
+        or observation.revision_hash == observation.template_revision_hash
+    )
+
+
+def obsolete_scale_downs(
+    ctx: RolloutContext, home: ReplicaSetObservation
+) -> tuple[ReplicaSetAction, ...]:
+    """With in-place updates: every other ReplicaSet of the rollout (one of a revision that
+    replaced pods before) is sized by its target as usual, which is 0 unless it retires."""
+    wanted = targets(ctx)
+    actions: list[ReplicaSetAction] = []
+    for current in ctx.observed.replica_sets:
+        if current.name == home.name or not _sized_by(current):
+            continue
+        role, replicas = wanted.get(current.revision_hash, ("obsolete", 0))
+        if current.replicas != replicas:
+            actions.append(ScaleAction(current.revision_hash, role, replicas, current.name))
+    return tuple(actions)
 
 
 def _create(
@@ -97,6 +125,9 @@ def _create(
         template_source="spec.template" if ctx.spec.template is not None else "workloadRef",
         require_staged=ctx.spec.prefetch.enabled and not staged_elsewhere and role == "canary",
         template=template,
+        template_hash=desired.template_hash
+        if ctx.spec.strategy.canary.update_policy == "InPlaceIfPossible"
+        else None,
     )
 
 

@@ -1,0 +1,239 @@
+"""In-place updates (updatePolicy InPlaceIfPossible): which way a revision change goes,
+and which pod swaps its weights next. Pure.
+
+Pods of an in-place rollout live in one ReplicaSet per pod template (selected by the
+template hash, not by revision), and each pod's revision-hash label names the weights it
+holds. The observation layer counts each revision's pods as a ReplicaSet of its own
+(controller.snapshot), so the canary state machine (steps, gates, promotion, abort) runs
+unchanged; only how the wanted counts are reached differs: by swapping one running pod at
+a time from one revision to another instead of resizing ReplicaSets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from weightship.api.status import (
+    MAX_SWAP_PODS,
+    InPlaceStatus,
+    PodSwapStatus,
+    RevisionStatus,
+    UpdateMode,
+)
+from weightship.core.context import RolloutContext
+from weightship.core.decision import RetemplateReplicaSet, ScaleAction, SwapPod, SwapPurpose
+from weightship.core.desired import spec_template
+from weightship.core.observed import ObservedPod, ReplicaSetObservation
+
+INTACT_REASONS = frozenset(
+    {"ChecksumMismatch", "NotStaged", "ManifestMismatch", "ConfigChanged", "Unauthorized"}
+)
+"""Swap failures found before any weight changed: the pod still holds what it had."""
+
+
+def enabled(ctx: RolloutContext) -> bool:
+    return ctx.spec.strategy.canary.update_policy == "InPlaceIfPossible"
+
+
+def update_mode(ctx: RolloutContext, desired: RevisionStatus) -> tuple[UpdateMode, str]:
+    """How a new canary reaches its pods, and why (status, the NewRevision event)."""
+    if not enabled(ctx):
+        return "Replace", "updatePolicy is Recreate"
+    stable = ctx.status.stable_revision
+    if stable is None:
+        return "Replace", "first revision: its pods start on it"
+    home = ctx.observed.replica_set(stable.pod_template_hash)
+    if home is None or home.template_hash is None:
+        return "Replace", "the stable pods were not created for in-place updates"
+    if home.template_hash != desired.template_hash:
+        return "Replace", "the pod template changed, not only spec.model"
+    return "InPlace", "only spec.model changed: running pods swap their weights"
+
+
+def home_replica_set(ctx: RolloutContext) -> ReplicaSetObservation | None:
+    """The in-place ReplicaSet the stable pods live in, when the spec's revision has the
+    same pod template (so its pods swap rather than being replaced); else None."""
+    stable, desired = ctx.status.stable_revision, ctx.desired
+    if not enabled(ctx) or stable is None or desired is None or desired.template_hash is None:
+        return None
+    canary = ctx.status.canary_revision
+    if canary is not None and canary.update == "Replace":
+        return None
+    home = ctx.observed.replica_set(stable.pod_template_hash)
+    if home is None or home.template_hash != desired.template_hash:
+        return None
+    return home
+
+
+def canary_swap_failure(ctx: RolloutContext) -> ObservedPod | None:
+    """A pod whose swap to the canary failed (bad bytes, engine error, timeout)."""
+    canary = ctx.status.canary_revision
+    if canary is None:
+        return None
+    return next(
+        (
+            p
+            for p in sorted(ctx.observed.pods, key=_name)
+            if p.swap is not None
+            and p.swap.state == "Failed"
+            and p.swap.to_revision_hash == canary.pod_template_hash
+            and p.revision_hash != canary.pod_template_hash
+        ),
+        None,
+    )
+
+
+def _name(pod: ObservedPod) -> str:
+    return pod.name
+
+
+def _members(ctx: RolloutContext, home: ReplicaSetObservation) -> list[ObservedPod]:
+    return sorted(
+        (p for p in ctx.observed.pods if p.template_hash == home.template_hash and not p.deleting),
+        key=_name,
+    )
+
+
+def _serving_order(pods: Iterable[ObservedPod], staged: frozenset[str] | None) -> list[ObservedPod]:
+    """Swap candidates first: up (the server answers), not serving, on a node that staged
+    the target; then by name, so the choice is the same on every reconcile."""
+    up = [p for p in pods if p.phase == "Running" and p.pod_ip and p.containers_ready]
+    return sorted(
+        up,
+        key=lambda p: (p.ready, staged is not None and p.node not in staged, p.name),
+    )
+
+
+def _staged_nodes(ctx: RolloutContext) -> frozenset[str] | None:
+    prefetch = ctx.observed.prefetch
+    if prefetch is None:
+        return None
+    return frozenset(n.name for n in prefetch.nodes if n.state == "Staged")
+
+
+def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) -> list[SwapPod]:
+    """The next swap, if none is running: repairs first, then pods on a revision that is
+    neither stable nor canary, then the canary count up (or down) to ``canary_wanted``."""
+    stable = ctx.status.stable_revision
+    assert stable is not None
+    canary = ctx.status.canary_revision
+    members = _members(ctx, home)
+    if any(p.swap is not None and p.swap.state == "Swapping" for p in members):
+        return []
+    canary_hash = canary.pod_template_hash if canary is not None else None
+    on_canary = [p for p in members if p.revision_hash == canary_hash]
+
+    def to(pod: ObservedPod, revision: RevisionStatus, purpose: SwapPurpose) -> list[SwapPod]:
+        digest = revision.manifest_digest or ""
+        return [SwapPod(pod.name, revision.pod_template_hash, digest, revision.revision, purpose)]
+
+    for pod in members:  # a failed swap: back to what the pod should hold
+        swap = pod.swap
+        failed = swap is not None and swap.state == "Failed" and pod not in on_canary
+        if failed and swap is not None and swap.to_revision_hash != stable.pod_template_hash:
+            return to(pod, stable, "repair")
+    strays = [p for p in members if p.revision_hash not in (stable.pod_template_hash, canary_hash)]
+    for pod in _serving_order(strays, None):
+        if canary is not None and len(on_canary) < canary_wanted:
+            return to(pod, canary, "canary")
+        return to(pod, stable, "rollback" if canary is None else "repair")
+    if canary is not None and len(on_canary) < canary_wanted:
+        on_stable = [p for p in members if p.revision_hash == stable.pod_template_hash]
+        purpose: SwapPurpose = "promote" if canary_wanted >= ctx.spec.replicas else "canary"
+        for pod in _serving_order(on_stable, _staged_nodes(ctx)):
+            return to(pod, canary, purpose)
+    if len(on_canary) > canary_wanted:
+        for pod in _serving_order(on_canary, None):
+            return to(pod, stable, "rollback")
+    return []
+
+
+def restarts(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
+    """Pods whose swap back to the stable weights failed: only a fresh start mends them."""
+    stable = ctx.status.stable_revision
+    assert stable is not None
+    return tuple(
+        p.name
+        for p in _members(ctx, home)
+        if p.swap is not None
+        and p.swap.state == "Failed"
+        and p.swap.to_revision_hash == stable.pod_template_hash
+        and p.swap.reason not in INTACT_REASONS
+    )
+
+
+def replica_set_actions(
+    ctx: RolloutContext, home: ReplicaSetObservation
+) -> tuple[list[ScaleAction], list[RetemplateReplicaSet]]:
+    """The in-place ReplicaSet keeps spec.replicas pods whatever revision each holds, and
+    its template follows the stable revision once the spec asks for it."""
+    stable, desired = ctx.status.stable_revision, ctx.desired
+    assert stable is not None
+    size = sum(r.replicas for r in ctx.observed.replica_sets if r.name == home.name)
+    scales = []
+    if size != ctx.spec.replicas:
+        scales.append(
+            ScaleAction(
+                home.template_revision_hash or stable.pod_template_hash,
+                "stable",
+                ctx.spec.replicas,
+                home.name,
+            )
+        )
+    retemplates = []
+    template = spec_template(ctx)
+    if (
+        home.template_revision_hash != stable.pod_template_hash
+        and desired is not None
+        and desired.pod_template_hash == stable.pod_template_hash
+        and stable.manifest_digest
+        and template is not None
+        and home.template_hash is not None
+    ):
+        retemplates.append(
+            RetemplateReplicaSet(
+                home.name,
+                stable.pod_template_hash,
+                stable.manifest_digest,
+                home.template_hash,
+                template,
+            )
+        )
+    return scales, retemplates
+
+
+def in_place_status(
+    ctx: RolloutContext, home: ReplicaSetObservation | None
+) -> InPlaceStatus | None:
+    """What `weightship status` shows per pod of an in-place rollout."""
+    if not enabled(ctx) or home is None:
+        return None
+    revisions = {
+        r.pod_template_hash: r.revision
+        for r in (ctx.status.stable_revision, ctx.status.canary_revision)
+        if r is not None
+    }
+    pods = []
+    swapping = None
+    for pod in _members(ctx, home)[:MAX_SWAP_PODS]:
+        swap = pod.swap
+        if swap is not None and swap.state == "Swapping":
+            swapping = pod.name
+        arrived = swap is not None and swap.state == "Swapped"
+        pods.append(
+            PodSwapStatus(
+                pod=pod.name,
+                revision=revisions.get(pod.revision_hash or ""),
+                pod_template_hash=pod.revision_hash,
+                arrival="Swapped"
+                if arrived and swap is not None and swap.to_revision_hash == pod.revision_hash
+                else "Started",
+                swap_state=swap.state if swap else None,
+                swap_to=swap.revision if swap else None,
+                swap_seconds=swap.seconds if swap else None,
+                paused_seconds=swap.paused_seconds if swap else None,
+                reason=swap.reason if swap else None,
+                message=(swap.message or "")[:1000] if swap and swap.message else None,
+            )
+        )
+    return InPlaceStatus(swapping=swapping, pods=pods)
