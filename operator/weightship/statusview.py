@@ -57,6 +57,8 @@ def render(rollout: dict[str, Any]) -> Group:
     canary = status.get("canaryRevision") or {}
     head.add_row("Stable", f"{stable.get('revision', '-')} {stable.get('manifestDigest', '')}")
     head.add_row("Canary", f"{canary.get('revision', '-')} {canary.get('manifestDigest', '')}")
+    if canary.get("update"):
+        head.add_row("Update", f"{canary['update']}: {canary.get('updateReason', '')}")
     head.add_row("Weight", f"{status.get('canaryWeight', 0)}%")
     replicas = status.get("replicas") or {}
     head.add_row(
@@ -106,6 +108,9 @@ def render(rollout: dict[str, Any]) -> Group:
             nodes.add_row(n["name"], n["state"], pct, _staging_reason(n))
         parts.append(nodes)
     parts.extend(_verification_tables(status.get("verification") or {}))
+    in_place = _in_place_table(status.get("inPlace") or {})
+    if in_place is not None:
+        parts.append(in_place)
     history = status.get("history") or []
     if history:
         hist = Table("at", "revision", "outcome", "reason", title="History", title_justify="left")
@@ -115,6 +120,30 @@ def render(rollout: dict[str, Any]) -> Group:
             )
         parts.append(hist)
     return Group(*parts)
+
+
+def _in_place_table(in_place: dict[str, Any]) -> Table | None:
+    """updatePolicy InPlaceIfPossible: what each pod holds, how it got it, its last swap."""
+    pods = in_place.get("pods") or []
+    if not pods:
+        return None
+    table = Table(
+        "pod", "revision", "arrived", "last swap", "seconds", "paused", "reason", title="Pods"
+    )
+    table.title_justify = "left"
+    for pod in pods:
+        seconds, paused = pod.get("swapSeconds"), pod.get("pausedSeconds")
+        last = f"{pod.get('swapState')} to {pod.get('swapTo')}" if pod.get("swapState") else "-"
+        table.add_row(
+            pod["pod"],
+            pod.get("revision") or pod.get("podTemplateHash") or "-",
+            pod.get("arrival", "Started"),
+            last,
+            f"{seconds:.2f}" if seconds is not None else "-",
+            f"{paused:.2f}" if paused is not None else "-",
+            pod.get("reason") or "",
+        )
+    return table
 
 
 def _workload_text(spec: dict[str, Any], status: dict[str, Any]) -> str:

@@ -117,7 +117,9 @@ def test_rbac_is_least_privilege(scenario: str) -> None:
     operator = rules(docs, "ClusterRole", "-operator")
     deletes = {(g, r) for rule in operator if "delete" in rule["verbs"]
                for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
-    assert deletes == {("apps", "replicasets")}
+    # Pods: only a rollout's own (the operator-own-pods admission policy), to restart one
+    # whose in-place swap back failed.
+    assert deletes == {("apps", "replicasets"), ("", "pods")}
     # Nobody may change or list Secrets; the operator creates its seeding keys, and only
     # where the policy that allows no other Secret is installed.
     policies = {d["metadata"]["name"] for d in of_kind(docs, "ValidatingAdmissionPolicy")}
@@ -406,6 +408,7 @@ def test_admission_policies_fence_the_agents_and_the_operators_writes(scenario: 
     assert ("gateway.networking.k8s.io", "httproutes", "UPDATE") in narrowed
     # ReplicaSets, the one kind it creates and deletes anywhere: only its own.
     assert {("apps", "replicasets", op) for op in ("CREATE", "UPDATE", "DELETE")} <= narrowed
+    assert ("", "pods", "DELETE") in narrowed
     assert not policy_pairs(render(("admissionPolicies.enabled=false",)))
 
 

@@ -80,3 +80,41 @@ def test_status_says_what_became_of_the_adopted_deployment() -> None:
     assert "llm-old keeps its replicas" in shown({"phase": "Prefetching"})
     handed_over = shown({"phase": "Healthy", "workload": {"name": "llm-old", "replicas": 3}})
     assert "llm-old scaled to 0" in handed_over and "gets 3 replicas back" in handed_over
+
+
+def test_status_shows_each_pods_revision_and_last_swap_of_an_in_place_rollout() -> None:
+    rollout = {
+        "metadata": {"name": "llm", "namespace": "serving"},
+        "spec": {"replicas": 2, "strategy": {"canary": {"steps": [{"setWeight": 50}]}}},
+        "status": {
+            "phase": "Progressing",
+            "canaryRevision": {
+                "revision": "v2",
+                "podTemplateHash": "h2",
+                "update": "InPlace",
+                "updateReason": "only spec.model changed: running pods swap their weights",
+            },
+            "inPlace": {
+                "swapping": None,
+                "pods": [
+                    {"pod": "llm-t-a", "revision": "v1", "arrival": "Started"},
+                    {
+                        "pod": "llm-t-b",
+                        "revision": "v2",
+                        "arrival": "Swapped",
+                        "swapState": "Swapped",
+                        "swapTo": "v2",
+                        "swapSeconds": 1.75,
+                        "pausedSeconds": 0.42,
+                    },
+                ],
+            },
+        },
+    }
+    console = Console(width=200, record=True)
+    console.print(render(rollout))
+    text = console.export_text()
+    assert "InPlace: only spec.model changed" in text
+    row = next(line for line in text.splitlines() if "llm-t-b" in line)
+    assert "v2" in row and "Swapped to v2" in row and "1.75" in row and "0.42" in row
+    assert "Started" in next(line for line in text.splitlines() if "llm-t-a" in line)

@@ -61,6 +61,7 @@ DEFAULT_WORKERS = 4
 POLL_S = 0.25
 UNREADY_WAIT_S = 10.0  # for kubelet to mark the pod unready once its gate is False
 REQUEST_TIMEOUT_S = 10.0
+NOT_STAGED_WAIT_S = 30.0
 MAX_ANSWER_BYTES = 64 * 1024
 
 
@@ -275,6 +276,18 @@ class Swapper:
         )
 
     def _swap(self, job: SwapJob) -> dict[str, Any]:
+        """The swap, asked for again while the server finds the target not staged yet
+        (the node agent links a model into the rollout's view right after staging it)."""
+        deadline = time.monotonic() + NOT_STAGED_WAIT_S
+        while True:
+            try:
+                return self._swap_once(job)
+            except SwapFailure as failure:
+                if failure.reason != "NotStaged" or time.monotonic() >= deadline:
+                    raise
+            time.sleep(1.0)
+
+    def _swap_once(self, job: SwapJob) -> dict[str, Any]:
         body = {
             "manifestDigest": job.swap.manifest_digest,
             "revision": job.swap.revision,
