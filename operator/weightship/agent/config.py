@@ -37,6 +37,8 @@ class AgentConfig:
     min_progress_interval_s: float = 10.0
     cluster_write_budget_per_s: float = 100.0
     heartbeat_s: float = 60.0
+    # File operations (hard links, checks, deletions) per pass over the per-rollout views.
+    view_budget: int = 4096
 
     @property
     def peer_endpoint(self) -> str:

@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
+from weightship.data.viewlayout import DIGEST_PATTERN, UID_PATTERN
+
 Role = Literal["canary", "stable", "retiring"]
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 ROLE_ORDER: dict[Role, int] = {"canary": 0, "stable": 1, "retiring": 2}
@@ -182,6 +184,58 @@ def wanted(
             )
         )
     return sorted(out, key=lambda w: (ROLE_ORDER[w.role], w.pinned_by, w.digest))
+
+
+@dataclass(frozen=True)
+class ViewPins:
+    """The per-rollout views this node should hold (weightship.data.views)."""
+
+    pins: dict[str, frozenset[str]]  # rollout uid -> digests it pins on this node
+    refused: tuple[str, ...] = ()  # namespace/name of rollouts whose uid is not a UUID
+
+
+def in_place(rollout: Mapping[str, Any]) -> bool:
+    """spec.strategy.canary.updatePolicy is InPlaceIfPossible."""
+    canary = ((rollout.get("spec") or {}).get("strategy") or {}).get("canary") or {}
+    return canary.get("updatePolicy") == "InPlaceIfPossible"
+
+
+def view_pins(
+    rollouts: Iterable[Mapping[str, Any]],
+    node_labels: Mapping[str, str],
+    namespaces: Collection[str] = (),
+    existing: Collection[str] = (),
+) -> ViewPins:
+    """Which rollouts get a view on this node, and the digests each one shows once staged:
+    exactly what the rollout pins here (canary, stable, retiring), the pins `wanted` counts.
+
+    A rollout with updatePolicy InPlaceIfPossible gets one; so does one that already has
+    a view (``existing``: uids with a view on disk), so that switching the policy back
+    to Recreate does not pull the view from under pods created with it (the policy is
+    not part of the revision hash: they keep running). A rollout that wants nothing
+    here (deleted, prefetch off, not selecting this node, namespace not watched) gets
+    none, and its view goes. Its uid must be a UUID: it becomes a path element.
+    """
+    pins: dict[str, frozenset[str]] = {}
+    refused: list[str] = []
+    for r in rollouts:
+        meta = r.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+        uid = meta.get("uid")
+        if not in_place(r) and uid not in existing:
+            continue
+        if meta.get("deletionTimestamp") or not namespace_allowed(namespace, namespaces):
+            continue
+        prefetch = (r.get("spec") or {}).get("prefetch") or {}
+        if not prefetch.get("enabled", True):
+            continue
+        if not selector_matches(staging_selector(r), node_labels):
+            continue
+        if not isinstance(uid, str) or not UID_PATTERN.fullmatch(uid):
+            refused.append(f"{namespace}/{name}")
+            continue
+        pins[uid] = frozenset(d for _, d in rollout_digests(r) if DIGEST_PATTERN.fullmatch(d))
+    return ViewPins(pins, tuple(sorted(refused)))
 
 
 def next_to_stage(

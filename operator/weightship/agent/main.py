@@ -36,6 +36,7 @@ from weightship.data.manifest import MANIFEST_NAME, Manifest, ManifestError
 from weightship.data.peer import PeerServer
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import StageCancelledError, StageProgress, stage
+from weightship.data.views import Views
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class Agent:
         self._labels_at = float("-inf")
         self._totals: dict[str, int] = {}  # digest -> manifest size (manifests are immutable)
         self._attempts: dict[str, str] = {}  # digest -> its Wanted.attempt last tick
+        # Per-rollout views of the cache (data.views), and the digests they link: never
+        # evicted, since a link would keep the bytes alive behind the cache's accounting.
+        self.views = Views(self.store)
+        self.view_digests: set[str] = self.views.linked_digests()
+        self._refused_views: set[str] = set()  # rollouts already logged as having no view
 
     # ---- lifecycle --------------------------------------------------------------------
     def run(self) -> None:
@@ -169,8 +175,10 @@ class Agent:
                 dict(node["metadata"].get("labels") or {}),
                 time.monotonic(),
             )
-        wants = desired.wanted(self.informer.snapshot(), self._labels, self.cfg.namespaces)
+        rollouts = self.informer.snapshot()
+        wants = desired.wanted(rollouts, self._labels, self.cfg.namespaces)
         pins = {w.digest: w.pinned_by for w in wants}
+        self._sync_views(rollouts)
         disk = self._scan_disk()
         job = self.job
         running = job is not None and job.thread.is_alive()
@@ -206,6 +214,38 @@ class Agent:
             self.job = _Job(nxt, cancel, thread)
             thread.start()
 
+    def _sync_views(self, rollouts: list[dict[str, Any]]) -> None:
+        """One bounded pass over the per-rollout views (data.views): each in-place
+        rollout's view shows what it pins here, once staged; another pass follows soon
+        when work is left. The views' digests join the pinned set before any unpinned
+        one leaves a view, so no eviction ever races a link."""
+        plan = desired.view_pins(
+            rollouts, self._labels, self.cfg.namespaces, existing=self.views.uids()
+        )
+        for name in set(plan.refused) - self._refused_views:
+            log.warning("rollout %s has no view of the cache: its uid is not a UUID", name)
+        self._refused_views = set(plan.refused)
+        with self.lock:
+            self.view_digests |= {d for ds in plan.pins.values() for d in ds}
+        try:
+            report = self.views.sync(plan.pins, budget=self.cfg.view_budget)
+        finally:
+            linked = self.views.linked_digests()
+            with self.lock:
+                self.view_digests = linked
+        for uid, digest in report.linked:
+            log.info("view %s shows %s", uid, digest)
+        for uid, hex_ in report.removed:
+            log.info("view %s no longer shows sha256:%s", uid, hex_)
+        for uid in report.views_removed:
+            log.info("view %s removed: its rollout pins nothing here", uid)
+        for error in report.errors:
+            log.warning("%s", error)
+        self.metrics.view_errors.inc(len(report.errors))
+        self.metrics.view_models.set(sum(len(v) for v in self.views.contents().values()))
+        if report.pending:
+            self.wake.set()  # bounded work per pass: the rest in the next one
+
     def _scan_disk(self) -> list[status.DiskModel]:
         out = []
         for digest in self.store.models():
@@ -237,7 +277,7 @@ class Agent:
             manifest, origin = self._resolve(want)
             self._update(digest, bytes_total=manifest.total_size)
             with self.lock:
-                pinned = {w.digest for w in self.wants} | {digest}
+                pinned = {w.digest for w in self.wants} | {digest} | self.view_digests
             self._make_room(manifest, pinned)
             peers, holders = self._peers(digest) if want.peer_to_peer else ([], set())
             log.info(

@@ -25,6 +25,8 @@ class AgentMetrics:
     stage_seconds: Histogram
     evictions: Counter
     status_writes: Counter
+    view_models: Gauge
+    view_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> AgentMetrics:
@@ -78,6 +80,16 @@ class AgentMetrics:
                 "weightship_agent_status_writes",
                 "WeightCache status writes, by result (ok, error).",
                 ["result"],
+                registry=registry,
+            ),
+            view_models=Gauge(
+                "weightship_agent_view_models",
+                "Models shown in the per-rollout views, summed over the views.",
+                registry=registry,
+            ),
+            view_errors=Counter(
+                "weightship_agent_view_errors",
+                "Models a rollout's view could not show, and refused views.",
                 registry=registry,
             ),
         )
