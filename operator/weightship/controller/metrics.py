@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -39,6 +40,12 @@ ROLLOUT_RECONCILED = Gauge(
     "When the rollout was last reconciled to the end (Unix time)",
     ["namespace", "name"],
 )
+ROLLOUT_RECONCILE_DUE = Gauge(
+    "weightship_rollout_next_reconcile_timestamp_seconds",
+    "When the rollout's next reconcile is due at the latest (Unix time): its last one's "
+    "requeue (a pause's end, the next measurement; 30 s when idle); events come sooner",
+    ["namespace", "name"],
+)
 _abort_reasons: dict[tuple[str, str], str] = {}  # the reason each aborted rollout is shown with
 VERIFICATIONS = Counter(
     "weightship_pod_verifications",
@@ -62,13 +69,19 @@ SWAP_SECONDS = Histogram(
 )
 
 
-def record_rollout(namespace: str, name: str, status: ModelRolloutStatus) -> None:
+def record_rollout(
+    namespace: str, name: str, status: ModelRolloutStatus, next_in: float | None = None
+) -> None:
+    """After a reconcile; ``next_in``: seconds until the next one is due at the latest."""
     for phase in PHASES:
         ROLLOUT_PHASE.labels(namespace, name, phase).set(1 if status.phase == phase else 0)
     ROLLOUT_STEP.labels(namespace, name).set(status.current_step_index or 0)
     ROLLOUT_WEIGHT.labels(namespace, name).set(status.canary_weight)
     _record_abort(namespace, name, status.abort.reason if status.abort else None)
-    ROLLOUT_RECONCILED.labels(namespace, name).set_to_current_time()
+    now = time.time()
+    ROLLOUT_RECONCILED.labels(namespace, name).set(now)
+    if next_in is not None:
+        ROLLOUT_RECONCILE_DUE.labels(namespace, name).set(now + next_in)
 
 
 def _record_abort(namespace: str, name: str, reason: str | None) -> None:
@@ -90,7 +103,7 @@ def forget_rollout(namespace: str, name: str) -> None:
     for phase in PHASES:
         with contextlib.suppress(KeyError):
             ROLLOUT_PHASE.remove(namespace, name, phase)
-    for gauge in (ROLLOUT_STEP, ROLLOUT_WEIGHT, ROLLOUT_RECONCILED):
+    for gauge in (ROLLOUT_STEP, ROLLOUT_WEIGHT, ROLLOUT_RECONCILED, ROLLOUT_RECONCILE_DUE):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
     _record_abort(namespace, name, None)

@@ -122,7 +122,7 @@ class Reconciler:
                 status, int(body["metadata"].get("generation", 0)), _first_error(e), now
             )
             self._write(body, status, decision, resource_version)
-            metrics.record_rollout(namespace, name, decision.status)
+            metrics.record_rollout(namespace, name, decision.status, IDLE_RECHECK_SECONDS)
             return IDLE_RECHECK_SECONDS
         observation = observe(
             self.view, objects, rollout, self.manifests, self.measurements, self.templates, now
@@ -148,8 +148,8 @@ class Reconciler:
         verifying = (self.verifier is not None and self.verifier.submit(rollout, pods)) or verifying
         self._write(body, rollout.status, decision, resource_version)
         laps.lap("status")
-        metrics.record_rollout(namespace, name, decision.status)
         delay = IDLE_RECHECK_SECONDS if decision.requeue_after is None else decision.requeue_after
+        metrics.record_rollout(namespace, name, decision.status, delay)
         if observation.waiting:
             delay = max(delay, LOOKUP_RECHECK_SECONDS)
         return min(delay, VERIFY_RECHECK_SECONDS) if verifying else delay
