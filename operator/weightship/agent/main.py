@@ -27,7 +27,7 @@ from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.failures import StageError, classify
 from weightship.agent.kube import AgentKube, RolloutInformer
-from weightship.agent.metrics import STATES, AgentMetrics
+from weightship.agent.metrics import AgentMetrics
 from weightship.api.weightcache import FailureReason
 from weightship.core.staging_failure import DETERMINISTIC
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, StageBusyError
@@ -509,6 +509,7 @@ class Agent:
                 self.kube.ensure_weight_cache(self.kube.node(self.cfg.node_name))
                 self.kube.patch_weight_cache_status(self.cfg.node_name, body)
             self.metrics.status_writes.labels("ok").inc()
+            self.metrics.last_report.set_to_current_time()
         except Exception as e:
             log.warning("writing WeightCache %s status failed: %s", self.cfg.node_name, e)
             self.metrics.status_writes.labels("error").inc()
@@ -518,8 +519,7 @@ class Agent:
         self.metrics.cache_capacity.set(capacity)
         self.metrics.cache_free.set(free)
         self.metrics.cache_used.set(self.store.used_bytes())
-        for state in STATES:
-            self.metrics.models.labels(state).set(sum(e.state == state for e in entries))
+        self.metrics.observe_entries(entries)
 
 
 def _shape(entries: dict[str, status.Entry]) -> dict[str, tuple[str, tuple[str, ...]]]:

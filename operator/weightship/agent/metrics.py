@@ -4,13 +4,18 @@ scraped by annotation (prometheus.io/scrape, prometheus.io/port)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from weightship.agent.status import Entry
+from weightship.api.weightcache import FailureReason
 from weightship.data.metrics import DataPlaneMetrics
 
 STATES = ("Staging", "Staged", "Failed", "Evicting")
+FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class AgentMetrics:
     status_writes: Counter
     view_models: Gauge
     view_errors: Counter
+    failing_models: Gauge
+    cache_pinned: Gauge
+    last_report: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> AgentMetrics:
@@ -92,4 +100,38 @@ class AgentMetrics:
                 "Models a rollout's view could not show, and refused views.",
                 registry=registry,
             ),
+            failing_models=Gauge(
+                "weightship_agent_failing_models",
+                "Manifests whose last staging attempt failed, by failure reason (kept while "
+                "a retry runs, gone once staged or no longer wanted).",
+                ["reason"],
+                registry=registry,
+            ),
+            cache_pinned=Gauge(
+                "weightship_agent_cache_pinned_bytes",
+                "Bytes of the models rollouts pin (stable and canary): what eviction cannot free.",
+                registry=registry,
+            ),
+            last_report=Gauge(
+                "weightship_agent_last_report_timestamp_seconds",
+                "When the agent last wrote its WeightCache status (Unix time; its start "
+                "time until the first write).",
+                registry=registry,
+            ),
         )
+
+    def __post_init__(self) -> None:
+        self.last_report.set_to_current_time()
+        for reason in FAILURE_REASONS:
+            self.failing_models.labels(reason).set(0)
+
+    def observe_entries(self, entries: Iterable[Entry]) -> None:
+        """The gauges that follow the reported manifests: by state, failing by reason, and
+        the bytes rollouts pin."""
+        entries = list(entries)
+        for state in STATES:
+            self.models.labels(state).set(sum(e.state == state for e in entries))
+        for reason in FAILURE_REASONS:
+            failing = sum(e.failure is not None and e.failure.reason == reason for e in entries)
+            self.failing_models.labels(reason).set(failing)
+        self.cache_pinned.set(sum(e.bytes_total for e in entries if e.pinned_by))
