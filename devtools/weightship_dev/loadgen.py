@@ -1,0 +1,228 @@
+"""Steady client load through a Service, as a router would send it: only to the Service's
+ready endpoints (its EndpointSlices), round robin, each request with a client timeout.
+Every answer is recorded with the revision the server stamped on it (the weightship vLLM
+plugin's X-Weightship-Revision header), so a test can tell which weights answered.
+
+Bounded: a fixed number of sender threads, at most ``max_requests`` requests, and it stops
+by itself after ``max_seconds``. Loopback and the project's own namespaces only (the pods'
+addresses on the local cluster's bridge).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import urllib3
+from kubernetes import client
+
+log = logging.getLogger(__name__)
+REVISION_HEADER = "X-Weightship-Revision"
+DIGEST_HEADER = "X-Weightship-Manifest-Digest"
+
+
+@dataclass(frozen=True)
+class Answer:
+    started: float  # time.monotonic()
+    finished: float
+    endpoint: str
+    status: int | None  # None: no HTTP answer (connection refused or reset, timeout)
+    error: str | None = None
+    revision: str | None = None
+    digest: str | None = None
+    text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+@dataclass
+class ServiceLoad:
+    api: client.ApiClient
+    namespace: str
+    service: str
+    port: int
+    path: str
+    body: dict[str, Any]
+    rate: float = 4.0  # requests per second, all senders together
+    senders: int = 4
+    timeout_s: float = 30.0
+    max_requests: int = 20_000
+    max_seconds: float = 1800.0
+    answers: list[Answer] = field(default_factory=list)
+    no_endpoint_waits: int = 0
+    """Times a sender found no ready endpoint and waited (a router would queue or 503)."""
+
+    def __post_init__(self) -> None:
+        self._discovery = client.DiscoveryV1Api(self.api)
+        self._http = urllib3.PoolManager(maxsize=self.senders, retries=False)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._endpoints: list[str] = []
+        self._next = 0
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> ServiceLoad:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._refresh()
+        self._deadline = time.monotonic() + self.max_seconds
+        watcher = threading.Thread(target=self._watch_endpoints, name="load-endpoints", daemon=True)
+        self._threads = [watcher] + [
+            threading.Thread(target=self._send, name=f"load-{i}", daemon=True)
+            for i in range(self.senders)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> list[Answer]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout_s + 5)
+        return list(self.answers)
+
+    def failed(self) -> list[Answer]:
+        with self._lock:
+            return [a for a in self.answers if not a.ok]
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.answers)
+
+    def _refresh(self) -> None:
+        slices = self._discovery.list_namespaced_endpoint_slice(
+            self.namespace, label_selector=f"kubernetes.io/service-name={self.service}"
+        ).items
+        ready = sorted(
+            address
+            for s in slices
+            for e in s.endpoints or []
+            if e.conditions is not None and e.conditions.ready
+            for address in e.addresses or []
+        )
+        with self._lock:
+            self._endpoints = ready
+
+    def _watch_endpoints(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self._refresh()
+            except Exception as e:  # the API server is busy: keep the last set
+                log.debug("endpoint slices of %s not read: %s", self.service, e)
+
+    def _pick(self) -> str | None:
+        with self._lock:
+            if not self._endpoints:
+                return None
+            self._next += 1
+            return self._endpoints[self._next % len(self._endpoints)]
+
+    def _send(self) -> None:
+        interval = self.senders / self.rate
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            if self.count() >= self.max_requests:
+                return
+            tick = time.monotonic()
+            endpoint = self._pick()
+            if endpoint is None:
+                with self._lock:
+                    self.no_endpoint_waits += 1
+                self._stop.wait(0.1)
+                continue
+            answer = self._one(endpoint)
+            with self._lock:
+                self.answers.append(answer)
+            self._stop.wait(max(0.0, interval - (time.monotonic() - tick)))
+
+    def _one(self, endpoint: str) -> Answer:
+        started = time.monotonic()
+        url = f"http://{endpoint}:{self.port}{self.path}"
+        try:
+            response = self._http.request(
+                "POST",
+                url,
+                body=json.dumps(self.body).encode(),
+                headers={"Content-Type": "application/json"},
+                timeout=urllib3.Timeout(connect=5.0, read=self.timeout_s),
+            )
+        except urllib3.exceptions.HTTPError as e:
+            return Answer(started, time.monotonic(), endpoint, None, error=type(e).__name__)
+        text = None
+        try:
+            doc = json.loads(response.data)
+            choice = doc["choices"][0]
+            text = choice.get("message", {}).get("content") or choice.get("text")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            pass
+        return Answer(
+            started,
+            time.monotonic(),
+            endpoint,
+            response.status,
+            revision=response.headers.get(REVISION_HEADER),
+            digest=response.headers.get(DIGEST_HEADER),
+            text=text,
+        )
+
+
+@dataclass
+class RevisionTimeline:
+    """Which revisions a rollout allowed to serve, sampled over time: the stable, and the
+    canary unless aborted. A response may carry any revision allowed while it ran."""
+
+    api: client.ApiClient
+    namespace: str
+    name: str
+    samples: list[tuple[float, frozenset[str]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._custom = client.CustomObjectsApi(self.api)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="timeline", daemon=True)
+
+    def __enter__(self) -> RevisionTimeline:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _sample(self) -> None:
+        body = self._custom.get_namespaced_custom_object(
+            "weightship.io", "v1alpha1", self.namespace, "modelrollouts", self.name
+        )
+        status = body.get("status") or {}
+        allowed = {(status.get("stableRevision") or {}).get("revision")}
+        if status.get("canaryRevision") and not status.get("abort"):
+            allowed.add(status["canaryRevision"].get("revision"))
+        self.samples.append((time.monotonic(), frozenset(r for r in allowed if r)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self._sample()
+            except Exception as e:
+                log.debug("rollout %s not read: %s", self.name, e)
+
+    def allowed(self, start: float, end: float) -> frozenset[str]:
+        """Revisions allowed at any moment of [start, end] (the sample before start too)."""
+        out: set[str] = set()
+        before = [s for s in self.samples if s[0] <= start]
+        if before:
+            out |= before[-1][1]
+        for at, revisions in self.samples:
+            if start <= at <= end + 0.5:
+                out |= revisions
+        return frozenset(out)

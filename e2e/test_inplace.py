@@ -1,0 +1,309 @@
+"""In-place weight swaps on real vLLM pods (updatePolicy InPlaceIfPossible), end to end:
+node agents stage each revision, the operator swaps it into running vLLM replicas through
+the weightship plugin (out of traffic, drain, verified load on every rank, verify again),
+canaries and rolls back without one pod restart, while a client sends steady load through
+the Service to its ready endpoints the whole time.
+
+One module, one pair of vLLM pods for every act (a vLLM replica starts in ~76 s here; a
+swap takes seconds): v1 starts; v2 swaps in through 50 % and 100 %; the subtly bad v3 is
+swapped into one canary, fails its golden prompt and is swapped back; v4's origin is
+corrupt, so the agents refuse it and no pod swaps; v5's staged bytes rot after the agents
+verified them, so the swap finds them bad and nothing of v5 is ever served. Under the
+load: 0 failed requests, each answer stamped with a revision that was stable or canary.
+Run under `flock /work/coord/heavy.lock` next to other heavy work on a 2-core machine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.agent_fixtures import PROCESS, Agents, cache_root
+from e2e.operator_fixtures import PROCESS_NODES, Rollouts, rollout_body
+from weightship import rollouts as user_actions
+from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE
+from weightship.data.chunkstore import digest_hex
+from weightship_dev import testkit
+from weightship_dev.layout import BRIDGE_IP
+from weightship_dev.loadgen import RevisionTimeline, ServiceLoad
+from weightship_dev.slackreceiver import SlackReceiver
+from weightship_testing.tinyvllm import deploy
+from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION, publish_versions
+
+NAMESPACE_PREFIX = "ip-"
+VLLM_START_S = 480
+SWAP_S = 240  # a swap and its verification, with margin for a loaded 2-core machine
+REPLICAS = 2
+
+
+@pytest.fixture(scope="module")
+def models(cluster: Any) -> Iterator[dict[str, str]]:
+    s3 = testkit.local_s3(cluster.s3_endpoint)
+    bucket = testkit.unique_name("inplace")
+    s3.create_bucket(Bucket=bucket)
+    uris = publish_versions(
+        s3,
+        bucket,
+        "models",
+        [
+            ("v1", "good", 0),
+            ("v2", "good", 1),
+            ("v3", "subtly-bad", 0),
+            ("v4", "good", 2),
+            ("v5", "good", 3),
+        ],
+    )
+    # v4's origin rots after its manifest was written: the agents refuse it.
+    key = "models/v4/model.safetensors"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    middle = len(data) // 2
+    data[middle] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    yield uris
+    testkit.empty_bucket(s3, bucket)
+    s3.delete_bucket(Bucket=bucket)
+
+
+def in_place_rollout(cluster: Any, uri: str) -> dict[str, Any]:
+    body = rollout_body(
+        "llm", uri, "v1", [{"setWeight": 50}, {"pause": {}}], cluster.s3_endpoint, REPLICAS
+    )
+    spec = body["spec"]
+    spec["template"] = deploy.pod_template("llm", node_selector=PROCESS_NODES, in_place=True)
+    spec["validation"] = deploy.validation()
+    spec["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    spec["seeding"] = {"broadcast": False}
+    spec["strategy"]["canary"]["updatePolicy"] = "InPlaceIfPossible"
+    spec["strategy"]["canary"]["inPlace"] = {"drainTimeoutSeconds": 10, "swapTimeoutSeconds": 120}
+    spec["notifications"] = {
+        "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack", "Promoted"]}
+    }
+    return body
+
+
+def rollout_pods(cluster: Any, namespace: str) -> list[Any]:
+    return list(
+        cluster.core.list_namespaced_pod(namespace, label_selector=f"{ROLLOUT_LABEL}=llm").items
+    )
+
+
+def identity(cluster: Any, namespace: str) -> dict[str, tuple[str, int]]:
+    """Each pod's uid and container restarts: an in-place rollout changes neither."""
+    return {
+        p.metadata.name: (
+            p.metadata.uid,
+            sum(c.restart_count for c in p.status.container_statuses or []),
+        )
+        for p in rollout_pods(cluster, namespace)
+    }
+
+
+def holding(cluster: Any, namespace: str) -> dict[str, str]:
+    return {
+        p.metadata.name: p.metadata.labels.get(REVISION_LABEL)
+        for p in rollout_pods(cluster, namespace)
+    }
+
+
+def gate(pod: Any) -> Any:
+    return next((c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE), None)
+
+
+def rot_staged(cluster: Any, digest: str) -> None:
+    """Bit rot in every node's staged copy after its agent verified it (the rollout's view
+    links the same files)."""
+    for node in cluster.process_nodes:
+        shard = cache_root(cluster, node) / "models" / digest_hex(digest) / "files"
+        path = shard / "model.safetensors"
+        data = bytearray(path.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        middle = start + (len(data) - start) // 2
+        with open(path, "r+b") as f:  # the cache's own inode
+            f.seek(middle)
+            f.write(bytes(b ^ 0xFF for b in data[middle : middle + 4]))
+
+
+def service(cluster: Any, namespace: str) -> None:
+    cluster.core.create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": "llm"},
+            "spec": {
+                "selector": {"app": "llm"},
+                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
+            },
+        },
+    )
+
+
+def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str], tmp_path: Path
+) -> None:
+    ns = rollouts.namespace
+    service(cluster, ns)
+    with SlackReceiver(host=BRIDGE_IP) as slack:
+        cluster.core.create_namespaced_secret(
+            ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
+        )
+        rollouts.create(in_place_rollout(cluster, models["v1"]))
+        v1 = rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)["status"]
+        assert v1["stableRevision"]["templateHash"]
+        testkit.wait_until(
+            lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == REPLICAS,
+            timeout=VLLM_START_S,
+            what="both v1 pods ready",
+        )
+        started = identity(cluster, ns)
+        assert len(started) == REPLICAS
+
+        load = ServiceLoad(
+            cluster.api,
+            ns,
+            "llm",
+            deploy.PORT,
+            deploy.CHAT_PATH,
+            {
+                "model": deploy.SERVED_MODEL,
+                "messages": [{"role": "user", "content": CHAT_QUESTION}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+            rate=4.0,
+            timeout_s=30.0,
+        )
+        timeline = RevisionTimeline(cluster.api, ns, "llm")
+        with timeline, load:
+            # v2: one pod swapped at setWeight 50, then the pause; the promotion swaps
+            # the other. Nobody restarts.
+            rollouts.set_model("llm", models["v2"], "v2")
+            paused = rollouts.wait(
+                "llm", "v2 at 50 %", lambda s: s.get("phase") == "Paused", timeout=SWAP_S
+            )["status"]
+            canary = paused["canaryRevision"]
+            assert canary["update"] == "InPlace", canary
+            assert sorted(holding(cluster, ns).values()).count(canary["podTemplateHash"]) == 1
+            assert identity(cluster, ns) == started
+            user_actions.promote(cluster.api, ns, "llm")
+            v2 = rollouts.healthy_on("llm", "v2", timeout=SWAP_S)["status"]
+            testkit.wait_until(
+                lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == REPLICAS,
+                timeout=SWAP_S,
+                what="both pods ready on v2",
+            )
+            assert identity(cluster, ns) == started, "an in-place update restarted a pod"
+            assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
+            pods = {p["pod"]: p for p in v2["inPlace"]["pods"]}
+            assert set(pods) == set(started)
+            for pod in pods.values():
+                assert pod["arrival"] == "Swapped" and pod["swapTo"] == "v2", pod
+                assert pod["swapSeconds"] > 0, pod
+            for p in rollout_pods(cluster, ns):
+                condition = gate(p)
+                assert condition.status == "True", condition
+                assert f"digest {v2['stableRevision']['manifestDigest']} verified" in (
+                    condition.message
+                )
+            swap_seconds = sorted(p["swapSeconds"] for p in pods.values())
+            paused_seconds = sorted(p.get("pausedSeconds") or 0.0 for p in pods.values())
+
+            # v3: right checksums, a wrong answer. Swapped into one canary pod, its gate
+            # fails, it is swapped back; it never takes traffic.
+            rollouts.set_model("llm", models["v3"], "v3")
+            status = rollouts.wait(
+                "llm",
+                "v3 rolled back in place",
+                lambda s: (
+                    s.get("phase") == "Degraded"
+                    and (s.get("canaryRevision") or {}).get("revision") == "v3"
+                    and (s.get("replicas") or {}).get("ready") == REPLICAS
+                    and not (s.get("inPlace") or {}).get("swapping")
+                ),
+                timeout=SWAP_S,
+            )["status"]
+            assert status["abort"]["reason"] == "VerificationFailed", status["abort"]
+            failure = status["verification"]["failures"][0]
+            assert failure["reason"] == "GoldenPromptFailed", failure
+            assert failure["got"] == CHAT_ANSWER["subtly-bad"], failure
+            assert "Paris." in failure["expected"], failure
+            assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
+            swapped_to = [p.get("swapTo") for p in status["inPlace"]["pods"]]
+            assert swapped_to.count("v2") == REPLICAS, status["inPlace"]  # the last swaps
+            message = testkit.wait_until(
+                lambda: next(
+                    (m for m in slack.received if "RolledBack" in m["text"] and "v3" in m["text"]),
+                    None,
+                ),
+                timeout=60,
+                what="the rollback on Slack",
+            )
+            assert "Lyon." in str(message["blocks"]) and deploy.GOLDEN_PROMPT in str(
+                message["blocks"]
+            )
+
+            # v4: a corrupt origin. The agents refuse it; no pod is ever swapped.
+            rollouts.set_model("llm", models["v4"], "v4")
+            status = rollouts.wait(
+                "llm",
+                "v4 aborted by the agents",
+                lambda s: (
+                    s.get("phase") == "Degraded"
+                    and (s.get("canaryRevision") or {}).get("revision") == "v4"
+                ),
+                timeout=SWAP_S,
+            )["status"]
+            assert status["abort"]["reason"] == "OriginMismatch", status["abort"]
+            assert all(p.get("swapTo") != "v4" for p in status["inPlace"]["pods"]), status
+
+            # v5: staged and verified, then its bytes rot before the swap (the first step
+            # is a pause). The swap verifies every chunk before it touches a weight: it
+            # fails, the canary aborts, and the pod is swapped back to v2.
+            rollouts.set_model("llm", models["v5"], "v5", steps=[{"pause": {}}, {"setWeight": 50}])
+            status = rollouts.wait(
+                "llm",
+                "v5 paused",
+                lambda s: (
+                    (s.get("canaryRevision") or {}).get("revision") == "v5"
+                    and s.get("phase") == "Paused"
+                ),
+                timeout=SWAP_S,
+            )["status"]
+            digest = status["canaryRevision"]["manifestDigest"]
+            agents.wait_staged(digest)
+            rot_staged(cluster, digest)
+            user_actions.promote(cluster.api, ns, "llm")
+            status = rollouts.wait(
+                "llm",
+                "v5 aborted and its pod back on v2",
+                lambda s: (
+                    s.get("phase") == "Degraded"
+                    and (s.get("canaryRevision") or {}).get("revision") == "v5"
+                    and (s.get("replicas") or {}).get("ready") == REPLICAS
+                    and not (s.get("inPlace") or {}).get("swapping")
+                ),
+                timeout=SWAP_S,
+            )["status"]
+            assert status["abort"]["reason"] == "SwapFailed", status["abort"]
+            assert "ChecksumMismatch" in status["abort"]["message"], status["abort"]
+            assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
+            assert identity(cluster, ns) == started, "a failed swap restarted a pod"
+        answers = load.stop()
+
+    failed = [a for a in answers if not a.ok]
+    print(
+        f"in place under load: {len(answers)} requests, {len(failed)} failed, "
+        f"swaps {swap_seconds} s, engine paused {paused_seconds} s"
+    )
+    assert len(answers) > 50, len(answers)
+    assert not failed, failed[:5]
+    revisions = {a.revision for a in answers}
+    assert "v3" not in revisions and "v4" not in revisions and "v5" not in revisions, revisions
+    assert {"v1", "v2"} <= revisions, revisions
+    for answer in answers:
+        assert answer.revision in timeline.allowed(answer.started, answer.finished), answer
+        assert answer.text == CHAT_ANSWER["good"], answer
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
