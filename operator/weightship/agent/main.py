@@ -178,7 +178,11 @@ class Agent:
         rollouts = self.informer.snapshot()
         wants = desired.wanted(rollouts, self._labels, self.cfg.namespaces)
         pins = {w.digest: w.pinned_by for w in wants}
-        self._sync_views(rollouts)
+        try:
+            self._sync_views(rollouts)
+        except Exception:  # a view must never hold up staging
+            log.exception("maintaining the rollouts' views failed; retrying next tick")
+            self.metrics.view_errors.inc()
         disk = self._scan_disk()
         job = self.job
         running = job is not None and job.thread.is_alive()
