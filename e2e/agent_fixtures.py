@@ -4,6 +4,7 @@ the WeightCaches it writes. The `agents` fixture is in conftest.py."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,51 @@ class Agents:
         folder = Path(self.cluster.paths.root) / "nodes" / node / "logs"
         texts = [p.read_text(errors="replace") for p in folder.glob(f"{self.namespace}*agent*")]
         return "\n".join(texts)[-3000:]
+
+
+def run_agents(cluster: Any, namespace: str) -> Iterator[Agents]:
+    """The agent DaemonSet in ``namespace`` (its RBAC, credentials), from empty node
+    caches, until every process node has a Ready agent with a WeightCache; removed, with
+    what it staged, when the generator closes (the ``agents`` fixture, benchmarks)."""
+    objs = agent_objects(namespace)
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    for node in cluster.process_nodes:  # every test measures from an empty cache
+        shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
+    cluster.core.create_namespaced_service_account(namespace, objs["service_account"])
+    cluster.core.create_namespaced_secret(namespace, objs["credentials"])
+    rbac.create_cluster_role(objs["cluster_role"])
+    rbac.create_cluster_role_binding(objs["cluster_role_binding"])
+    cluster.apps.create_namespaced_daemon_set(namespace, objs["daemon_set"])
+    handle = Agents(cluster, namespace)
+    try:
+
+        def ready() -> bool:
+            pods = handle.pods()
+            up = {
+                p.spec.node_name
+                for p in pods
+                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            }
+            peers = {
+                n
+                for n in cluster.process_nodes
+                if (handle.cache(n).get("status") or {}).get("peerEndpoint")
+            }
+            return up == peers == set(cluster.process_nodes)
+
+        testkit.wait_until(
+            ready,
+            timeout=60,
+            what="an agent Ready with a WeightCache on every process node",
+            detail=lambda: handle.logs(cluster.process_nodes[0]),
+        )
+        yield handle
+    finally:
+        delete_if_present(cluster.apps.delete_namespaced_daemon_set, "agent", namespace)
+        testkit.wait_until(lambda: not handle.pods(), timeout=60, what="agent pods gone")
+        forget_staging(cluster)
+        delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
+        delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
 
 
 def forget_staging(cluster: Any) -> None:

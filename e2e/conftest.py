@@ -7,7 +7,6 @@ here and stopped when the run ends. Each test gets its own namespace and S3 buck
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
-from e2e.agent_fixtures import Agents, agent_objects, cache_root, delete_if_present, forget_staging
+from e2e.agent_fixtures import Agents, run_agents
 from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
 from weightship_dev import cluster as local_cluster
 from weightship_dev import demo, nodes, testkit
@@ -46,6 +45,23 @@ PROCESS_NODES = int(os.environ.get("WEIGHTSHIP_PROCESS_NODES", "3"))
 KWOK_NODES = int(os.environ.get("WEIGHTSHIP_KWOK_NODES", "4"))
 
 
+def connect(paths: ClusterPaths) -> Cluster:
+    """The running local cluster's API and its nodes by kind."""
+    api = nodes.admin_api(paths)
+    node_list = client.CoreV1Api(api).list_node().items
+    kinds = {
+        n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL) for n in node_list
+    }
+    return Cluster(
+        paths=paths,
+        api=api,
+        s3_endpoint=local_cluster.s3_endpoint(),
+        prometheus_url=local_cluster.prometheus_url(),
+        process_nodes=sorted(n for n, k in kinds.items() if k == "process"),
+        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok"),
+    )
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
@@ -63,19 +79,7 @@ def cluster() -> Iterator[Cluster]:
     # A demo left running (`make demo`, then `make test`) runs node agents of its own on
     # the process nodes, which would share the WeightCaches with the tests' agents.
     demo.remove(paths)
-    api = nodes.admin_api(paths)
-    node_list = client.CoreV1Api(api).list_node().items
-    kinds = {
-        n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL) for n in node_list
-    }
-    yield Cluster(
-        paths=paths,
-        api=api,
-        s3_endpoint=local_cluster.s3_endpoint(),
-        prometheus_url=local_cluster.prometheus_url(),
-        process_nodes=sorted(n for n, k in kinds.items() if k == "process"),
-        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok"),
-    )
+    yield connect(paths)
     if started_here and not os.environ.get("WEIGHTSHIP_KEEP_CLUSTER"):
         local_cluster.down(paths)
 
@@ -119,45 +123,7 @@ def operator(
 
 @pytest.fixture
 def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
-    objs = agent_objects(namespace)
-    rbac = client.RbacAuthorizationV1Api(cluster.api)
-    for node in cluster.process_nodes:  # every test measures from an empty cache
-        shutil.rmtree(cache_root(cluster, node), ignore_errors=True)
-    cluster.core.create_namespaced_service_account(namespace, objs["service_account"])
-    cluster.core.create_namespaced_secret(namespace, objs["credentials"])
-    rbac.create_cluster_role(objs["cluster_role"])
-    rbac.create_cluster_role_binding(objs["cluster_role_binding"])
-    cluster.apps.create_namespaced_daemon_set(namespace, objs["daemon_set"])
-    handle = Agents(cluster, namespace)
-    try:
-
-        def ready() -> bool:
-            pods = handle.pods()
-            up = {
-                p.spec.node_name
-                for p in pods
-                if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-            }
-            peers = {
-                n
-                for n in cluster.process_nodes
-                if (handle.cache(n).get("status") or {}).get("peerEndpoint")
-            }
-            return up == peers == set(cluster.process_nodes)
-
-        testkit.wait_until(
-            ready,
-            timeout=60,
-            what="an agent Ready with a WeightCache on every process node",
-            detail=lambda: handle.logs(cluster.process_nodes[0]),
-        )
-        yield handle
-    finally:
-        delete_if_present(cluster.apps.delete_namespaced_daemon_set, "agent", namespace)
-        testkit.wait_until(lambda: not handle.pods(), timeout=60, what="agent pods gone")
-        forget_staging(cluster)
-        delete_if_present(rbac.delete_cluster_role_binding, f"{namespace}-agent")
-        delete_if_present(rbac.delete_cluster_role, f"{namespace}-agent")
+    yield from run_agents(cluster, namespace)
 
 
 @pytest.fixture
