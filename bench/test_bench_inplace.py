@@ -1,0 +1,33 @@
+"""`pytest bench -m bench -s -k inplace`: the same rollout in place and by replacement on
+the local cluster, quick mode (one revision change each; real agents, operator and vLLM
+pods, load through a Service). Heavy: run it under `flock /work/coord/heavy.lock`.
+
+Nothing here asserts on speed. It checks what the figures stand on: each mode went the
+way it was asked (InPlace, Replace), every in-place pod swapped with its pause measured
+and none restarted, and under the load every request succeeded, with the right answer
+from a revision the rollout allowed at that moment."""
+
+from __future__ import annotations
+
+import pytest
+
+import bench_inplace
+
+pytestmark = pytest.mark.bench
+
+
+def test_inplace_against_replace_quick() -> None:
+    r = bench_inplace.main(["--quick"])
+    runs = r["runs"]
+    assert set(runs) == set(bench_inplace.MODES)
+    for mode, way in (("inplace", "InPlace"), ("replace", "Replace")):
+        (c,) = runs[mode]["changes"]
+        assert c["to"] == "v2" and c["update"] == way, c
+        assert runs[mode]["requests"] > 0, runs[mode]
+        assert runs[mode]["failedCount"] == 0, runs[mode]["failed"]
+        assert runs[mode]["unexpectedCount"] == 0, runs[mode]["unexpected"]
+    swapped = runs["inplace"]["changes"][0]
+    assert len(swapped["paused"]) == bench_inplace.REPLICAS, swapped
+    assert len(swapped["outOfTraffic"]) == bench_inplace.REPLICAS, swapped
+    assert runs["inplace"]["restarted"] == [], runs["inplace"]
+    assert r["failed"] == 0
