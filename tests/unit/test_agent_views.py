@@ -353,3 +353,8 @@ def _folder(path: Path, size: int) -> Path:
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(os.urandom(size))
     return path
+
+
+def test_without_in_place_rollouts_the_cache_is_untouched(store: ChunkStore) -> None:
+    assert Views(store).sync({}) == Views(store).sync({})
+    assert not (store.root / "views").exists()

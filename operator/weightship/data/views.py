@@ -150,6 +150,8 @@ class Views:
         operations; ``pending`` says when more are left. Idempotent."""
         report = SyncReport()
         left = Budget(budget)
+        if not want and not self.root.exists():
+            return report  # no rollout here has ever had a view: nothing to touch
         self.root.mkdir(parents=True, exist_ok=True)
         self.trash.mkdir(exist_ok=True)
         wanted: dict[str, set[str]] = {}
