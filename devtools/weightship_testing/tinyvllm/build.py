@@ -29,7 +29,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
-from weightship.data.s3 import S3Location, S3Origin, publish
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -224,6 +223,9 @@ def publish_versions(
 ) -> dict[str, str]:
     """Build and publish named versions (name, variant, seed) under
     s3://bucket/prefix/<name>/; return {name: uri}. Same variant and seed: same digest."""
+    # boto3 only here: building a model needs no S3 (a vLLM image without boto3 builds one).
+    from weightship.data.s3 import S3Location, S3Origin, publish
+
     uris = {}
     for name, variant, seed in versions:
         uri = f"s3://{bucket}/{prefix}/{name}/"
