@@ -297,14 +297,18 @@ class Swapper:
         status, answer = self._request(
             "POST", job, body, {"Authorization": f"Bearer {self._token(job)}"}
         )
-        if status in (401, 403, 400, 404):
-            reason = (
-                "Unauthorized" if status in (401, 403) else str(answer.get("reason") or "Refused")
-            )
-            if status == 404:
-                reason = "NotSupported"
-            raise SwapFailure(reason, str(answer.get("message") or f"HTTP {status}"))
-        if status not in (200, 202, 409):
+        if status == 200 and answer.get("accepted"):
+            # Already loaded and verified (the pod holds them: a swap back after a refused
+            # swap, or a request resent after an operator restart): nothing paused.
+            return {"state": "Swapped", "manifestDigest": job.swap.manifest_digest}
+        if status in (401, 403):
+            raise SwapFailure("Unauthorized", str(answer.get("message") or f"HTTP {status}"))
+        if status in (404, 501):
+            message = answer.get("message") or "the server has no in-place swap"
+            raise SwapFailure("NotSupported", f"POST {SWAP_PATH}: HTTP {status}: {message}")
+        if status in (400, 413):
+            raise SwapFailure("Refused", str(answer.get("message") or f"HTTP {status}"))
+        if status not in (202, 409):
             raise SwapFailure("EngineError", f"POST {SWAP_PATH}: HTTP {status}")
         deadline = time.monotonic() + job.drain_timeout_s + job.swap_timeout_s
         while True:
