@@ -19,7 +19,10 @@
    builds; the image vllm/vllm-openai maps to it): a tiny real Llama, loaded with the
    weightship plugin (`--load-format weightship`: every byte checked against the
    manifest), its gate opened by the verifier reading the plugin's report and vLLM's
-   answer to a golden prompt through its chat API.
+   answer to a golden prompt through its chat API. Then v2 of that model reaches the
+   running pod in place (updatePolicy InPlaceIfPossible): the pod leaves traffic, vLLM
+   swaps the verified weights through the plugin's weight-transfer engine, the verifier
+   checks them again, and the pod serves v2 without a restart (same uid, restartCount 0).
 """
 
 from __future__ import annotations
@@ -101,14 +104,22 @@ VLLM_ROLLOUT = "llm-vllm"
 
 
 def vllm_rollout_spec(uri: str, endpoint: str) -> dict[str, Any]:
-    """One replica of real vLLM (about 3.3 GiB) with the weightship plugin."""
+    """One replica of real vLLM (about 3.3 GiB) with the weightship plugin, its weights
+    updated in place: only spec.model changes between its revisions."""
     spec = rollout_spec(uri, "v1", endpoint)
     spec.pop("notifications")
     spec["replicas"] = 1
     spec["selector"] = {"matchLabels": {"app": VLLM_ROLLOUT}}
-    spec["template"] = vllm.pod_template(VLLM_ROLLOUT, node_selector=PROCESS)
+    spec["template"] = vllm.pod_template(VLLM_ROLLOUT, node_selector=PROCESS, in_place=True)
     spec["validation"] = vllm.validation()
-    spec["strategy"] = {"canary": {"steps": [{"setWeight": 100}], "progressDeadlineSeconds": 600}}
+    spec["strategy"] = {
+        "canary": {
+            "steps": [{"setWeight": 100}],
+            "progressDeadlineSeconds": 600,
+            "updatePolicy": "InPlaceIfPossible",
+            "inPlace": {"drainTimeoutSeconds": 10, "swapTimeoutSeconds": 120},
+        }
+    }
     return spec
 
 
@@ -120,8 +131,10 @@ def publish_demo_versions(endpoint: str) -> dict[str, str]:
         if "BucketAlreadyExists" not in str(e) and "BucketAlreadyOwnedByYou" not in str(e):
             raise
     uris = publish_versions(s3, BUCKET, "llm", VERSIONS)
-    vllm_uris = tinyvllm_build.publish_versions(s3, BUCKET, VLLM_ROLLOUT, [("v1", "good", 0)])
-    return {**uris, "vllm-v1": vllm_uris["v1"]}
+    vllm_uris = tinyvllm_build.publish_versions(
+        s3, BUCKET, VLLM_ROLLOUT, [("v1", "good", 0), ("v2", "good", 1)]
+    )
+    return {**uris, "vllm-v1": vllm_uris["v1"], "vllm-v2": vllm_uris["v2"]}
 
 
 class Demo:
@@ -280,6 +293,7 @@ class Demo:
         )
         self.report("v4")
         self.serve_with_vllm(uris["vllm-v1"], endpoint)
+        self.update_vllm_in_place(uris["vllm-v2"])
         self.console.print(
             f"\nLook around: weightship status llm -n {NAMESPACE}; "
             f"KUBECONFIG={self.paths.admin_kubeconfig} kubectl get mr,rs,pods "
@@ -312,13 +326,69 @@ class Demo:
             "plugin's report and vLLM's own answer to the golden prompt"
         )
 
-    def _set_model(self, uri: str, revision: str) -> None:
+    def update_vllm_in_place(self, uri: str) -> None:
+        self.say("real vLLM, v2: new weights swapped into the running pod, no restart")
+        core = client.CoreV1Api(self.api)
+        selector = f"app={VLLM_ROLLOUT}"
+        before = {
+            p.metadata.name: p
+            for p in core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+        }
+        started = time.monotonic()
+        self._set_model(uri, "v2", name=VLLM_ROLLOUT)
+        way: dict[str, Any] = {}  # the canary's update mode and its reason
+
+        def healthy_on_v2(s: dict[str, Any]) -> bool:
+            canary = s.get("canaryRevision") or {}
+            if canary.get("revision") == "v2" and canary.get("update"):
+                way.update(canary)
+            return (
+                s.get("phase") == "Healthy"
+                and (s.get("stableRevision") or {}).get("revision") == "v2"
+            )
+
+        self.follow(healthy_on_v2, timeout=300, name=VLLM_ROLLOUT)
+        took = time.monotonic() - started
+        status = self.get(VLLM_ROLLOUT)["status"]
+        way = way or status.get("stableRevision") or {}
+        self.console.print(
+            f"  update: {way.get('update') or '?'} ({way.get('updateReason') or ''})"
+        )
+        swaps = {p["pod"]: p for p in (status.get("inPlace") or {}).get("pods") or []}
+        after = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+        for pod in after:
+            name = pod.metadata.name
+            swap = swaps.get(name) or {}
+            restarts = sum(c.restart_count for c in pod.status.container_statuses or [])
+            old = before.get(name)
+            same = old is not None and old.metadata.uid == pod.metadata.uid
+            swapped = swap.get("swapState") == "Swapped" and swap.get("swapTo") == "v2"
+            seconds, paused = swap.get("swapSeconds"), swap.get("pausedSeconds")
+            self.console.print(
+                f"  [green]{name}[/] swapped v1 -> v2 in place: the swap took "
+                f"[bold]{_seconds(seconds)}[/] (vLLM paused {_seconds(paused)}); "
+                f"{took:.1f} s from the spec change to Healthy on v2, verified again"
+                if swapped
+                else f"  [red]{name}[/] did not swap in place: {swap}"
+            )
+            self.console.print(
+                f"  [green]{name}[/] did not restart: same uid {pod.metadata.uid}, "
+                f"restartCount {restarts}"
+                if same and restarts == 0
+                else f"  [red]{name}[/] restarted: uid {pod.metadata.uid} "
+                f"(was {old.metadata.uid if old else 'none'}), restartCount {restarts}"
+            )
+            gate = next((c for c in pod.status.conditions or [] if c.type == VERIFIED_GATE), None)
+            if gate is not None:
+                self.console.print(f"  gate: {gate.message}")
+
+    def _set_model(self, uri: str, revision: str, name: str = "llm") -> None:
         self.custom.patch_namespaced_custom_object(
             GROUP,
             VERSION,
             NAMESPACE,
             PLURAL,
-            "llm",
+            name,
             {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}},
         )
 
@@ -385,6 +455,10 @@ def _pod_news(status: dict[str, Any]) -> list[str]:
     for failure in verification.get("failures") or []:
         news.append(f"{failure['pod']} [red]{failure['reason']}[/]: {failure.get('message')}")
     return news
+
+
+def _seconds(value: object) -> str:
+    return f"{value:.2f} s" if isinstance(value, int | float) else "? s"
 
 
 def _staging(status: dict[str, Any]) -> str:
