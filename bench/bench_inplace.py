@@ -56,7 +56,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the e2e fixtures: the same cluster, agents and operator
+# The e2e fixtures (the same cluster, agents and operator) and benchlib.
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from e2e.agent_fixtures import PROCESS, run_agents  # noqa: E402
 from e2e.conftest import KWOK_NODES, PROCESS_NODES, Cluster, connect  # noqa: E402
