@@ -43,6 +43,7 @@ from .swap import (
     SwapRequest,
     SwapRequestError,
     SwapTracker,
+    not_swappable,
     refusal_doc,
 )
 from .swapdriver import SwapDriver
@@ -105,38 +106,12 @@ async def seed_status() -> JSONResponse:
     return JSONResponse(doc, status)
 
 
-def initial_weights(env: dict[str, str] | os._Environ[str]) -> Weights:
-    """What the server started with (the pod's WEIGHTSHIP_MODEL_REVISION and
-    WEIGHTSHIP_MANIFEST_DIGEST)."""
-    return Weights(
-        env.get("WEIGHTSHIP_MODEL_REVISION") or "unknown",
-        env.get("WEIGHTSHIP_MANIFEST_DIGEST") or None,
-    )
-
-
-def not_swappable(engine_client: Any, args: Namespace) -> str | None:
-    """Why this server cannot swap in place, or None."""
-    config = getattr(engine_client, "vllm_config", None)
-    if config is None:
-        return "this server has no engine"
-    transfer = getattr(config, "weight_transfer_config", None)
-    if transfer is None or getattr(transfer, "backend", None) != "weightship":
-        return 'vLLM runs without --weight-transfer-config \'{"backend": "weightship"}\''
-    if getattr(config.load_config, "load_format", None) != "weightship":
-        return "vLLM did not load its weights with --load-format weightship"
-    if config.parallel_config.data_parallel_size > 1:
-        return "in-place swaps support one engine (data parallel size 1)"
-    if (getattr(args, "api_server_count", None) or 1) > 1:
-        return "in-place swaps support one API server process (--api-server-count 1)"
-    return None
-
-
 class SwapService:
     """The swap endpoint's state: who may swap, the gate, the latest swap."""
 
     def __init__(self, env: dict[str, str] | os._Environ[str]) -> None:
         self.auth = SwapAuth.from_env(env)
-        self.gate = WeightsGate(initial_weights(env))
+        self.gate = WeightsGate(Weights.from_env(env))
         self.tracker = SwapTracker()
         self.driver: SwapDriver | None = None
         self.unswappable = "the engine is not up yet"

@@ -10,6 +10,7 @@ hands out tensors of another digest than the one the replica reports. No vLLM im
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,11 +54,17 @@ def stop_roots(run_dir: Path) -> int:
     stopped = 0
     while _ROOTS:
         root, server = _ROOTS.pop()
-        root.close()
-        server.shutdown()
-        server.server_close()
+        root.close()  # refuses joins from now on
+        # shutdown() waits for the serving loop's next poll (up to half a second): not
+        # inside a swap, whose paused window it would lengthen.
+        threading.Thread(target=_shut, args=(server,), name="root-shutdown", daemon=True).start()
         stopped += 1
     return stopped
+
+
+def _shut(server: Any) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 def root_digests() -> list[str]:

@@ -281,7 +281,9 @@ class SwapSession:
             roots.stop_roots(settings.run_dir)  # it seeds what is about to change
         faults = SwapFaults.from_env(self.env)
         fail_halfway = faults.apply_fail_rank == self.rank
+        t0 = time.monotonic()
         self.reload.initialize(model)
+        t1 = time.monotonic()
         try:
             loaded = model.load_weights(_feed(staged.tensors, fail_halfway))
         except BaseException:
@@ -290,10 +292,20 @@ class SwapSession:
             except Exception:
                 log.exception("rank %d: finalizing a failed reload", self.rank)
             raise
+        t2 = time.monotonic()
         self.reload.finalize(model, model_config)
+        t3 = time.monotonic()
         if isinstance(loaded, set) and not loaded:
             raise RuntimeError("vLLM took none of the tensors")
         staged.applied = True
+        log.info(
+            "rank %d: applied %s (reload setup %.3f s, load_weights %.3f s, finalize %.3f s)",
+            self.rank,
+            staged.manifest.digest,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
 
     def _commit(self, staged: _Staged, settings: PluginSettings) -> None:
         manifest = staged.manifest

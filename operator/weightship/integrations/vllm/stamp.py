@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,15 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 class Weights:
     revision: str
     manifest_digest: str | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Weights:
+        """What the server started with (WEIGHTSHIP_MODEL_REVISION and
+        WEIGHTSHIP_MANIFEST_DIGEST, which the operator sets on the pod)."""
+        return cls(
+            env.get("WEIGHTSHIP_MODEL_REVISION") or UNKNOWN_REVISION,
+            env.get("WEIGHTSHIP_MANIFEST_DIGEST") or None,
+        )
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [

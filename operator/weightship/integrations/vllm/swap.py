@@ -177,6 +177,24 @@ class SwapAuth:
         return refusal
 
 
+def not_swappable(engine_client: Any, args: Any) -> str | None:
+    """Why this vLLM server cannot swap in place, or None (``engine_client`` is vLLM's,
+    ``args`` its parsed command line)."""
+    config = getattr(engine_client, "vllm_config", None)
+    if config is None:
+        return "this server has no engine"
+    transfer = getattr(config, "weight_transfer_config", None)
+    if transfer is None or getattr(transfer, "backend", None) != "weightship":
+        return 'vLLM runs without --weight-transfer-config \'{"backend": "weightship"}\''
+    if getattr(config.load_config, "load_format", None) != "weightship":
+        return "vLLM did not load its weights with --load-format weightship"
+    if config.parallel_config.data_parallel_size > 1:
+        return "in-place swaps support one engine (data parallel size 1)"
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        return "in-place swaps support one API server process (--api-server-count 1)"
+    return None
+
+
 def refusal_doc(refusal: TokenRefusal) -> dict[str, Any]:
     return {"accepted": False, "reason": refusal.reason, "message": refusal.message}
 

@@ -97,6 +97,11 @@ class SwapDriver:
     task: asyncio.Task[None] | None = None
     # Set when a swap failed after parameters changed; only a successful swap clears it.
     mixed: str | None = None
+    # A start_weight_update was sent and its finish_weight_update not yet: every rank's
+    # worker refuses (raises) an update outside a session, or a second start, and vLLM's
+    # executor must never see a rank raise (see engine.py). vLLM runs the engine's calls
+    # in the order they were sent, so what counts is what was sent, not what completed.
+    session: bool = False
 
     @property
     def running(self) -> bool:
@@ -137,7 +142,7 @@ class SwapDriver:
 
         self.gate.close(request.drain_timeout_s + request.swap_timeout_s + CLEANUP_GRACE_S)
         closed = time.monotonic()
-        session = changing = False
+        changing = False
         steps: dict[str, float] = {}
         lap = time.monotonic()
 
@@ -152,8 +157,7 @@ class SwapDriver:
             done("drain")
             self.gate.seal()
             self.tracker.loading(time.monotonic() - closed)
-            await self._call(self.engine.start_weight_update(), deadline)
-            session = True
+            await self._start(deadline)
             staged = await self._step("stage", stage, deadline)
             done("stage")
             changing = True
@@ -161,18 +165,17 @@ class SwapDriver:
             done("apply")
             await self._step("commit", {"swapId": swap_id}, deadline)
             done("commit")
-            session = False
-            await self._call(self.engine.finish_weight_update(request.revision), deadline)
+            await self._finish(deadline, request.revision)
             await self._call(self.engine.reset_prefix_cache(), deadline)
             await self._resume(deadline)
             done("resume")
         except StepFailed as exc:
-            await self._failed(exc.outcome, swap_id, request, old, closed, changing, session)
+            await self._failed(exc.outcome, swap_id, request, old, closed, changing)
             return
         except Exception as exc:  # a refused step, or a timeout
             reason = SWAP_TIMEOUT if isinstance(exc, Timeout) else ENGINE_ERROR
             outcome = RankOutcome(swap_id, "", -1, False, reason, _text(exc))
-            await self._failed(outcome, swap_id, request, old, closed, changing, session)
+            await self._failed(outcome, swap_id, request, old, closed, changing)
             return
         self.gate.open(new)
         self.mixed = None
@@ -231,7 +234,7 @@ class SwapDriver:
         await self._call(self.engine.pause_generation(mode="abort"), deadline)
 
     async def _step(self, op: str, info: dict[str, Any], deadline: float) -> list[RankOutcome]:
-        await self._call(self.engine.update_weights(self.make_update({"op": op, **info})), deadline)
+        await self._send({"op": op, **info}, deadline)
         outcomes = read_outcomes(self.run_dir, str(info["swapId"]), op, self.world)
         failure = first_failure(outcomes)
         if failure is not None:
@@ -242,12 +245,29 @@ class SwapDriver:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if asyncio.iscoroutine(step):
-                step.close()
+                step.close()  # never sent
             raise Timeout("the swap timed out")
         try:
             return await asyncio.wait_for(step, remaining)
         except TimeoutError:
             raise Timeout("the swap timed out") from None
+
+    async def _start(self, deadline: float) -> None:
+        if deadline - time.monotonic() <= 0:
+            raise Timeout("the swap timed out")
+        self.session = True  # sent from here on, even if its answer times out
+        await self._call(self.engine.start_weight_update(), deadline)
+
+    async def _finish(self, deadline: float, weight_version: str | None = None) -> None:
+        if not self.session:
+            return
+        self.session = False
+        await self._call(self.engine.finish_weight_update(weight_version), deadline)
+
+    async def _send(self, info: dict[str, Any], deadline: float) -> None:
+        if not self.session:
+            raise RuntimeError(f"{info['op']} outside a weight update session")
+        await self._call(self.engine.update_weights(self.make_update(info)), deadline)
 
     async def _resume(self, deadline: float) -> None:
         if self.gate.in_flight:  # requests admitted before the seal, queued: cut anyway
@@ -262,7 +282,6 @@ class SwapDriver:
         old: Weights,
         closed: float,
         changing: bool,
-        session: bool,
     ) -> None:
         rank = outcome.rank if outcome.rank >= 0 else None
         message = ranked(outcome) if rank is not None else (outcome.message or "")
@@ -274,15 +293,11 @@ class SwapDriver:
             self.mixed = message
             self.gate.refuse(MIXED_WEIGHTS, message)
             try:
+                if not self.session:
+                    await self._start(cleanup)
                 poison = {"swapId": swap_id, "manifestDigest": request.manifest_digest}
-                await self._call(
-                    self.engine.update_weights(
-                        self.make_update({"op": "poison", **poison, "message": message})
-                    ),
-                    cleanup,
-                )
-                if session:
-                    await self._call(self.engine.finish_weight_update(), cleanup)
+                await self._send({"op": "poison", **poison, "message": message}, cleanup)
+                await self._finish(cleanup)
             except Exception as exc:
                 log.error("after a failed swap, the ranks could not all be told: %s", exc)
             self.tracker.failed(
@@ -291,10 +306,9 @@ class SwapDriver:
             log.error("swap to %s left mixed weights: %s", request.manifest_digest, message)
             return
         try:
-            if session:
-                discard = self.make_update({"op": "discard", "swapId": swap_id})
-                await self._call(self.engine.update_weights(discard), cleanup)
-                await self._call(self.engine.finish_weight_update(), cleanup)
+            if self.session:
+                await self._send({"op": "discard", "swapId": swap_id}, cleanup)
+                await self._finish(cleanup)
             if self.mixed is None:
                 await self._resume(cleanup)
         except Exception as exc:

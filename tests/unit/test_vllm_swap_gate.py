@@ -1,0 +1,251 @@
+"""The gate in front of vLLM's routes and the headers it stamps (plain ASGI, driven here
+with an app of our own; the real vLLM runs in e2e/test_vllm_swap_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from weightship.integrations.vllm.stamp import (
+    DIGEST_HEADER,
+    REVISION_HEADER,
+    StampMiddleware,
+    Weights,
+    WeightsGate,
+    gated,
+)
+
+V1 = Weights("v1", "sha256:" + "1" * 64)
+V2 = Weights("v2", "sha256:" + "2" * 64)
+
+
+class App:
+    """An ASGI app that answers each request when told to (``release``), in one or two
+    body messages, and may try to set the stamp headers itself."""
+
+    def __init__(self) -> None:
+        self.gates: dict[str, asyncio.Event] = {}
+        self.halfway: dict[str, asyncio.Event] = {}
+
+    def release(self, path: str) -> None:
+        self.gates.setdefault(path, asyncio.Event()).set()
+
+    def finish(self, path: str) -> None:
+        self.halfway.setdefault(path, asyncio.Event()).set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"]
+        await self.gates.setdefault(path, asyncio.Event()).wait()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (REVISION_HEADER, b"spoofed")],
+            }
+        )
+        if path.startswith("/stream"):
+            await send({"type": "http.response.body", "body": b"first ", "more_body": True})
+            await self.halfway.setdefault(path, asyncio.Event()).wait()
+        await send({"type": "http.response.body", "body": path.encode()})
+
+
+Sent = list[dict[str, Any]]
+
+
+def request(middleware: StampMiddleware, path: str) -> tuple[asyncio.Task[None], Sent]:
+    sent: Sent = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    return asyncio.get_running_loop().create_task(middleware(scope, receive, send)), sent
+
+
+def status(sent: Sent) -> int:
+    return int(next(m for m in sent if m["type"] == "http.response.start")["status"])
+
+
+def headers(sent: Sent) -> dict[bytes, bytes]:
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return dict(start["headers"])
+
+
+def stamped(sent: Sent) -> tuple[str, str]:
+    h = headers(sent)
+    return h[REVISION_HEADER].decode(), h[DIGEST_HEADER].decode()
+
+
+def body(sent: Sent) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 10))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_every_response_is_stamped_with_the_weights_serving_it() -> None:
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate)
+        app.release("/v1/chat/completions")
+        app.release("/health")
+        for path in ("/v1/chat/completions", "/health"):
+            task, sent = request(mw, path)
+            await task
+            assert status(sent) == 200 and stamped(sent) == ("v1", V1.manifest_digest)
+            assert list(headers(sent)).count(REVISION_HEADER) == 1  # the app's own is replaced
+        assert gate.in_flight == 0
+
+    run(test)
+
+
+def test_requests_arriving_during_a_swap_wait_and_get_the_new_weights() -> None:
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate)
+        app.release("/v1/completions")
+        app.release("/health")
+        gate.close(60)
+        held, held_sent = request(mw, "/v1/completions")
+        probe, probe_sent = request(mw, "/health")
+        await probe  # probes are never held
+        assert status(probe_sent) == 200 and stamped(probe_sent)[0] == "v1"
+        await settle()
+        assert not held.done() and gate.held == 1 and gate.in_flight == 0
+        gate.seal()
+        gate.open(V2)
+        await held
+        assert status(held_sent) == 200 and stamped(held_sent) == ("v2", V2.manifest_digest)
+
+    run(test)
+
+
+def test_a_request_held_longer_than_the_swap_may_take_is_a_503() -> None:
+    async def test() -> None:
+        gate = WeightsGate(V1)
+        mw = StampMiddleware(App(), gate)
+        gate.close(0.05)
+        task, sent = request(mw, "/v1/completions")
+        await task
+        assert status(sent) == 503 and json.loads(body(sent))["reason"] == "SwapInProgress"
+        assert stamped(sent)[0] == "v1"
+
+    run(test)
+
+
+def test_mixed_weights_serve_nothing_until_a_good_swap() -> None:
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate)
+        app.release("/v1/completions")
+        gate.close(60)
+        held, held_sent = request(mw, "/v1/completions")
+        await settle()
+        gate.refuse("MixedWeights", "rank 1: boom")
+        await held
+        assert status(held_sent) == 503 and json.loads(body(held_sent))["reason"] == "MixedWeights"
+        later, later_sent = request(mw, "/v1/completions")
+        await later
+        assert status(later_sent) == 503
+        gate.open(V2)
+        again, again_sent = request(mw, "/v1/completions")
+        await again
+        assert status(again_sent) == 200 and stamped(again_sent)[0] == "v2"
+
+    run(test)
+
+
+def test_a_request_admitted_before_the_seal_never_sends_what_came_after_it() -> None:
+    """One answers after the seal and before anything was sent: a 503, never a 200 stamped
+    with the weights it was admitted under. One streaming since before the seal ends
+    there: nothing of what its generation sends afterwards goes out."""
+
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate)
+        late, late_sent = request(mw, "/v1/completions")
+        app.release("/stream")
+        stream, stream_sent = request(mw, "/stream")
+        await settle()
+        assert gate.in_flight == 2 and stamped(stream_sent)[0] == "v1"
+        gate.close(60)
+        assert not await gate.wait_idle(0.05)  # both still running
+        gate.seal()
+        gate.open(V2)
+        app.release("/v1/completions")
+        app.finish("/stream")
+        await late
+        await stream
+        assert status(late_sent) == 503
+        assert json.loads(body(late_sent))["reason"] == "WeightsChanged"
+        assert body(stream_sent) == b"first "  # the rest was cut
+        assert stream_sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        assert gate.in_flight == 0
+
+    run(test)
+
+
+def test_wait_idle_returns_once_admitted_requests_are_done() -> None:
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate)
+        assert await gate.wait_idle(0)
+        task, _ = request(mw, "/v1/completions")
+        await settle()
+        gate.close(60)
+        waiter = asyncio.get_running_loop().create_task(gate.wait_idle(5))
+        await settle()
+        assert not waiter.done()
+        app.release("/v1/completions")
+        await task
+        assert await waiter
+
+    run(test)
+
+
+def test_header_values_are_printable_ascii() -> None:
+    weird = Weights("v2\r\nX-Evil: 1", None)
+    assert dict(weird.headers())[REVISION_HEADER] == b"v2X-Evil: 1"
+    assert dict(weird.headers())[DIGEST_HEADER] == b""
+    assert dict(Weights("", None).headers())[REVISION_HEADER] == b"unknown"
+
+
+def test_probes_metrics_and_the_plugins_own_routes_are_not_gated() -> None:
+    for path in ("/health", "/metrics", "/ping", "/v1/models", "/weightship/v1/loaded"):
+        assert not gated(path)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"):
+        assert gated(path)
+
+
+def test_lifespan_passes_through_a_closed_gate() -> None:
+    async def test() -> None:
+        seen: list[str] = []
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            seen.append(scope["type"])
+
+        gate = WeightsGate(V1)
+        gate.close(60)
+        mw = StampMiddleware(app, gate)
+
+        async def nothing() -> dict[str, Any]:
+            return {}
+
+        async def drop(message: Any) -> None:
+            return None
+
+        await mw({"type": "lifespan"}, nothing, drop)
+        assert seen == ["lifespan"]
+
+    run(test)
