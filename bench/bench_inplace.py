@@ -11,8 +11,10 @@ Service to its ready endpoints the whole time. The rollout is v1 -> v2 with
 
 Same pod template (in-place flags included), same replicas, validation (checksum and the
 golden prompt), prefetch to every process node, no broadcast seeding. Each mode gets its
-own rollout, started on v1 and Ready before its clock runs; its repeats go back and forth
-(v1 -> v2, v2 -> v1, ...): each is one revision change of the same size.
+own rollout, started on v1 and Ready before its clock runs; each repeat is a revision
+never seen before (v1 -> v2, v2 -> v3, ...: the good tiny Llama with another seed, other
+bytes and the same answers), so each change stages its weights on the nodes as a real v2
+would; each mode has its own revisions (other seeds), so neither finds the other's staged.
 
 Per revision change it measures:
 - **time to 100 %**: from the spec patch to the rollout Healthy on the new revision
@@ -279,11 +281,11 @@ def run_mode(
             testkit.wait_until(lambda: watch.identity, timeout=30, what="the pods watched")
             before = dict(watch.identity)
             for i in range(repeats):
-                to = "v2" if i % 2 == 0 else "v1"
+                to = f"v{i + 2}"
                 changes.append(change(rollouts, watch, mode, name, uris, to))
                 c = changes[-1]
                 log(
-                    f"{mode} #{i + 1} -> {to}: Healthy in {c.seconds:.2f} s, every pod Ready "
+                    f"{mode} v{i + 1} -> {to}: Healthy in {c.seconds:.2f} s, every pod Ready "
                     f"in {c.all_ready_seconds:.2f} s ({c.update})"
                     + (
                         f"; paused {_fmt(c.paused)}, out of traffic {_fmt(c.out_of_traffic)}"
@@ -460,13 +462,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             (f"{NAMESPACE_PREFIX}*",),
         )
         try:
-            uris = publish_tinyvllm(s3, bucket, "models", [("v1", "good", 0), ("v2", "good", 1)])
+            uris = {
+                mode: publish_tinyvllm(
+                    s3,
+                    bucket,
+                    f"models/{mode}",
+                    [(f"v{i + 1}", "good", seed * 100 + i) for i in range(repeats + 1)],
+                )
+                for seed, mode in enumerate(modes)
+            }
             s3_secret(cluster.core, ns)
             rollouts = Rollouts(cluster.api, ns)
             with contextlib.contextmanager(run_agents)(cluster, ns):
                 operator.start()
                 for mode in modes:
-                    runs[mode] = run_mode(cluster, rollouts, mode, uris, repeats, args.rate, log)
+                    runs[mode] = run_mode(
+                        cluster, rollouts, mode, uris[mode], repeats, args.rate, log
+                    )
         finally:
             operator.stop()
             testkit.delete_namespace(cluster.api, ns)
@@ -489,7 +501,7 @@ def report(
             rows.append(
                 [
                     mode,
-                    f"#{i + 1} -> {c.to}",
+                    f"v{i + 1} -> {c.to}",
                     c.update or "?",
                     f"{c.seconds:.2f}",
                     f"{c.all_ready_seconds:.2f}",
