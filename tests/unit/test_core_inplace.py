@@ -265,3 +265,23 @@ def test_a_pod_whose_swap_back_failed_is_restarted(reason: str) -> None:
     _gate(pod, "False", "SwapFailed")
     decision = decide(rollout, cluster.observe(DIGEST_A), T0)
     assert decision.restart_pods == (pod["metadata"]["name"],)
+
+
+def test_a_pod_whose_server_restarted_after_a_swap_swaps_again_to_what_it_should_hold() -> None:
+    """Its container restarted (say the engine died): it loaded the weights it was created
+    with, its gate failed, and it swaps again to the revision its label names."""
+    rollout, cluster, stable_hash = healthy(replicas=2)
+    pod = cluster.pods[0]
+    pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(
+        {"state": "Swapped", "to": stable_hash, "manifestDigest": DIGEST_A, "restarts": 0}
+    )
+    pod["status"]["containerStatuses"] = [{"name": "server", "restartCount": 1}]
+    _gate(pod, "False", "ChecksumMismatch")
+    pod["status"]["conditions"][2]["status"] = "True"  # the server is up again
+    decision = decide(rollout, cluster.observe(DIGEST_A), T0)
+    assert [(s.pod, s.to_revision_hash, s.purpose) for s in decision.swaps] == [
+        (pod["metadata"]["name"], stable_hash, "repair")
+    ]
+    # Not restarted since its swap: nothing to repair.
+    pod["status"]["containerStatuses"] = [{"name": "server", "restartCount": 0}]
+    assert not decide(rollout, cluster.observe(DIGEST_A), T0).swaps

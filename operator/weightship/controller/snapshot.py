@@ -105,6 +105,7 @@ def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
         paused_seconds=float(paused) if isinstance(paused, int | float) else None,
         reason=_opt_str(doc.get("reason")),
         message=_opt_str(doc.get("message")),
+        restarts=restarts if isinstance(restarts := doc.get("restarts"), int) else None,
     )
 
 

@@ -88,6 +88,7 @@ class SwapJob:
     swap_timeout_s: int
     started_at: str
     resume: bool = False
+    restarts: int = 0
 
 
 class SwapFailure(Exception):
@@ -105,6 +106,7 @@ def swap_record(job: SwapJob, state: str, **extra: Any) -> str:
         "revision": job.swap.revision,
         "purpose": job.swap.purpose,
         "startedAt": job.started_at,
+        "restarts": job.restarts,
     }
     doc.update({k: v for k, v in extra.items() if v is not None})
     return json.dumps(doc, sort_keys=True)
@@ -193,6 +195,10 @@ class Swapper:
             swap_timeout_s=in_place.swap_timeout_seconds,
             started_at=started_at,
             resume=resume,
+            restarts=sum(
+                int(c.get("restartCount") or 0)
+                for c in (pod.get("status") or {}).get("containerStatuses") or []
+            ),
         )
 
     def _start(self, job: SwapJob) -> None:

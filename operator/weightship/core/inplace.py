@@ -132,6 +132,10 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
         failed = swap is not None and swap.state == "Failed" and pod not in on_canary
         if failed and swap is not None and swap.to_revision_hash != stable.pod_template_hash:
             return to(pod, stable, "repair")
+        if _restarted_since_swap(pod) and pod.revision_hash is not None:
+            held = stable if pod.revision_hash == stable.pod_template_hash else canary
+            if held is not None and held.pod_template_hash == pod.revision_hash:
+                return to(pod, held, "repair")
     strays = [p for p in members if p.revision_hash not in (stable.pod_template_hash, canary_hash)]
     for pod in _serving_order(strays, None):
         if canary is not None and len(on_canary) < canary_wanted:
@@ -146,6 +150,20 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
         for pod in _serving_order(on_canary, None):
             return to(pod, stable, "rollback")
     return []
+
+
+def _restarted_since_swap(pod: ObservedPod) -> bool:
+    """Its server restarted after a swap: it loaded the weights the pod was created with
+    (its environment's), not those its label names, and must swap to them again."""
+    swap = pod.swap
+    return (
+        swap is not None
+        and swap.state == "Swapped"
+        and swap.restarts is not None
+        and pod.restarts > swap.restarts
+        and pod.containers_ready
+        and not pod.weights_verified
+    )
 
 
 def restarts(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:

@@ -50,6 +50,9 @@ class PodSwap:
     paused_seconds: float | None = None
     reason: str | None = None
     message: str | None = None
+    restarts: int | None = None
+    """The pod's container restarts when the swap began: a restart since then loaded the
+    weights the pod was created with, not the swapped ones."""
 
 
 @dataclass(frozen=True)
