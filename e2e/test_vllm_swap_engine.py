@@ -293,6 +293,9 @@ class TestOneRank:
                 time.sleep(0.02)
             health = server.request("GET", "/health", timeout=5)  # probes are never held
             assert health.status == 200
+            during_swap = server.loaded()  # neither the old weights nor the new, yet
+            assert during_swap["state"] == "Loading", during_swap
+            assert during_swap["manifestDigest"] == models.digests["v3"]
             held: list[tuple[Response, str | None]] = []
             during = [threading.Thread(target=lambda: held.append(server.chat())) for _ in range(3)]
             for t in during:

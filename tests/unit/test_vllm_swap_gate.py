@@ -10,7 +10,9 @@ from typing import Any
 
 from weightship.integrations.vllm.stamp import (
     DIGEST_HEADER,
+    MAX_HELD,
     REVISION_HEADER,
+    Refused,
     StampMiddleware,
     Weights,
     WeightsGate,
@@ -140,6 +142,17 @@ def test_a_request_held_longer_than_the_swap_may_take_is_a_503() -> None:
         await task
         assert status(sent) == 503 and json.loads(body(sent))["reason"] == "SwapInProgress"
         assert stamped(sent)[0] == "v1"
+
+    run(test)
+
+
+def test_the_gate_holds_a_bounded_number_of_requests() -> None:
+    async def test() -> None:
+        gate = WeightsGate(V1)
+        gate.close(60)
+        gate.held = MAX_HELD  # as if that many were waiting
+        got = await gate.admit()
+        assert isinstance(got, Refused) and got.status == 503
 
     run(test)
 

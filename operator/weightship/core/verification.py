@@ -191,7 +191,12 @@ def prompts_verdict(
 def describe_load(report: LoadReport) -> str:
     if report.source is None:
         return ""
-    how = {"cache": "the node cache", "origin": "S3", "broadcast": "broadcast"}[report.source]
+    how = {
+        "cache": "the node cache",
+        "origin": "S3",
+        "broadcast": "broadcast",
+        "swap": "the node cache by an in-place swap",
+    }[report.source]
     text = f"loaded from {how}"
     if report.seeded_from:
         text += f" (seeded by {report.seeded_from})"

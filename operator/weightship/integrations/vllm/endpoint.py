@@ -87,10 +87,6 @@ def forward(folder: Path, method: str, path: str, body: bytes | None) -> tuple[i
         return 503, {"accepted": False, "reason": "RootUnavailable", "message": str(err)}
 
 
-async def loaded() -> JSONResponse:
-    return JSONResponse(loaded_document(run_dir()))
-
-
 async def join(request: Request) -> JSONResponse:
     body = b""
     async for piece in request.stream():
@@ -154,14 +150,8 @@ class SwapService:
         if driver is None:
             doc = {"accepted": False, "reason": NOT_SWAPPABLE, "message": self.unswappable}
             return JSONResponse(doc, 501)
-        if driver.running:
-            doc = {
-                "accepted": False,
-                "reason": "SwapInProgress",
-                "message": "a swap is already running: GET this path for its state",
-                "swap": self.tracker.current.to_json(),
-            }
-            return JSONResponse(doc, 409)
+        if driver.running():
+            return self._busy()
         if (
             driver.mixed is None
             and self.gate.weights.manifest_digest == swap.manifest_digest
@@ -173,9 +163,38 @@ class SwapService:
                 "swap": self.tracker.current.to_json(),
             }
             return JSONResponse(doc, 200)
-        state = driver.start(swap)
+        if driver.running():  # another POST started one while this one read the reports
+            return self._busy()
+        state = driver.start(swap)  # no await since the check: nothing else ran between
         log.info("swap to %s (%s) accepted", swap.manifest_digest, swap.revision)
         return JSONResponse({"accepted": True, "swap": state.to_json()}, 202)
+
+    def _busy(self) -> JSONResponse:
+        doc = {
+            "accepted": False,
+            "reason": "SwapInProgress",
+            "message": "a swap is already running: GET this path for its state",
+            "swap": self.tracker.current.to_json(),
+        }
+        return JSONResponse(doc, 409)
+
+    def loaded(self) -> dict[str, Any]:
+        """GET /weightship/v1/loaded. While a swap runs the ranks change their reports one
+        after the other: the answer is Loading until it is over, never a mix of both."""
+        doc = loaded_document(run_dir())
+        current = self.tracker.current
+        if current.running:
+            doc.update(
+                state="Loading",
+                manifestDigest=current.manifest_digest,
+                verified=False,
+                reason=None,
+                message=(
+                    f"swapping in place from {current.from_manifest_digest} to "
+                    f"{current.manifest_digest} ({current.revision})"
+                ),
+            )
+        return doc
 
     async def get(self) -> JSONResponse:
         return JSONResponse(self.tracker.current.to_json())
@@ -200,8 +219,11 @@ class WeightshipEndpoints:
     def __init__(self) -> None:
         self.swaps = SwapService(os.environ)
 
+    async def loaded(self) -> JSONResponse:
+        return JSONResponse(self.swaps.loaded())
+
     def attach_router(self, app: FastAPI) -> None:
-        app.add_api_route(LOADED_PATH, loaded, methods=["GET"])
+        app.add_api_route(LOADED_PATH, self.loaded, methods=["GET"])
         app.add_api_route(JOIN_PATH, join, methods=["POST"])
         app.add_api_route(STATUS_PATH, seed_status, methods=["GET"])
         app.add_api_route(SWAP_PATH, self.swaps.post, methods=["POST"])

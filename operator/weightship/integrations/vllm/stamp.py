@@ -30,6 +30,8 @@ DIGEST_HEADER = b"x-weightship-manifest-digest"
 # the plugin's own routes), stamped with the weights serving now.
 UNGATED = frozenset({"/health", "/ping", "/metrics", "/version", "/v1/models", "/load"})
 UNGATED_PREFIXES = ("/weightship/",)
+# Requests waiting at a closed gate beyond this many are answered 503 at once.
+MAX_HELD = 1024
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -113,6 +115,8 @@ class WeightsGate:
                 return Refused(
                     503, "SwapInProgress", "held for the whole of a swap that has not ended"
                 )
+            if self.held >= MAX_HELD:
+                return Refused(503, "SwapInProgress", "too many requests wait for a swap")
             self.held += 1
             try:
                 await asyncio.wait_for(self._opened.wait(), remaining)

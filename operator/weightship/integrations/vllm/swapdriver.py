@@ -103,7 +103,6 @@ class SwapDriver:
     # in the order they were sent, so what counts is what was sent, not what completed.
     session: bool = False
 
-    @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
