@@ -566,7 +566,7 @@ def test_a_request_still_running_at_the_drain_timeout_is_cut_not_mixed(up: Rig) 
     assert state["state"] == "Swapped", state
     [(status, headers, body)] = answers
     assert status == 503
-    assert json.loads(body)["reason"] == "WeightsSwapped"
+    assert json.loads(body)["reason"] == "WeightsChanged"
     assert stamped(headers) == ("v1", up.digest("v1"))
 
 

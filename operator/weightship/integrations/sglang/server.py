@@ -221,7 +221,7 @@ def _shut(conn: http.client.HTTPConnection) -> None:
 
 def _cut_doc() -> dict[str, str]:
     return {
-        "reason": "WeightsSwapped",
+        "reason": "WeightsChanged",
         "message": "the weights were swapped while this request ran: send it again",
     }
 
