@@ -37,6 +37,7 @@ from weightship.integrations.sglang.__main__ import initial_weights, parse_args,
 from weightship.integrations.sglang.adapter import READBACK_MISMATCH, Adapter
 from weightship.integrations.sglang.client import SGLangClient
 from weightship.integrations.sglang.server import serve
+from weightship.integrations.sglang.verify import VerifiedModel
 from weightship.integrations.vllm.stamp import Weights
 from weightship.integrations.vllm.swap import SwapAuth
 from weightship_dev.vllmlocal import stage
@@ -502,6 +503,37 @@ def test_weights_updated_but_cache_not_flushed_is_flushed_then_swapped(up: Rig) 
     state = up.swapped("v2", "v2")
     assert state["state"] == "Swapped", state
     assert "/flush_cache" in up.sglang.names()
+
+
+def test_an_unexpected_error_mid_swap_is_mixed_and_the_next_swap_runs(
+    up: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the engine went away")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(up.adapter.client, "update_weights_from_disk", broken)
+        state = up.swapped("v2", "v2")
+    assert (state["state"], state["reason"]) == ("Failed", "MixedWeights")
+    assert "the engine went away" in state["message"]
+    assert up.swapped("v1", "v1")["state"] == "Swapped"
+    assert up.complete()[0] == 200
+
+
+def test_an_unexpected_error_while_verifying_changes_nothing(up: Rig) -> None:
+    def broken(cache: Path | None, digest: str) -> VerifiedModel:
+        raise PermissionError("cannot read the view")
+
+    up.adapter.verify = broken
+    state = up.swapped("v2", "v2")
+    assert (state["state"], state["reason"]) == ("Failed", "LoadError")
+    assert up.sglang.calls == []
+    assert stamped(up.complete()[1]) == ("v1", up.digest("v1"))
+
+
+def test_no_swap_before_sglang_serves_verified_weights(rig: Rig) -> None:
+    status, answer = rig.swap("v2", "v2")
+    assert (status, answer["reason"]) == (503, "NotReady")
 
 
 # -- refused before anything pauses ----------------------------------------------------------------

@@ -56,7 +56,14 @@ from weightship.integrations.vllm.swap import (
 
 from .client import NOT_FLUSHED_TEXT, ModelInfo, SGLangClient, SGLangError, WeightsChecksum
 from .gate import Gate
-from .verify import VerifiedModel, VerifyFailure, same_folder, staged_manifest, verify_staged
+from .verify import (
+    LOAD_ERROR,
+    VerifiedModel,
+    VerifyFailure,
+    same_folder,
+    staged_manifest,
+    verify_staged,
+)
 
 log = logging.getLogger("weightship.sglang")
 
@@ -237,7 +244,7 @@ class Adapter:
                 }
             held = self.held
             if held is None:
-                return 409, {
+                return 503, {
                     "accepted": False,
                     "reason": "NotReady",
                     "message": "SGLang is not serving verified weights yet",
@@ -283,9 +290,12 @@ class Adapter:
 
         try:
             model = self._precheck(request.manifest_digest, old)
-        except VerifyFailure as exc:
-            self.tracker.failed(exc.reason, exc.message, paused_seconds=0.0)
-            log.warning("swap to %s refused: %s", request.manifest_digest, exc.message)
+        except Exception as exc:  # nothing was paused: the old weights serve on
+            failure = (
+                exc if isinstance(exc, VerifyFailure) else VerifyFailure(LOAD_ERROR, _text(exc))
+            )
+            self.tracker.failed(failure.reason, failure.message, paused_seconds=0.0)
+            log.warning("swap to %s refused: %s", request.manifest_digest, failure.message)
             return
         done("verify")
         hold = request.drain_timeout_s + request.swap_timeout_s + HOLD_GRACE_S
@@ -326,7 +336,7 @@ class Adapter:
             done("readback")
             self.client.resume(_left(deadline, CONTROL_TIMEOUT_S))
             done("resume")
-        except (StepFailed, SGLangError, TimeoutError) as exc:
+        except Exception as exc:  # a refused step, a timeout, or anything else
             self._failed(exc, request, old, closed, changing)
             return
         if checksum is not None:
@@ -394,7 +404,7 @@ class Adapter:
         elif isinstance(exc, TimeoutError):
             reason, message = SWAP_TIMEOUT, str(exc) or "the swap timed out"
         else:
-            reason, message = ENGINE_ERROR, str(exc)
+            reason, message = ENGINE_ERROR, _text(exc)
         if changing:
             # The weights may be anything between the two revisions: nothing serves.
             message = f"{message} (the weights may be mixed: generation stays paused)"
@@ -432,6 +442,10 @@ class Adapter:
             old.model.digest,
             message,
         )
+
+
+def _text(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:1000]
 
 
 def _left(deadline: float, cap: float | None = None) -> float:
