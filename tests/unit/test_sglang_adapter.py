@@ -21,7 +21,12 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -189,6 +194,13 @@ def standin_handler(state: StandIn) -> type[QuietHandler]:
             self.send_json(200, {"choices": [{"text": answer, "index": 0}]})
 
     return Handler
+
+
+def run_standin(port: int, model_path: str, version: str) -> None:
+    """The stand-in as SGLang's process, for the command-line test: serves until SIGTERM,
+    then exits 7 (so the test can tell the adapter passed its status on)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(7))
+    Server(("127.0.0.1", port), standin_handler(StandIn(model_path, version))).serve_forever()
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -732,3 +744,91 @@ def test_command_line() -> None:
     with pytest.raises(SystemExit, match="loopback"):
         upstream_of("http://10.0.0.5:30000")
     assert initial_weights({}) == Weights("unknown", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def adapter_process(
+    cache: Path, model: BuiltModel, port: int, sglang_port: int, child: list[str]
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(["operator", "devtools", "tests/unit"]),
+        "WEIGHTSHIP_CACHE_DIR": str(cache),
+        "WEIGHTSHIP_MANIFEST_DIGEST": model.manifest.digest,
+        "WEIGHTSHIP_MODEL_REVISION": "v1",
+        "WEIGHTSHIP_SEED_KEY": KEY.hex(),
+        "WEIGHTSHIP_ROLLOUT_UID": UID,
+        "WEIGHTSHIP_POD_NAME": POD,
+        "WEIGHTSHIP_TERMINATION_LOG": str(cache.parent / "termination-log"),
+    }
+    command = [sys.executable, "-m", "weightship.integrations.sglang", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--sglang-url", f"http://127.0.0.1:{sglang_port}"]
+    return subprocess.Popen([*command, "--", *child], env=env)
+
+
+def loaded_over_http(port: int, want: str, timeout: float = 120.0) -> dict[str, Any]:
+    """/weightship/v1/loaded once its state is ``want`` (the processes start meanwhile)."""
+    deadline = time.monotonic() + timeout
+    doc: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/weightship/v1/loaded")
+            doc = json.loads(conn.getresponse().read())
+            conn.close()
+            if doc.get("state") == want:
+                return doc
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise AssertionError(f"/weightship/v1/loaded never became {want}: {doc}")
+
+
+def test_the_command_verifies_then_starts_sglang_and_exits_with_it(
+    tmp_path: Path, models: dict[str, BuiltModel]
+) -> None:
+    files = stage(tmp_path / "cache", models["v1"])
+    port, sglang_port = free_port(), free_port()
+    child = [sys.executable, "-c"]
+    child += [
+        f"import test_sglang_adapter as t; t.run_standin({sglang_port}, {str(files)!r}, 'v1')"
+    ]
+    proc = adapter_process(tmp_path / "cache", models["v1"], port, sglang_port, child)
+    try:
+        doc = loaded_over_http(port, "Loaded")
+        assert doc["manifestDigest"] == models["v1"].manifest.digest
+        assert doc["sglang"]["weightVersion"] == "v1"
+        proc.send_signal(signal.SIGTERM)  # passed on to SGLang, which exits 7
+        assert proc.wait(60) == 7
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_the_command_never_starts_sglang_on_damaged_weights(
+    tmp_path: Path, models: dict[str, BuiltModel]
+) -> None:
+    files = stage(tmp_path / "cache", models["v1"])
+    damage(files)
+    marker = tmp_path / "sglang-started"
+    port = free_port()
+    child = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    proc = adapter_process(tmp_path / "cache", models["v1"], port, free_port(), child)
+    try:
+        doc = loaded_over_http(port, "Failed")
+        assert doc["reason"] == "ChecksumMismatch"
+        assert proc.poll() is None  # it stays up to say why
+        assert not marker.exists()
+        log = tmp_path / "termination-log"
+        assert wait_for(log.exists)  # written right after the report turned Failed
+        message = json.loads(log.read_text())
+        assert message["weightshipLoadReport"]["reason"] == "ChecksumMismatch"
+    finally:
+        proc.kill()
+        proc.wait(30)

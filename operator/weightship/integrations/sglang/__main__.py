@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from weightship.core.loadreport import termination_message
+from weightship.integrations.vllm.settings import DEFAULT_TERMINATION_LOG, TERMINATION_LOG_ENV
 from weightship.integrations.vllm.stamp import Weights
 from weightship.integrations.vllm.swap import SwapAuth
 
@@ -33,7 +34,6 @@ log = logging.getLogger("weightship.sglang")
 
 URL_ENV = "WEIGHTSHIP_SGLANG_URL"
 ADMIN_KEY_ENV = "WEIGHTSHIP_SGLANG_ADMIN_KEY"  # SGLang's --admin-api-key, if it has one
-TERMINATION_LOG = "/dev/termination-log"
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Never start SGLang on bytes that did not match; say why, on the port and on the
         # way out.
         if adapter.failure is not None:
-            write_termination(termination_message(adapter.failure))
+            path = env.get(TERMINATION_LOG_ENV) or DEFAULT_TERMINATION_LOG
+            write_termination(Path(path), termination_message(adapter.failure))
         threading.Event().wait()  # the verifier reads the Failed report; kubelet restarts
         return 1
     child = subprocess.Popen(command) if command else None
@@ -128,9 +129,10 @@ def stop_child_on_term(child: subprocess.Popen[bytes]) -> None:
     signal.signal(signal.SIGINT, forward)
 
 
-def write_termination(text: str) -> None:
+def write_termination(path: Path, text: str) -> None:
+    """The container's termination message (kubelet reads it when the container ends)."""
     with contextlib.suppress(OSError):  # not in a container
-        Path(TERMINATION_LOG).write_text(text)
+        path.write_text(text + "\n")
 
 
 if __name__ == "__main__":
