@@ -174,9 +174,11 @@ class Adapter:
         log.info("SGLang serves %s (%s), verified", model.digest, self.start.revision)
         return True
 
-    def _checksum(self) -> tuple[WeightsChecksum | None, str | None]:
+    def _checksum(
+        self, timeout: float = CHECKSUM_TIMEOUT_S
+    ) -> tuple[WeightsChecksum | None, str | None]:
         try:
-            checksum = self.client.weights_checksum(CHECKSUM_TIMEOUT_S)
+            checksum = self.client.weights_checksum(timeout)
         except SGLangError as exc:
             return None, f"weights_checker failed: {exc}"
         if checksum is None:
@@ -330,7 +332,7 @@ class Adapter:
             problem = readback_problem(info, model, request.revision)
             if problem is not None:
                 raise StepFailed(READBACK_MISMATCH, problem)
-            checksum, note = self._checksum()
+            checksum, note = self._checksum(_left(deadline, CHECKSUM_TIMEOUT_S))
             if checksum is not None:
                 self._check_checksum(checksum, model, old)
             done("readback")
