@@ -285,3 +285,17 @@ def test_a_pod_whose_server_restarted_after_a_swap_swaps_again_to_what_it_should
     # Not restarted since its swap: nothing to repair.
     pod["status"]["containerStatuses"] = [{"name": "server", "restartCount": 0}]
     assert not decide(rollout, cluster.observe(DIGEST_A), T0).swaps
+
+
+def test_a_refused_swap_back_hands_the_pod_back_to_the_verifier() -> None:
+    rollout, cluster, stable_hash = healthy(replicas=2)
+    pod = cluster.pods[0]
+    pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(
+        {"state": "Failed", "to": stable_hash, "manifestDigest": DIGEST_A, "reason": "NoSwapKey"}
+    )
+    _gate(pod, "False", "SwapFailed")
+    decision = decide(rollout, cluster.observe(DIGEST_A), T0)
+    assert decision.reverify_pods == (pod["metadata"]["name"],)
+    assert not decision.restart_pods and not decision.swaps
+    _gate(pod, "False", "Pending")  # handed back: not again
+    assert not decide(rollout, cluster.observe(DIGEST_A), T0).reverify_pods

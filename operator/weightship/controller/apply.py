@@ -15,6 +15,7 @@ from weightship.api.models import ModelRollout
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
     REVISION_LABEL,
+    pending_condition,
     replicaset_body,
     replicaset_name,
     retemplate_patch,
@@ -48,6 +49,8 @@ def carry_out(
     namespace = rollout.metadata.namespace or "default"
     for gate in decision.open_gates:
         kube.patch_pod_condition(namespace, gate.pod, verified_condition(gate))
+    for pod in decision.reverify_pods:
+        kube.patch_pod_condition(namespace, pod, pending_condition("its swap was refused"))
     for pod in decision.restart_pods:
         log.info("restarting pod %s/%s: its swap back to stable failed", namespace, pod)
         kube.delete_pod(namespace, pod)

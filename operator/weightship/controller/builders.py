@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Mapping
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
@@ -185,6 +185,17 @@ def verified_condition(gate: OpenGate) -> dict[str, Any]:
         "reason": gate.reason,
         "message": gate.message,
         "lastTransitionTime": gate.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def pending_condition(why: str) -> dict[str, Any]:
+    """The weights-verified gate handed (back) to the verifier: reason Pending."""
+    return {
+        "type": VERIFIED_GATE,
+        "status": "False",
+        "reason": "Pending",
+        "message": f"{why}; verifying",
+        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 

@@ -278,6 +278,7 @@ def _acts(decision: Decision) -> bool:
         or decision.swaps
         or decision.retemplates
         or decision.restart_pods
+        or decision.reverify_pods
         or decision.events
         or decision.notifications
     )

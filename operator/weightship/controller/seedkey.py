@@ -38,12 +38,18 @@ def seed_key_secret_name(rollout_name: str) -> str:
     return rollout_name[: 253 - len(SUFFIX)] + SUFFIX
 
 
+def needs_key(rollout: ModelRollout) -> bool:
+    """Its pods seed by broadcast, or swap weights in place (the swapper's requests carry
+    a token made with the key: controller/swapper.py)."""
+    in_place = rollout.spec.strategy.canary.update_policy == "InPlaceIfPossible"
+    return rollout.spec.seeding.broadcast or in_place
+
+
 def seed_key_env(rollout: ModelRollout) -> list[dict[str, Any]]:
     """The key (by reference, never its value) and the rollout's uid, for a rollout that
     seeds by broadcast or swaps weights in place (the swapper's requests carry a token made
     with it: controller/swapper.py)."""
-    in_place = rollout.spec.strategy.canary.update_policy == "InPlaceIfPossible"
-    if not rollout.spec.seeding.broadcast and not in_place:
+    if not needs_key(rollout):
         return []
     ref = {"name": seed_key_secret_name(rollout.metadata.name), "key": KEY_FIELD}
     return [
@@ -96,7 +102,7 @@ class SeedKeys:
 
     def ensure(self, rollout: ModelRollout) -> None:
         uid = rollout.metadata.uid
-        if not rollout.spec.seeding.broadcast or not uid:
+        if not needs_key(rollout) or not uid:
             return
         with self.lock:
             if uid in self.known:
@@ -112,7 +118,7 @@ def ensure_seed_key(kube: Kube, rollout: ModelRollout) -> bool:
     """Create the rollout's key Secret unless it exists (a fresh random key each time one
     is made: a key is never derived, so nothing outside the Secret can recompute it).
     Returns whether the Secret is there now."""
-    if not rollout.spec.seeding.broadcast or not rollout.metadata.uid:
+    if not needs_key(rollout) or not rollout.metadata.uid:
         return False
     body = seed_key_secret(rollout, secrets.token_bytes(KEY_BYTES))
     namespace = body["metadata"]["namespace"]

@@ -75,6 +75,9 @@ def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
                 ready=is_true(pod, "Ready"),
                 containers_ready=is_true(pod, "ContainersReady"),
                 weights_verified=is_true(pod, VERIFIED_GATE),
+                gate_reason=None
+                if is_true(pod, VERIFIED_GATE)
+                else _opt_str((condition(pod, VERIFIED_GATE) or {}).get("reason")),
                 containers=tuple(str(c["name"]) for c in containers if c.get("name")),
                 restarts=sum(
                     int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []

@@ -79,6 +79,7 @@ def _decision(ctx: RolloutContext) -> Decision:
     swaps: tuple[SwapPod, ...] = ()
     retemplates: tuple[RetemplateReplicaSet, ...] = ()
     restarts: tuple[str, ...] = ()
+    reverify: tuple[str, ...] = ()
     home = None if ctx.invalid else inplace.home_replica_set(ctx)  # after any promotion
     replica_sets: tuple[ReplicaSetAction, ...] = ()
     not_rebuilt: tuple[str, ...] = ()
@@ -90,6 +91,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         replica_sets += scaling.obsolete_scale_downs(ctx, home)
         swaps = tuple(inplace.swaps(ctx, home, scaling.canary_target(ctx)))
         restarts = inplace.restarts(ctx, home)
+        reverify = inplace.reverifications(ctx, home)
     else:
         replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
     if not ctx.invalid and inplace.enabled(ctx):
@@ -109,6 +111,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         swaps=swaps,
         retemplates=retemplates,
         restart_pods=restarts,
+        reverify_pods=reverify,
         requeue_after=min(ctx.timers) if ctx.timers else None,
     )
 

@@ -165,6 +165,9 @@ class Decision:
     swaps: tuple[SwapPod, ...] = ()
     """In-place weight swaps to start (core.inplace); at most one per rollout at a time."""
     retemplates: tuple[RetemplateReplicaSet, ...] = ()
+    reverify_pods: tuple[str, ...] = ()
+    """Pods whose swap was refused before any weight changed: they hold what they held,
+    so their gate goes back to Pending for the verifier to check them again."""
     restart_pods: tuple[str, ...] = ()
     """Pods to delete (their ReplicaSet replaces them): an in-place swap back to stable
     failed, so only a fresh start gets them to verified weights."""

@@ -26,7 +26,16 @@ from weightship.core.desired import spec_template
 from weightship.core.observed import ObservedPod, ReplicaSetObservation
 
 INTACT_REASONS = frozenset(
-    {"ChecksumMismatch", "NotStaged", "ManifestMismatch", "ConfigChanged", "Unauthorized"}
+    {
+        "ChecksumMismatch",
+        "NotStaged",
+        "ManifestMismatch",
+        "ConfigChanged",
+        "Unauthorized",
+        "NoSwapKey",
+        "NotSupported",
+        "Refused",
+    }
 )
 """Swap failures found before any weight changed: the pod still holds what it had."""
 
@@ -163,6 +172,24 @@ def _restarted_since_swap(pod: ObservedPod) -> bool:
         and pod.restarts > swap.restarts
         and pod.containers_ready
         and not pod.weights_verified
+    )
+
+
+def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
+    """Pods whose swap back to the stable weights was refused before any weight changed
+    (e.g. the swap key was missing): they hold the stable weights still, so their gate
+    (closed by the swap) is handed back to the verifier."""
+    stable = ctx.status.stable_revision
+    assert stable is not None
+    return tuple(
+        p.name
+        for p in _members(ctx, home)
+        if p.swap is not None
+        and p.swap.state == "Failed"
+        and p.swap.to_revision_hash == stable.pod_template_hash
+        and p.swap.reason in INTACT_REASONS
+        and p.revision_hash == stable.pod_template_hash
+        and p.gate_reason == "SwapFailed"
     )
 
 

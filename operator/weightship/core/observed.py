@@ -150,6 +150,8 @@ class ObservedPod:
     """The in-place ReplicaSet it belongs to (its template-hash label), if any."""
     swap: PodSwap | None = None
     """Its last in-place swap."""
+    gate_reason: str | None = None
+    """The reason of its weights-verified gate while that is not True."""
 
 
 @dataclass(frozen=True)
