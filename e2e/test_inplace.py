@@ -14,6 +14,8 @@ Run under `flock /work/coord/heavy.lock` next to other heavy work on a 2-core ma
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -307,3 +309,69 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
 
 def _ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def loaded(pod: Any) -> dict[str, Any]:
+    with urllib.request.urlopen(
+        f"http://{pod.status.pod_ip}:{deploy.PORT}/weightship/v1/loaded", timeout=10
+    ) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def test_tensor_parallel_pod_is_gated_on_every_rank_and_swaps_on_every_rank(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    """A TP=2 vLLM pod (two worker ranks over gloo): the gate needs both ranks' loaded
+    digest, a swap runs on both ranks, and a damaged read on rank 1 fails the swap naming
+    that rank, without a restart."""
+    ns = rollouts.namespace
+    body = in_place_rollout(cluster, models["v1"])
+    spec = body["spec"]
+    spec["replicas"] = 1
+    spec["strategy"]["canary"]["steps"] = [{"setWeight": 100}]
+    spec.pop("notifications")
+    container = spec["template"]["spec"]["containers"][0]
+    container["args"] += ["--tensor-parallel-size", "2"]
+    # Test-only fault injection of the plugin, read at each swap from the pod's scratch.
+    container["env"].append({"name": "WEIGHTSHIP_VLLM_SWAP_FAULT", "value": "@/tmp/fault"})
+    rollouts.create(body)
+    v1 = rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)["status"]
+    (pod,) = rollout_pods(cluster, ns)
+    report = loaded(pod)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
+    assert {r["manifestDigest"] for r in report["ranks"]} == {
+        v1["stableRevision"]["manifestDigest"]
+    }
+    assert gate(pod).status == "True"
+    started = identity(cluster, ns)
+
+    rollouts.set_model("llm", models["v2"], "v2")
+    v2 = rollouts.healthy_on("llm", "v2", timeout=SWAP_S)["status"]
+    (pod,) = rollout_pods(cluster, ns)
+    report = loaded(pod)
+    assert len(report["ranks"]) == 2 and {r["manifestDigest"] for r in report["ranks"]} == {
+        v2["stableRevision"]["manifestDigest"]
+    }, report
+    assert {r["source"] for r in report["ranks"]} == {"swap"}, report
+    assert identity(cluster, ns) == started
+
+    scratch = cluster.paths.root / "nodes" / pod.spec.node_name / "pods" / pod.metadata.uid
+    (scratch / "volumes" / "scratch" / "fault").write_text("damage-rank=1")
+    rollouts.set_model("llm", models["v3"], "v3")
+    status = rollouts.wait(
+        "llm",
+        "the TP swap refused on rank 1",
+        lambda s: (
+            s.get("phase") == "Degraded"
+            and (s.get("canaryRevision") or {}).get("revision") == "v3"
+            and (s.get("replicas") or {}).get("ready") == 1
+        ),
+        timeout=SWAP_S,
+    )["status"]
+    assert status["abort"]["reason"] == "SwapFailed", status["abort"]
+    assert "rank 1" in status["abort"]["message"], status["abort"]
+    (pod,) = rollout_pods(cluster, ns)
+    assert {r["manifestDigest"] for r in loaded(pod)["ranks"]} == {
+        v2["stableRevision"]["manifestDigest"]
+    }
+    assert identity(cluster, ns) == started
