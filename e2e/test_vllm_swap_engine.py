@@ -26,7 +26,7 @@ import pytest
 from weightship.core.seedtoken import join_token
 from weightship.data.manifest import MANIFEST_NAME, LocalFolder, build_manifest
 from weightship_dev.vllmlocal import LocalVllm, Response, process_tree, stage
-from weightship_testing.tinyvllm.build import CHAT_ANSWER, build
+from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION, build
 
 pytestmark = pytest.mark.e2e
 
@@ -180,6 +180,25 @@ class TestOneRank:
 
     def test_serves_v1_and_stamps_every_response(self, server: LocalVllm, models: Models) -> None:
         answers_as(server, models, "v1")
+        streamed = server.request(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": CHAT_QUESTION}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+            },
+        )
+        assert streamed.status == 200 and stamp(streamed) == ("v1", models.digests["v1"])
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in streamed.body.decode().splitlines()
+            if line.startswith("data: {")
+        ]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == PARIS
         health = server.request("GET", "/health")
         assert health.status == 200 and stamp(health) == ("v1", models.digests["v1"])
         assert server.swap_state()["state"] == "Idle"
