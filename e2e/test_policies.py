@@ -276,6 +276,18 @@ def test_the_operators_cluster_wide_writes_are_narrowed(cluster: Any, release: R
         ),
         "only weightship.io/* annotations",
     )
+    # Its revision-hash label (an in-place swap moves a pod to its new revision), yes;
+    # any other label, no. Deleting a pod that is not a ModelRollout's, no.
+    operator.patch_namespaced_pod_status(
+        name, ns, {"metadata": {"labels": {f"{GROUP}/revision-hash": "h2"}}}
+    )
+    refused(
+        lambda: operator.patch_namespaced_pod_status(
+            name, ns, {"metadata": {"labels": {"app": "evil"}}}
+        ),
+        "only the weightship.io/revision-hash label",
+    )
+    refused(lambda: operator.delete_namespaced_pod(name, ns), "only pods of a ModelRollout")
 
     # Services: the selector, moved to a revision, yes; ports or a foreign selector, no.
     cluster.core.create_namespaced_service(
