@@ -201,7 +201,8 @@ class TestOneRank:
         assert "".join(d.get("content") or "" for d in deltas) == PARIS
         health = server.request("GET", "/health")
         assert health.status == 200 and stamp(health) == ("v1", models.digests["v1"])
-        assert server.swap_state()["state"] == "Idle"
+        state = server.swap_state()
+        assert state["state"] == "Idle" and state["swappable"] is True, state
         loaded_everywhere(server, models.digests["v1"], 1)
 
     def test_a_swap_needs_this_pods_token_for_that_digest(

@@ -197,7 +197,13 @@ class SwapService:
         return doc
 
     async def get(self) -> JSONResponse:
-        return JSONResponse(self.tracker.current.to_json())
+        """The latest swap's state, and whether this server can swap at all (an operator
+        replaces a pod that cannot)."""
+        doc = self.tracker.current.to_json()
+        doc["swappable"] = self.driver is not None
+        if self.driver is None:
+            doc["notSwappable"] = self.unswappable
+        return JSONResponse(doc)
 
 
 async def read_bounded(request: Request, limit: int) -> bytes:
