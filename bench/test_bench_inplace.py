@@ -23,6 +23,7 @@ def test_inplace_against_replace_quick() -> None:
     for mode, way in (("inplace", "InPlace"), ("replace", "Replace")):
         (c,) = runs[mode]["changes"]
         assert c["to"] == "v2" and c["update"] == way, c
+        assert runs[mode]["error"] is None, runs[mode]["error"]
         assert runs[mode]["requests"] > 0, runs[mode]
         assert runs[mode]["failedCount"] == 0, runs[mode]["failed"]
         assert runs[mode]["unexpectedCount"] == 0, runs[mode]["unexpected"]
