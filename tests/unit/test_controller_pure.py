@@ -181,6 +181,7 @@ def test_observed_pods_project_what_the_core_decides_on() -> None:
             weights_verified=False,
             containers=("server", "sidecar"),
             restarts=3,
+            gate_reason="Loading",
         ),
         ObservedPod(name="old", deleting=True),
     )
