@@ -584,6 +584,16 @@ def report(
             f"(max {max(paused_all):.2f}); out of traffic median {median(oot_all):.2f} s "
             f"(max {max(oot_all):.2f})"
         )
+    floor = runs["replace"].start_seconds if "replace" in runs else 0.0
+    bound = medians["inplace"] / floor if "inplace" in medians and floor > 0 else float("nan")
+    if floor > 0:
+        # A replacing step starts a vLLM pod; here both v1 pods started at once, with no
+        # load, so this is less than one step by replacement (which takes two): a bound
+        # that this machine's contention (new pods beside loaded ones) cannot flatter.
+        print(
+            f"in place against one unloaded start of the replace mode's v1 pods "
+            f"({floor:.1f} s, less than one replacing step): {bound:.3f}x"
+        )
     print(
         f"load average before {' '.join(f'{x:.2f}' for x in load_before)}, "
         f"after {' '.join(f'{x:.2f}' for x in load_after)} ({os.cpu_count()} CPUs)"
@@ -602,6 +612,7 @@ def report(
         "medians": medians,
         "pausedMedian": median(paused_all),
         "outOfTrafficMedian": median(oot_all),
+        "ratioToUnloadedStart": bound,
         "failed": failed,
         "loadBefore": load_before,
         "loadAfter": load_after,
