@@ -127,7 +127,7 @@ def wait_until_type_checked(admission: client.AdmissionregistrationV1Api, r: Rel
     """The API server type-checks each policy after it is created: no warnings wanted, and
     a short wait so the policies are in force (they load asynchronously)."""
     names = [d["metadata"]["name"] for d in r.docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(names) == 7
+    assert len(names) == 8
     deadline = time.monotonic() + 30
     while True:
         statuses = [admission.read_validating_admission_policy(n).status for n in names]
