@@ -286,7 +286,8 @@ def test_unsupported_volume_is_named(tmp_path: Path) -> None:
 
 def test_prometheus_config_keeps_only_bridge_pods() -> None:
     config = yaml.safe_load(components.prometheus_config(ClusterPaths(Path("/s"))))
-    relabel = config["scrape_configs"][0]["relabel_configs"]
+    (pods,) = [c for c in config["scrape_configs"] if "kubernetes_sd_configs" in c]
+    relabel = pods["relabel_configs"]
     ip_rule = next(r for r in relabel if r["source_labels"] == ["__meta_kubernetes_pod_ip"])
     assert ip_rule == {
         "source_labels": ["__meta_kubernetes_pod_ip"],
