@@ -188,6 +188,9 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
     """Scrape every pod annotated `prometheus.io/scrape: "true"` on the pod bridge.
 
     Only pod IPs on the bridge (198.18/16) are kept: KWOK pods have IPs that lead nowhere.
+    Also, for tests (weightship_dev.promctl): the rule files in `<prometheus>/rules/`, and
+    the host processes (an operator started by a test) listed in `<prometheus>/targets/`
+    (file-based discovery, so a test adds one without a reload).
     """
     pki = paths.pki
     relabel = [
@@ -219,7 +222,17 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
     ]
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "rule_files": [str(paths.prometheus / "rules" / "*.yaml")],
         "scrape_configs": [
+            {
+                "job_name": "processes",
+                "file_sd_configs": [
+                    {
+                        "files": [str(paths.prometheus / "targets" / "*.json")],
+                        "refresh_interval": "5s",
+                    }
+                ],
+            },
             {
                 "job_name": "pods",
                 "kubernetes_sd_configs": [
@@ -234,7 +247,7 @@ def prometheus_config(paths: ClusterPaths, scrape_interval: str = "2s") -> str:
                     }
                 ],
                 "relabel_configs": relabel,
-            }
+            },
         ],
     }
     return yaml.safe_dump(config, sort_keys=False)
