@@ -36,8 +36,8 @@ It ends with one line:
 failed requests summed over both modes). Commands (the cluster is started if it is not
 up, and left up; heavy: under the lock):
 
-    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py     # 3 repeats, ~20 min
-    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py --quick   # ~8 min
+    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py     # 3 repeats, ~22 min
+    flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py --quick   # ~10 min
 
 Raw figures: /var/tmp/wsbench/inplace-results.json.
 """
