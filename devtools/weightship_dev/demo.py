@@ -446,9 +446,12 @@ def _pod_news(status: dict[str, Any]) -> list[str]:
     verification = status.get("verification") or {}
     news = []
     for load in verification.get("loads") or []:
-        how = {"cache": "the node cache", "origin": "S3", "broadcast": "broadcast"}.get(
-            load.get("source") or "", "?"
-        )
+        how = {
+            "cache": "the node cache",
+            "origin": "S3",
+            "broadcast": "broadcast",
+            "swap": "the node cache by an in-place swap",
+        }.get(load.get("source") or "", "?")
         seeded = f" (seeded by {load['seededFrom']})" if load.get("seededFrom") else ""
         seconds = f" in {load['seconds']:.2f} s" if load.get("seconds") is not None else ""
         news.append(f"{load['pod']} loaded from {how}{seeded}{seconds}")
