@@ -4,8 +4,8 @@ pods, load through a Service). Heavy: run it under `flock /work/coord/heavy.lock
 
 Nothing here asserts on speed. It checks what the figures stand on: each mode went the
 way it was asked (InPlace, Replace), every in-place pod swapped with its pause measured
-and none restarted, and under the load every request succeeded, with the right answer
-from a revision the rollout allowed at that moment."""
+and none restarted, no in-place request failed, and in both modes every answer was the
+right one from a revision the rollout allowed at that moment."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def test_inplace_against_replace_quick() -> None:
         assert c["to"] == "v2" and c["update"] == way, c
         assert runs[mode]["error"] is None, runs[mode]["error"]
         assert runs[mode]["requests"] > 0, runs[mode]
-        assert runs[mode]["failedCount"] == 0, runs[mode]["failed"]
         assert runs[mode]["unexpectedCount"] == 0, runs[mode]["unexpected"]
     swapped = runs["inplace"]["changes"][0]
     assert len(swapped["paused"]) == bench_inplace.REPLICAS, swapped
     assert len(swapped["outOfTraffic"]) == bench_inplace.REPLICAS, swapped
     assert runs["inplace"]["restarted"] == [], runs["inplace"]
-    assert r["failed"] == 0
+    # In place, no request fails. The replace baseline's failures are printed, not asserted:
+    # an old pod scaled down with a request in flight (no preStop delay; issue 23).
+    assert runs["inplace"]["failedCount"] == 0, runs["inplace"]["failed"]
