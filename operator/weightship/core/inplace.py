@@ -175,35 +175,39 @@ def _restarted_since_swap(pod: ObservedPod) -> bool:
     )
 
 
-def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
-    """Pods whose swap back to the stable weights was refused before any weight changed
-    (e.g. the swap key was missing): they hold the stable weights still, so their gate
-    (closed by the swap) is handed back to the verifier."""
+def _failed_swaps_back(ctx: RolloutContext, home: ReplicaSetObservation) -> list[ObservedPod]:
+    """Pods whose last swap, back to the stable weights, failed."""
     stable = ctx.status.stable_revision
     assert stable is not None
-    return tuple(
-        p.name
+    return [
+        p
         for p in _members(ctx, home)
         if p.swap is not None
         and p.swap.state == "Failed"
         and p.swap.to_revision_hash == stable.pod_template_hash
+    ]
+
+
+def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
+    """Pods whose swap back to the stable weights was refused before any weight changed
+    (e.g. the swap key was missing): they hold the stable weights still, so their gate
+    (closed by the swap) is handed back to the verifier."""
+    return tuple(
+        p.name
+        for p in _failed_swaps_back(ctx, home)
+        if p.swap is not None
         and p.swap.reason in INTACT_REASONS
-        and p.revision_hash == stable.pod_template_hash
+        and p.revision_hash == p.swap.to_revision_hash
         and p.gate_reason == "SwapFailed"
     )
 
 
 def restarts(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
     """Pods whose swap back to the stable weights failed: only a fresh start mends them."""
-    stable = ctx.status.stable_revision
-    assert stable is not None
     return tuple(
         p.name
-        for p in _members(ctx, home)
-        if p.swap is not None
-        and p.swap.state == "Failed"
-        and p.swap.to_revision_hash == stable.pod_template_hash
-        and p.swap.reason not in INTACT_REASONS
+        for p in _failed_swaps_back(ctx, home)
+        if p.swap is not None and p.swap.reason not in INTACT_REASONS
     )
 
 
