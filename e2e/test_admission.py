@@ -491,12 +491,18 @@ def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
 
 
 def test_the_generator_reaches_the_edges() -> None:
-    """The strategies produce the values the issue found (a generator that never tries
-    them would pass vacuously)."""
+    """The parity test's generator, at its budget, produces the values the issue found (a
+    generator that never tries them would pass vacuously)."""
     seen: set[str] = set()
 
-    @settings(max_examples=200, deadline=None, database=None, derandomize=True)
-    @given(strategy(SPEC_SCHEMA["properties"]["strategy"], "spec.strategy"))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(manifests())
     def collect(value: dict[str, Any]) -> None:
         text = json.dumps(value)
         for needle in ("70000000h", "{{ bogus }}", "\\u00a0"):
