@@ -39,12 +39,27 @@ def main() -> None:
     default=None,
     help="Peering priority; the highest-priority replica is active.",
 )
+@click.option(
+    "--leader-elect/--no-leader-elect",
+    envvar="WEIGHTSHIP_LEADER_ELECT",
+    default=False,
+    help="Run only while holding a Lease, so that more replicas are standbys "
+    "(settings: WEIGHTSHIP_LEADER_ELECT_* variables).",
+)
+@click.option(
+    "--leader-elect-namespace",
+    envvar="WEIGHTSHIP_LEADER_ELECT_NAMESPACE",
+    default=None,
+    help="The Lease's namespace (default: $POD_NAMESPACE).",
+)
 @click.option("-v", "--verbose", is_flag=True)
 def operator_command(
     namespaces: tuple[str, ...],
     liveness: str,
     standalone: bool,
     priority: int | None,
+    leader_elect: bool,
+    leader_elect_namespace: str | None,
     verbose: bool,
 ) -> None:
     """Run the ModelRollout controller (kopf)."""
@@ -58,13 +73,22 @@ def operator_command(
     if not verbose:
         # kopf logs every watch-event handler call; the controller logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    kopf.run(
-        clusterwide=not namespaces,
-        namespaces=list(namespaces),
-        liveness_endpoint=liveness or None,
-        standalone=standalone,
-        priority=priority,
-    )
+
+    def run() -> None:
+        kopf.run(
+            clusterwide=not namespaces,
+            namespaces=list(namespaces),
+            liveness_endpoint=liveness or None,
+            standalone=standalone,
+            priority=priority,
+        )
+
+    if not leader_elect:
+        run()
+        return
+    from weightship.controller import leader
+
+    leader.run_elected(run, leader.config_from_env(leader_elect_namespace), liveness or None)
 
 
 def _api() -> Any:
