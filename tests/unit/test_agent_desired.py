@@ -7,11 +7,10 @@ import pytest
 
 from weightship.agent.desired import (
     ModelSource,
+    bandwidth_limit,
     live_peers,
     next_to_stage,
-    parse_quantity,
     retry_delay_s,
-    selector_matches,
     staged_on,
     wanted,
 )
@@ -115,16 +114,19 @@ def test_namespace_globs_limit_the_rollouts() -> None:
         ("500M", 500_000_000),
         ("2k", 2000),
         ("1e3", 1000),
+        ("1.5", 1),
+        ("9Ei", 2**63 - 1),
+        ("1e30", 2**63 - 1),
     ],
 )
-def test_parse_quantity(value: Any, expected: int | None) -> None:
-    assert parse_quantity(value) == expected
+def test_bandwidth_limit(value: Any, expected: int | None) -> None:
+    assert bandwidth_limit(value) == expected
 
 
-@pytest.mark.parametrize("bad", ["fast", "10 Mi", "-1Mi"])
-def test_parse_quantity_rejects_garbage(bad: str) -> None:
+@pytest.mark.parametrize("bad", ["fast", "10 Mi", "-1Mi", " 1Mi", "1e3Ki", 1.5])
+def test_bandwidth_limit_rejects_what_kubernetes_does_not_parse(bad: Any) -> None:
     with pytest.raises(ValueError):
-        parse_quantity(bad)
+        bandwidth_limit(bad)
 
 
 def test_malformed_limit_is_ignored_not_fatal() -> None:
@@ -132,12 +134,12 @@ def test_malformed_limit_is_ignored_not_fatal() -> None:
     assert w.bandwidth_limit is None
 
 
-def test_selector_matches() -> None:
-    assert selector_matches({}, {})
-    assert selector_matches(None, GPU)
-    assert selector_matches({"zone": "a"}, GPU)
-    assert not selector_matches({"zone": "b"}, GPU)
-    assert not selector_matches({"missing": "x"}, GPU)
+def test_a_node_selector_is_a_map_selector() -> None:
+    """nodeSelector semantics (weightship.kube.selector.labels_match): an empty one wants
+    every node, a pair the node lacks wants none."""
+    assert [w.digest for w in wanted([rollout(canary=A, prefetch={"nodeSelector": {}})], GPU)]
+    assert not wanted([rollout(canary=A, prefetch={"nodeSelector": {"zone": "b"}})], GPU)
+    assert wanted([rollout(canary=A, prefetch={"nodeSelector": {"zone": "a"}})], GPU)
 
 
 def test_next_to_stage_skips_staged_and_backed_off() -> None:
@@ -173,6 +175,9 @@ def test_live_peers_excludes_self_stale_and_endpointless() -> None:
         cache("dead", "10.0.0.4:8479", stale),
         cache("new", None, fresh),
         cache("never", "10.0.0.5:8479", None),
+        # No zone: not an RFC 3339 time (metav1.Time refuses it), so not a report at all.
+        cache("zoneless", "10.0.0.6:8479", fresh.removesuffix("Z")),
+        cache("dated", "10.0.0.7:8479", fresh[:10]),
     ]
     assert live_peers(caches, "me", now, 180) == [("a", "10.0.0.2:8479"), ("b", "10.0.0.3:8479")]
 

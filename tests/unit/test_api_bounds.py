@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from weightship.api.models import ModelRollout
 from weightship.api.regex import compile_re2
 from weightship.api.samples import VALID_MANIFEST
-from weightship.api.spec import quantity_value
+from weightship.kube.quantity import quantity_value
 
 
 def with_changes(**paths: Any) -> dict[str, Any]:

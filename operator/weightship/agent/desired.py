@@ -10,23 +10,19 @@ download).
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
+from datetime import datetime
+from decimal import Decimal
 from typing import Any, Literal
 
 from weightship.data.viewlayout import DIGEST_PATTERN, UID_PATTERN
+from weightship.kube.quantity import quantity_value
+from weightship.kube.rfc3339 import time_or_none
+from weightship.kube.selector import labels_match
 
 Role = Literal["canary", "stable", "retiring"]
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 ROLE_ORDER: dict[Role, int] = {"canary": 0, "stable": 1, "retiring": 2}
-_SUFFIXES: dict[str, int | Decimal] = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "m": Decimal("0.001"), "n": Decimal("1e-9"), "u": Decimal("1e-6"),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,33 +61,17 @@ class _Acc:
     attempt: str = ""
 
 
-def parse_quantity(value: str | int | float | None) -> int | None:
-    """A Kubernetes quantity ("100Mi", "1.5G", 1048576) as whole bytes; None when unset.
-
-    Raises ValueError on anything else.
-    """
+def bandwidth_limit(value: object) -> int | None:
+    """spec.prefetch.bandwidthLimit (a Kubernetes quantity: "100Mi", 1048576) as whole
+    bytes per second; None when unset. ValueError when it is not a quantity or negative."""
     if value is None or value == "":
         return None
-    text = str(value).strip()
-    number, multiplier = text, Decimal(1)
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix):
-            number, multiplier = text[: -len(suffix)], Decimal(str(_SUFFIXES[suffix]))
-            break
-    if not _NUMBER.fullmatch(number):
+    if not isinstance(value, int | str):
         raise ValueError(f"not a quantity: {value!r}")
-    try:
-        amount = Decimal(number) * multiplier
-    except InvalidOperation:
-        raise ValueError(f"not a quantity: {value!r}") from None
+    amount = quantity_value(value)
     if amount < 0:
         raise ValueError(f"negative quantity: {value!r}")
-    return int(amount)
-
-
-def selector_matches(selector: Mapping[str, str] | None, labels: Mapping[str, str]) -> bool:
-    """matchLabels semantics: every key present with an equal value; empty matches all."""
-    return all(labels.get(k) == v for k, v in (selector or {}).items())
+    return int(min(amount, Decimal(2**63 - 1)))
 
 
 def staging_selector(rollout: Mapping[str, Any]) -> Mapping[str, str]:
@@ -147,11 +127,11 @@ def wanted(
         prefetch = spec.get("prefetch") or {}
         if not prefetch.get("enabled", True):
             continue
-        if not selector_matches(staging_selector(r), node_labels):
+        if not labels_match(staging_selector(r), node_labels):
             continue
         source = _source(namespace, spec)
         try:
-            limit = parse_quantity(prefetch.get("bandwidthLimit"))
+            limit = bandwidth_limit(prefetch.get("bandwidthLimit"))
         except ValueError:
             limit = None
         for role, digest in rollout_digests(r):
@@ -229,7 +209,7 @@ def view_pins(
         prefetch = (r.get("spec") or {}).get("prefetch") or {}
         if not prefetch.get("enabled", True):
             continue
-        if not selector_matches(staging_selector(r), node_labels):
+        if not labels_match(staging_selector(r), node_labels):
             continue
         if not isinstance(uid, str) or not UID_PATTERN.fullmatch(uid):
             refused.append(f"{namespace}/{name}")
@@ -307,7 +287,7 @@ def live_peers(
         endpoint = status.get("peerEndpoint")
         if not node or node == self_node or not endpoint:
             continue
-        updated = _parse_time(status.get("updatedAt"))
+        updated = time_or_none(status.get("updatedAt"))
         if updated is None or (now - updated).total_seconds() > max_age_s:
             continue
         out.append((str(node), str(endpoint)))
@@ -325,13 +305,3 @@ def staged_on(caches: Iterable[Mapping[str, Any]], digest: str) -> set[str]:
         ):
             out.add(str(node))
     return out
-
-
-def _parse_time(value: object) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

@@ -21,11 +21,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # Go-style durations as accepted by time.ParseDuration, minus the sign and the µ alias.
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
 SHA256_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
-# Kubernetes resource.Quantity, as controller-gen writes it for int-or-string quantities.
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 # Printable ASCII only: `\s` means ASCII space in the API server (RE2) and Unicode space
 # in Python, so `[^\s]` let U+00A0 or U+2028 through one and not the other.
 URL_PATTERN = r"^https?://[!-~]+$"

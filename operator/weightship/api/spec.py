@@ -6,8 +6,6 @@ analysis, failureLimit, abortScaleDownDelaySeconds...), so its users feel at hom
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -24,7 +22,6 @@ from weightship.api.base import (
     MAX_LABEL_VALUE,
     MAX_NAME,
     MAX_SHORT_TEXT,
-    QUANTITY_PATTERN,
     SHA256_DIGEST_PATTERN,
     URL_PATTERN,
     ApiModel,
@@ -35,6 +32,7 @@ from weightship.api.base import (
 from weightship.api.regex import RE2_VALID_RULE, check_re2
 from weightship.core.durations import parse_duration
 from weightship.core.promql import placeholders
+from weightship.kube.quantity import QUANTITY_PATTERN, quantity_value
 
 MiB = 1024 * 1024
 MAX_STEPS = 64
@@ -56,40 +54,20 @@ QUERY_VARIABLES = (
 )
 
 
-_QUANTITY_SUFFIX = {
-    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
-    **{s: Decimal(10) ** (3 * i - 9) for i, s in enumerate(("n", "u", "m", "", "k", "M"))},
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-}
-_QUANTITY = re.compile(
-    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?"
-)
+# A quantity string longer than this means nothing here (no cap has 64 digits); the bound
+# also keeps the CEL rule's cost estimate small.
+MAX_QUANTITY_LENGTH = 64
 _QUANTITY_MESSAGE = (
     "must be a quantity of at least 1 (such as 100Mi): 0, negative and milli values "
     "mean nothing here"
 )
 
 
-def quantity_value(text: str) -> Decimal:
-    """A Kubernetes quantity's value (100Mi -> 104857600); ValueError when it is none."""
-    m = _QUANTITY.fullmatch(text) if len(text) <= 64 else None
-    if m is None:
-        raise ValueError(f"{text[:64]!r} is not a Kubernetes quantity such as 100Mi")
-    number, suffix = Decimal(m.group(1)), m.group(2) or ""
-    if suffix not in _QUANTITY_SUFFIX:  # an exponent; "1E" alone is an exa, "1Ei" an exbi
-        # The API server admits any exponent ("1e308"). Clamped, the value still compares
-        # with 1 as the real one does (the number has at most 64 digits), in O(1).
-        exponent = max(-1000, min(1000, int(suffix[1:])))
-        return number.scaleb(exponent)
-    return number * _QUANTITY_SUFFIX[suffix]
-
-
 def _check_quantity(value: int | str) -> int | str:
     """At least 1 (a byte per second): "-1", "0" or "1m" would read as "no limit"."""
-    amount = Decimal(value) if isinstance(value, int) else quantity_value(value)
+    if isinstance(value, str) and len(value) > MAX_QUANTITY_LENGTH:
+        raise ValueError(f"may not be longer than {MAX_QUANTITY_LENGTH} characters")
+    amount = quantity_value(value)
     if amount < 1:
         raise ValueError(_QUANTITY_MESSAGE)
     return value
@@ -102,6 +80,7 @@ Quantity = Annotated[
         {
             "anyOf": [{"type": "integer"}, {"type": "string"}],
             "pattern": QUANTITY_PATTERN,
+            "maxLength": MAX_QUANTITY_LENGTH,
             "x-kubernetes-int-or-string": True,
             **validations(
                 cel(

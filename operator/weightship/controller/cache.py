@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from weightship.controller.builders import ROLLOUT_LABEL
 from weightship.controller.informer import Informer
+from weightship.kube.selector import labels_match
 
 T = TypeVar("T")
 RolloutKey = tuple[str, str]  # (namespace, name)
@@ -153,10 +154,6 @@ def caches_for(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         }
         for e in entries
     ]
-
-
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
 
 
 def rollout_key_of(body: Mapping[str, Any]) -> RolloutKey | None:
@@ -333,7 +330,7 @@ class ClusterView:
         labels = {
             str(name): dict(values[0])
             for name, values in self.nodes.items()
-            if values and selects(selector, values[0])
+            if values and labels_match(selector, values[0])
         }
         staging = Staging(
             target_nodes=sorted(labels),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from weightship.controller.builders import (
@@ -29,6 +28,7 @@ from weightship.core.observed import (
 )
 from weightship.core.staging_failure import parse_failure
 from weightship.core.verification import IN_PROGRESS_REASONS
+from weightship.kube.rfc3339 import time_or_none
 
 SWAP_REASONS = frozenset({"Swapping", "SwapFailed"})  # controller/swapper.py
 
@@ -43,17 +43,6 @@ def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
 
 def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
-
-
-def _time(value: object) -> datetime | None:
-    """An RFC 3339 time as the API writes it; None when absent or not one."""
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else None
 
 
 def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
@@ -103,7 +92,7 @@ def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
         revision=str(doc.get("revision") or ""),
         state=state,
         from_revision_hash=_opt_str(doc.get("from")),
-        started_at=_time(doc.get("startedAt")),
+        started_at=time_or_none(doc.get("startedAt")),
         seconds=float(seconds) if isinstance(seconds, int | float) else None,
         paused_seconds=float(paused) if isinstance(paused, int | float) else None,
         reason=_opt_str(doc.get("reason")),
@@ -265,7 +254,7 @@ def prefetch_observation(
                 entry.get("lastError"),
                 labelled=(labels.get(node) or {}).get(label) == "true",
                 failure=parse_failure(entry.get("failure")),
-                started_at=_time(entry.get("startedAt")),
+                started_at=time_or_none(entry.get("startedAt")),
             )
         )
     return PrefetchObservation(
