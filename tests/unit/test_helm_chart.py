@@ -231,6 +231,7 @@ def test_operator_deployment() -> None:
         "operator",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--standalone",
+        "--leader-elect",
     ]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert "readinessProbe" not in container
@@ -246,7 +247,7 @@ def test_operator_deployment() -> None:
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     scoped = one(render(SCOPED + EXTRAS), "Deployment", "-operator")
     args = scoped["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[2:] == ["--namespace=serving", "--namespace=ml"]
+    assert args[2:] == ["--namespace=serving", "--namespace=ml", "--leader-elect"]
 
 
 def test_agent_daemonset() -> None:
