@@ -264,6 +264,10 @@ def test_the_operators_cluster_wide_writes_are_narrowed(cluster: Any, release: R
         ns,
         {"status": {"conditions": [mine]}, "metadata": {"annotations": {f"{GROUP}/x": "1"}}},
     )
+    # A pod about to be deleted gets the lowest deletion cost (core/drain.py), and loses it.
+    cost = "controller.kubernetes.io/pod-deletion-cost"
+    operator.patch_namespaced_pod_status(name, ns, {"metadata": {"annotations": {cost: "-1"}}})
+    operator.patch_namespaced_pod_status(name, ns, {"metadata": {"annotations": {cost: None}}})
     refused(
         lambda: operator.patch_namespaced_pod_status(
             name, ns, {"status": {"conditions": [{"type": "example.com/evil", "status": "True"}]}}

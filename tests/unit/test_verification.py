@@ -175,6 +175,13 @@ def test_a_restarted_container_is_verified_again() -> None:
     assert needs_check(verified)
 
 
+def test_a_draining_pod_is_never_verified_again() -> None:
+    """About to be deleted (core.drain): even a restart does not reopen its gate."""
+    draining = pod("p", gate=("False", "Draining"), annotations={RESTARTS_ANNOTATION: "0"})
+    draining["status"]["containerStatuses"] = [{"name": "server", "restartCount": 1}]
+    assert not needs_check(draining)
+
+
 def test_observation_carries_failing_prompt_and_who_seeded_whom() -> None:
     rs = [{"metadata": {"name": "llm-abc", "labels": {REVISION_LABEL: "abc"}}, "spec": {}}]
     failing = {"name": "capital", "expected": 'prefix " Paris"', "got": " Lyon."}

@@ -14,7 +14,10 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
+    DELETION_COST_ANNOTATION,
+    DRAINED_DELETION_COST,
     REVISION_LABEL,
+    draining_condition,
     pending_condition,
     replicaset_body,
     replicaset_name,
@@ -51,6 +54,14 @@ def carry_out(
         kube.patch_pod_condition(namespace, gate.pod, verified_condition(gate))
     for pod in decision.reverify_pods:
         kube.patch_pod_condition(namespace, pod, pending_condition("its swap was refused"))
+    for drain in decision.drain_pods:
+        cost = {DELETION_COST_ANNOTATION: DRAINED_DELETION_COST}
+        kube.patch_pod_condition(namespace, drain.pod, draining_condition(drain), cost)
+    for pod in decision.undrain_pods:
+        why = "its scale-down was called off"
+        kube.patch_pod_condition(
+            namespace, pod, pending_condition(why), {DELETION_COST_ANNOTATION: None}
+        )
     for pod in decision.restart_pods:
         log.info("restarting pod %s/%s: its swap back to stable failed", namespace, pod)
         kube.delete_pod(namespace, pod)

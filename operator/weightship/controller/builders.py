@@ -14,7 +14,8 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.controller.seedkey import seed_key_env
-from weightship.core.decision import OpenGate, SeedEnv
+from weightship.core.decision import DrainPod, OpenGate, SeedEnv
+from weightship.core.verification import DRAINING
 from weightship.data import viewlayout
 
 GROUP = "weightship.io"
@@ -29,6 +30,10 @@ FINALIZER = f"{GROUP}/finalizer"  # kopf's; on a rollout only while it holds a w
 TEMPLATE_LABEL = f"{GROUP}/template-hash"
 # The swapper's record of a pod's last in-place swap (JSON; controller/swapper.py).
 SWAP_ANNOTATION = f"{GROUP}/swap"
+# The ReplicaSet controller deletes the pods of lowest cost first: a drained pod's
+# (core.drain) is the lowest there is, so a scale-down takes exactly the drained ones.
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+DRAINED_DELETION_COST = str(-(2**31))
 # The node cache is install-time configuration (the chart's agent.cacheDir, the operator's
 # WEIGHTSHIP_CACHE_DIR), never a rollout's: a rollout-chosen hostPath could be `/`.
 DEFAULT_CACHE_DIR = "/var/cache/weightship"
@@ -185,6 +190,17 @@ def verified_condition(gate: OpenGate) -> dict[str, Any]:
         "reason": gate.reason,
         "message": gate.message,
         "lastTransitionTime": gate.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def draining_condition(drain: DrainPod) -> dict[str, Any]:
+    """The weights-verified gate closed on a pod about to be deleted (core.drain)."""
+    return {
+        "type": VERIFIED_GATE,
+        "status": "False",
+        "reason": DRAINING,
+        "message": drain.message,
+        "lastTransitionTime": drain.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 

@@ -27,7 +27,7 @@ from weightship.core.observed import (
     ReplicaSetObservation,
 )
 from weightship.core.staging_failure import parse_failure
-from weightship.core.verification import IN_PROGRESS_REASONS
+from weightship.core.verification import DRAINING, IN_PROGRESS_REASONS
 from weightship.kube.rfc3339 import time_or_none
 
 SWAP_REASONS = frozenset({"Swapping", "SwapFailed"})  # controller/swapper.py
@@ -67,6 +67,9 @@ def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
                 gate_reason=None
                 if is_true(pod, VERIFIED_GATE)
                 else _opt_str((condition(pod, VERIFIED_GATE) or {}).get("reason")),
+                gate_since=time_or_none(
+                    (condition(pod, VERIFIED_GATE) or {}).get("lastTransitionTime")
+                ),
                 containers=tuple(str(c["name"]) for c in containers if c.get("name")),
                 restarts=sum(
                     int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
@@ -165,6 +168,7 @@ def _observation(
             and gate.get("status") == "False"
             and gate.get("reason") not in IN_PROGRESS_REASONS
             and gate.get("reason") not in SWAP_REASONS  # a swap's outcome is its record's
+            and gate.get("reason") != DRAINING  # leaving before a scale-down: no verdict
         ):
             prompt = _json_annotation(notes, FAILED_PROMPT_ANNOTATION)
             failed.append(

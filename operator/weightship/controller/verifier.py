@@ -38,6 +38,7 @@ from weightship.controller.builders import (
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
 from weightship.core.verification import (
+    DRAINING,
     IN_PROGRESS_REASONS,
     PENDING,
     GateVerdict,
@@ -88,6 +89,8 @@ def needs_check(pod: dict[str, Any]) -> bool:
     gate = condition(pod, VERIFIED_GATE)
     if gate is None:
         return True
+    if gate.get("reason") == DRAINING:
+        return False  # about to be deleted; the core hands it back (Pending) if not
     if gate.get("status") != "True" and gate.get("reason") in IN_PROGRESS_REASONS:
         return True
     verified_at = (meta.get("annotations") or {}).get(RESTARTS_ANNOTATION)

@@ -13,7 +13,8 @@ deadline or a manual abort leads to a capacity-safe abort → Degraded.
 This module only orchestrates; each concern has its own module: desired (the spec's
 revision), control (promote/abort/retry requests), canary (steady or canary flow),
 prefetch (and staged node labels), steps, pause, analysis_step, abort, projection (status
-from observations), scaling (ReplicaSet creates and sizes, traffic, pins), seeding (who
+from observations), scaling (ReplicaSet creates and sizes, traffic, pins), drain (pods
+leave traffic before a scale-down deletes them), seeding (who
 seeds a scale-up), trivial_gates (pods with nothing to verify), workload (a workloadRef
 Deployment's scale-down and give-back) and targets (the nodes that stage).
 """
@@ -24,7 +25,7 @@ from datetime import datetime
 
 from weightship.api.models import ModelRollout
 from weightship.api.status import ModelRolloutStatus
-from weightship.core import canary, inplace, prefetch, projection, scaling, workload
+from weightship.core import canary, drain, inplace, prefetch, projection, scaling, workload
 from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
 from weightship.core.decision import Decision, ReplicaSetAction, RetemplateReplicaSet, SwapPod
@@ -94,12 +95,13 @@ def _decision(ctx: RolloutContext) -> Decision:
         reverify = inplace.reverifications(ctx, home)
     else:
         replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
+    drains = drain.Drains(replica_sets) if ctx.invalid else drain.drained(ctx, replica_sets)
     if not ctx.invalid and inplace.enabled(ctx):
         ctx.status.in_place = inplace.in_place_status(ctx, home or _template_home(ctx))
     workloads = workload.workload_actions(ctx)
     return Decision(
         status=ctx.status,
-        scales=replica_sets,
+        scales=drains.scales,
         not_rebuilt=not_rebuilt,
         node_labels=prefetch.staged_node_labels(ctx.observed),
         open_gates=trivial_gates(ctx.spec, ctx.observed.pods, ctx.now),
@@ -112,6 +114,8 @@ def _decision(ctx: RolloutContext) -> Decision:
         retemplates=retemplates,
         restart_pods=restarts,
         reverify_pods=reverify,
+        drain_pods=drains.drain,
+        undrain_pods=drains.undrain,
         requeue_after=min(ctx.timers) if ctx.timers else None,
     )
 

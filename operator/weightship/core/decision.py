@@ -108,6 +108,17 @@ class OpenGate:
 
 
 @dataclass(frozen=True)
+class DrainPod:
+    """Take a pod that is about to be deleted out of traffic: its weights-verified gate
+    goes False (reason Draining), so it leaves the Service's ready endpoints, and it gets
+    the lowest pod-deletion-cost, so its ReplicaSet deletes it before any other."""
+
+    pod: str
+    message: str
+    at: datetime
+
+
+@dataclass(frozen=True)
 class NodeLabel:
     """Mark a node as holding a manifest's staged weights: canary pods require it."""
 
@@ -171,6 +182,11 @@ class Decision:
     restart_pods: tuple[str, ...] = ()
     """Pods to delete (their ReplicaSet replaces them): an in-place swap back to stable
     failed, so only a fresh start gets them to verified weights."""
+    drain_pods: tuple[DrainPod, ...] = ()
+    """Pods to take out of traffic before a scale-down deletes them (core.drain)."""
+    undrain_pods: tuple[str, ...] = ()
+    """Drained pods no scale-down takes any more: their gate goes back to Pending for the
+    verifier to open again."""
     requeue_after: float | None = None
     """Seconds until decide should run again even if nothing changes; None: wait for events."""
 

@@ -152,6 +152,8 @@ class ObservedPod:
     """Its last in-place swap."""
     gate_reason: str | None = None
     """The reason of its weights-verified gate while that is not True."""
+    gate_since: datetime | None = None
+    """When that gate last changed (its lastTransitionTime)."""
 
 
 @dataclass(frozen=True)

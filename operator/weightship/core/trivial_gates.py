@@ -13,6 +13,7 @@ from datetime import datetime
 from weightship.api.spec import ModelRolloutSpec
 from weightship.core.decision import OpenGate
 from weightship.core.observed import ObservedPod
+from weightship.core.verification import DRAINING
 
 NOTHING_TO_VERIFY = "NothingToVerify"
 
@@ -31,5 +32,5 @@ def trivial_gates(
             now,
         )
         for pod in pods
-        if pod.containers_ready and not pod.weights_verified
+        if pod.containers_ready and not pod.weights_verified and pod.gate_reason != DRAINING
     )

@@ -42,6 +42,8 @@ PENDING = "Pending"
 LOADING = "Loading"
 VERIFYING = "Verifying"
 IN_PROGRESS_REASONS = frozenset({PENDING, LOADING, VERIFYING})
+# Not a verdict either: the pod is about to be deleted and left traffic first (core.drain).
+DRAINING = "Draining"
 
 MAX_SHOWN = 200  # characters of a completion shown in a diff
 
