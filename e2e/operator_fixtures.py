@@ -109,7 +109,9 @@ def rollout_body(
             "model": testkit.local_model(uri, endpoint, revision),
             "prefetch": {"enabled": False},
             "validation": {"checksum": False},
-            "strategy": {"canary": {"steps": steps, **canary}},
+            # Pods that go drain for 2 s, not the default 30 (test_no_request_lost: the
+            # delay at work).
+            "strategy": {"canary": {"steps": steps, "scaleDownDelaySeconds": 2, **canary}},
         },
     }
 

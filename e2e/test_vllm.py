@@ -4,7 +4,9 @@ plugin (`--load-format weightship`), the operator's verifier reads the plugin's
 /weightship/v1/loaded and sends a golden prompt through vLLM's chat API.
 
 At most two vLLM pods run at a time (about 3.3 GiB each, 2 cores): every rollout has one
-replica, and the scale-up goes to two once the old revision is gone."""
+replica, and the scale-up goes to two once the old revision is gone. A client sends steady
+chat load through a Service while revisions are promoted and rolled back: no request may
+fail (issue 23: a pod leaves the endpoints and drains before it is deleted)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.data.chunkstore import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
+from weightship_dev.loadgen import ServiceLoad
 from weightship_dev.slackreceiver import SlackReceiver
 from weightship_testing.tinyvllm import deploy
-from weightship_testing.tinyvllm.build import publish_versions
+from weightship_testing.tinyvllm.build import CHAT_QUESTION, publish_versions
 
 NAMESPACE_PREFIX = "vl-"
 VLLM_START_S = 420  # a vLLM replica starts in about 40 s on an idle 2-core machine
+LOAD_RATE = 2.0  # chat requests per second: steady, and light beside a vLLM starting
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,44 @@ def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, An
     return body
 
 
+def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
+    """A Service over the rollout's pods and a client sending chat requests to its ready
+    endpoints (start it with ``with``)."""
+    cluster.core.create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": "llm"},
+            "spec": {
+                "selector": {"app": "llm"},
+                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
+            },
+        },
+    )
+    return ServiceLoad(
+        cluster.api,
+        namespace,
+        "llm",
+        deploy.PORT,
+        deploy.CHAT_PATH,
+        {
+            "model": deploy.SERVED_MODEL,
+            "messages": [{"role": "user", "content": CHAT_QUESTION}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        rate=LOAD_RATE,
+        timeout_s=60.0,
+    )
+
+
+def no_request_lost(load: ServiceLoad, what: str) -> None:
+    answers = load.stop()
+    failed = [a for a in answers if not a.ok]
+    print(f"no request lost ({what}): {len(failed)} failed of {len(answers)} chat requests")
+    assert answers, "the load never ran"
+    assert not failed, [(a.endpoint, a.status, a.error) for a in failed[:10]]
+
+
 def pods_of(cluster: Any, namespace: str, revision_hash: str) -> list[Any]:
     return list(
         cluster.core.list_namespaced_pod(
@@ -75,6 +117,8 @@ def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
     ns = rollouts.namespace
     rollouts.create(vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}]))
     rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+    load = chat_load(cluster, ns)
+    load.start()
     rollouts.set_model("llm", models["v2"], "v2")
     status = rollouts.healthy_on("llm", "v2", timeout=VLLM_START_S)["status"]
     assert status["history"][-1]["outcome"] == "Promoted"
@@ -99,6 +143,7 @@ def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
         timeout=120,
         what="v1's pod gone",
     )
+    no_request_lost(load, "v1 -> v2, the v1 pod replaced")
     rollouts.patch_spec("llm", {"replicas": 2})
     status = rollouts.wait(
         "llm",
@@ -152,6 +197,8 @@ def test_bad_and_corrupt_revisions_never_serve_through_vllm(
         }
         rollouts.create(body)
         rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+        load = chat_load(cluster, ns)
+        load.start()
 
         # v3: right checksums, a wrong answer through vLLM's chat API.
         rollouts.set_model("llm", models["v3"], "v3")
@@ -210,3 +257,9 @@ def test_bad_and_corrupt_revisions_never_serve_through_vllm(
     assert status["stableRevision"]["revision"] == "v1"
     (stable,) = pods_of(cluster, ns, status["stableRevision"]["podTemplateHash"])
     assert is_ready(stable)
+    testkit.wait_until(
+        lambda: not pods_of(cluster, ns, status["canaryRevision"]["podTemplateHash"]),
+        timeout=120,
+        what="the aborted v4 canary gone",
+    )
+    no_request_lost(load, "v3 and v4 rolled back, their canaries removed")

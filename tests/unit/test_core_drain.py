@@ -276,3 +276,18 @@ def _gate_reason(cluster: Cluster, pod: str) -> str | None:
 
 def _gate_since(cluster: Cluster, pod: str) -> datetime:
     return datetime.fromisoformat(_gate(cluster, pod)["lastTransitionTime"])
+
+
+def test_a_canary_pod_that_failed_verification_keeps_its_verdict_and_goes() -> None:
+    rollout, cluster, stable, canary = paused_canary()
+    bad, good = cluster.of(canary)
+    failed = {"type": VERIFIED_GATE, "status": "False", "reason": "GoldenPromptFailed"}
+    _set_gate(cluster.pod(bad), failed)
+    rollout = control(rollout, abort=AbortRequest(requested_at="t1", reason="bad answers"))
+    rollout, decision = reconcile(rollout, cluster, DIGEST_B, at(10))
+    assert rollout.status.abort is not None, rollout.status.message
+    assert [d.pod for d in decision.drain_pods] == [good]
+    rollout = run(rollout, cluster, DIGEST_B, 11, 39)
+    assert _gate(cluster, bad)["reason"] == "GoldenPromptFailed"
+    run(rollout, cluster, DIGEST_B, 40, 42)
+    assert sorted(cluster.deleted) == sorted([bad, good]) and len(cluster.of(stable)) == 3

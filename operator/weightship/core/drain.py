@@ -5,7 +5,8 @@ it requests drops them. So a scale-down runs in two steps. First the pods that w
 ones the ReplicaSet controller deletes first: unscheduled, then pending, then unready, then
 the newest) are drained: their weights-verified gate goes False with reason Draining, so
 they leave the Service's ready endpoints, and they get the lowest pod-deletion-cost, so the
-ReplicaSet controller picks exactly them. Once they are unready and have been out of traffic
+ReplicaSet controller picks exactly them (a pod whose verification failed never served:
+it keeps its verdict). Once they are unready and have been out of traffic
 for the drain delay, the ReplicaSet is resized. The pod template's own preStop hook and
 grace period still run at deletion.
 
@@ -23,14 +24,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from weightship.core.context import RolloutContext, ceil_seconds
-from weightship.core.decision import DrainPod, ReplicaSetAction, ScaleAction
+from weightship.core.decision import DrainPod, Event, ReplicaSetAction, ScaleAction
 from weightship.core.observed import ObservedPod, ReplicaSetObservation
-from weightship.core.verification import DRAINING
+from weightship.core.verification import DRAINING, IN_PROGRESS_REASONS
 
 STILL_READY_GRACE = timedelta(seconds=30)
 """A drained pod still Ready this long past its delay (its template has no readiness gate
 to close) is deleted anyway: a scale-down is delayed, never stuck."""
 
+SHOWN = 5  # pod names in a Draining event
 _PHASE_RANK = {"Pending": 0, "Unknown": 1, "Running": 2}
 
 
@@ -64,7 +66,7 @@ def drained(ctx: RolloutContext, actions: Sequence[ReplicaSetAction]) -> Drains:
     drain = tuple(
         DrainPod(pod.name, "leaving traffic before its ReplicaSet scales down", now)
         for pod in leaving.values()
-        if pod.gate_reason != DRAINING
+        if pod.gate_reason != DRAINING and not _failed(pod)
     )
     undrain = tuple(
         pod.name
@@ -75,6 +77,16 @@ def drained(ctx: RolloutContext, actions: Sequence[ReplicaSetAction]) -> Drains:
         and pod.name not in leaving
     )
     scales = tuple(a for a in actions if not (isinstance(a, ScaleAction) and a.name in held))
+    if drain:
+        names = sorted(d.pod for d in drain)
+        shown = ", ".join(names[:SHOWN]) + (
+            f" and {len(names) - SHOWN} more" * (len(names) > SHOWN)
+        )
+        ctx.events.append(
+            Event(
+                "Normal", "Draining", f"leaving traffic before a scale-down deletes them: {shown}"
+            )
+        )
     return Drains(scales, drain, undrain)
 
 
@@ -95,13 +107,20 @@ def _going(pods: Iterable[ObservedPod], target: int) -> list[ObservedPod]:
     ranked = sorted(
         newest_first,
         key=lambda p: (
-            p.gate_reason != DRAINING,
             p.node is not None,
             _PHASE_RANK.get(p.phase or "", 3),
             p.ready,
+            p.gate_reason != DRAINING,
         ),
     )
     return ranked[: max(0, len(ranked) - target)]
+
+
+def _failed(pod: ObservedPod) -> bool:
+    """Its gate holds a verdict against it: it never served and never will, and the
+    verdict stays on it for whoever looks."""
+    reason = pod.gate_reason
+    return reason is not None and reason != DRAINING and reason not in IN_PROGRESS_REASONS
 
 
 def _aborted_canary(
@@ -140,6 +159,8 @@ def _wait(
     delay = _delay(ctx, replica_set)
     waits = []
     for pod in going:
+        if _failed(pod):
+            continue
         since = pod.gate_since if pod.gate_reason == DRAINING else None
         if since is None:
             waits.append(1.0)  # drained by this decision: look again once that is seen
