@@ -6,12 +6,12 @@ from datetime import timedelta
 
 import pytest
 
+from weightship.api.durations import parse_duration
+from weightship.api.promql import TemplateError, placeholders, render_query
 from weightship.api.spec import CanaryStep
 from weightship.core.conditions import set_condition
-from weightship.core.durations import parse_duration
 from weightship.core.patch import merge_patch
 from weightship.core.phase import argocd_health, compute_phase
-from weightship.core.promql import TemplateError, placeholders, render_query
 from weightship.core.replicas import canary_replicas, replica_counts, weight_at_step
 from weightship.core.revision import revision_hash
 from weightship.core.testing import at

@@ -29,9 +29,9 @@ from weightship.api.base import (
     matches,
     validations,
 )
+from weightship.api.durations import parse_duration
+from weightship.api.promql import placeholders
 from weightship.api.regex import RE2_VALID_RULE, check_re2
-from weightship.core.durations import parse_duration
-from weightship.core.promql import placeholders
 from weightship.kube.quantity import QUANTITY_PATTERN, quantity_value
 
 MiB = 1024 * 1024
@@ -666,8 +666,8 @@ class PrometheusProvider(ApiModel):
 _BOUNDS_MESSAGE = "metric must set min, max or both"
 # Every {{ of a query opens a known variable: one regex over the query (a findAll over
 # its placeholders costs the API server's CEL budget 100 times over). Stricter than
-# core.promql, never looser: a {{ that is no variable is refused too. The space class is
-# Python's str \s (core.promql's placeholder), spelled out: RE2's \s is ASCII only.
+# api.promql, never looser: a {{ that is no variable is refused too. The space class is
+# Python's str \s (api.promql's placeholder), spelled out: RE2's \s is ASCII only.
 _SPACE = (
     r"[\t\n\x{0b}\f\r \x{1c}-\x{1f}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}"
     r"\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}]*"

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from weightship.api.durations import parse_duration
 from weightship.api.models import ModelRollout
+from weightship.api.promql import render_query
 from weightship.api.spec import CanaryStep, Metric
 from weightship.api.status import (
     MAX_MEASUREMENTS,
@@ -26,9 +28,7 @@ from weightship.api.status import (
     MeasurementPhase,
     MetricRun,
 )
-from weightship.core.durations import parse_duration
 from weightship.core.observed import ObservedMeasurement
-from weightship.core.promql import render_query
 
 _NO_DATA: dict[str, MeasurementPhase] = {
     "Inconclusive": "Inconclusive",

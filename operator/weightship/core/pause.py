@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from weightship.api.durations import parse_duration
 from weightship.api.spec import PauseStep
 from weightship.core.context import RolloutContext, ceil_seconds
 from weightship.core.decision import Event
-from weightship.core.durations import parse_duration
 
 
 def pause_step(ctx: RolloutContext, index: int, pause: PauseStep) -> None:

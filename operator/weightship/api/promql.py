@@ -1,4 +1,5 @@
-"""Render {{ variable }} placeholders in PromQL queries."""
+"""{{ variable }} placeholders in PromQL queries: the spec checks the names a query uses
+(`placeholders`), the analysis renders them (`render_query`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Go-style durations (time.ParseDuration): 30s, 5m, 1h30m, 1.5h, 250ms."""
+"""Go-style durations (time.ParseDuration): 30s, 5m, 1h30m, 1.5h, 250ms. The CRD's
+``DURATION_PATTERN`` (api.base) admits the same strings; the spec and the core parse
+them here."""
 
 from __future__ import annotations
 
