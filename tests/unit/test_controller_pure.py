@@ -11,17 +11,17 @@ from weightship.controller.builders import (
     REVISION_LABEL,
     ROLLOUT_LABEL,
     VERIFIED_GATE,
+    gate_condition,
     replicaset_body,
     scale_patch,
     staged_node_label,
-    verified_condition,
 )
 from weightship.controller.snapshot import (
     observed_pods,
     prefetch_observation,
     replica_set_observations,
 )
-from weightship.core.decision import EnvVar, OpenGate, SeedEnv
+from weightship.core.decision import EnvVar, SeedEnv, SetGate
 from weightship.core.observed import ObservedPod
 
 DIGEST = "sha256:" + "ab" * 32
@@ -217,7 +217,7 @@ def test_scale_patch_sets_size_and_the_seed_env_on_named_containers() -> None:
 
 def test_an_opened_gate_renders_as_a_true_condition_in_utc() -> None:
     at = datetime(2026, 11, 30, 13, 0, tzinfo=timezone(timedelta(hours=1)))
-    assert verified_condition(OpenGate("p", "NothingToVerify", "nothing", at)) == {
+    assert gate_condition(SetGate("p", "True", "NothingToVerify", "nothing", at)) == {
         "type": VERIFIED_GATE,
         "status": "True",
         "reason": "NothingToVerify",

@@ -17,10 +17,11 @@ from weightship.core.decision import (
     CreateReplicaSet,
     Decision,
     NodeLabel,
-    OpenGate,
     ScaleAction,
+    SetGate,
 )
 from weightship.core.observed import NodeStaging, ObservedPod, PrefetchObservation
+from weightship.core.pod_gates import pod_gates
 from weightship.core.seeding import scale_up_seed, seed_root
 from weightship.core.testing import (
     DIGEST_A,
@@ -35,7 +36,6 @@ from weightship.core.testing import (
     with_model_revision,
     with_status,
 )
-from weightship.core.trivial_gates import trivial_gates
 
 STEPS: list[dict[str, Any]] = [{"setWeight": 25}, {"setWeight": 50}, {"pause": {}}]
 
@@ -292,19 +292,19 @@ def test_scaling_down_carries_no_seed_env() -> None:
         ),
     ],
 )
-def test_trivial_gates_open_only_with_nothing_to_verify(
+def test_gates_open_by_themselves_only_with_nothing_to_verify(
     validation: dict[str, Any], pods: tuple[ObservedPod, ...], opened: list[str]
 ) -> None:
     rollout = make_rollout(STEPS, validation=validation)
-    gates = trivial_gates(rollout.spec, pods, T0)
+    gates = pod_gates(rollout.spec, pods, T0)
     assert [g.pod for g in gates] == opened
-    assert all(g == OpenGate(g.pod, "NothingToVerify", g.message, T0) for g in gates)
+    assert all(g == SetGate(g.pod, "True", "NothingToVerify", g.message, T0) for g in gates)
 
 
 def test_decide_opens_trivial_gates_even_while_the_manifest_is_missing() -> None:
     rollout = make_rollout(STEPS, validation={"checksum": False})
     decision = decide(rollout, observe(digest=None, pods=(pod("a", weights_verified=False),)), T0)
-    assert [g.pod for g in decision.open_gates] == ["a"]
+    assert [g.pod for g in decision.pod_gates] == ["a"]
 
 
 # --- staged node labels ---------------------------------------------------------------------
@@ -351,3 +351,26 @@ def test_without_a_canary_the_canary_service_selects_the_stable() -> None:
     assert decision.traffic is not None
     assert (decision.traffic.stable_hash, decision.traffic.canary_hash) == (stable, stable)
     assert (decision.traffic.stable, decision.traffic.canary) == (100, 0)
+
+
+def test_the_gate_takes_a_verdict_it_does_not_show_yet() -> None:
+    """The verifier's verdict is an observation: the core sets the gate from it, once."""
+    from weightship.core.observed import PodVerdict
+
+    rollout = make_rollout(STEPS)
+    verdict = PodVerdict("False", "GoldenPromptFailed", "expected Paris", T0, (("a/b", "1"),))
+    waiting = pod("a", weights_verified=False, verdict=verdict)
+    (gate,) = pod_gates(rollout.spec, (waiting,), T0)
+    assert gate == SetGate(
+        "a", "False", "GoldenPromptFailed", "expected Paris", T0, (("a/b", "1"),)
+    )
+    shown = pod(
+        "a",
+        weights_verified=False,
+        gate_reason="GoldenPromptFailed",
+        gate_message="expected Paris",
+        verdict=verdict,
+    )
+    assert pod_gates(rollout.spec, (shown,), T0) == ()
+    draining = pod("a", weights_verified=False, gate_reason="Draining", verdict=verdict)
+    assert pod_gates(rollout.spec, (draining,), T0) == ()

@@ -261,7 +261,7 @@ def test_nothing_reopens_or_fails_a_draining_pod() -> None:
     smaller = rollout.model_copy(update={"spec": rollout.spec.model_copy(update={"replicas": 1})})
     smaller, _ = reconcile(smaller, cluster, DIGEST_A, at(10))
     _, decision = reconcile(smaller, cluster, DIGEST_A, at(11))
-    assert not decision.open_gates
+    assert not decision.pod_gates
     assert all(not rs.failed for rs in cluster.observe(DIGEST_A).replica_sets)
 
 

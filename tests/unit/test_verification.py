@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -18,7 +19,12 @@ from prometheus_client import REGISTRY
 from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import GoldenPrompt
-from weightship.controller.builders import DIGEST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
+from weightship.controller.builders import (
+    DIGEST_ANNOTATION,
+    REVISION_LABEL,
+    VERIFIED_GATE,
+    gate_condition,
+)
 from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
@@ -28,6 +34,7 @@ from weightship.controller.verifier import (
     needs_check,
 )
 from weightship.core.observed import ReplicaSetObservation
+from weightship.core.pod_gates import pod_gates
 from weightship.core.seeding import scale_up_seed, seed_root
 from weightship.core.verification import (
     GateVerdict,
@@ -302,20 +309,24 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"choices": [{"text": self.state.completion}]})
 
 
-class RecordingKube:
+class Verdicts:
+    """What a verifier reports, carried to the gate as the controller does: its pending
+    verdict, the snapshot, the core's gate decision (core.pod_gates), apply's rendering."""
+
     def __init__(self) -> None:
-        self.writes: list[tuple[str, dict[str, Any], dict[str, str | None] | None]] = []
+        self.woken: list[tuple[str, str]] = []
         self.done = threading.Event()
 
-    def patch_pod_condition(
-        self,
-        namespace: str,
-        name: str,
-        condition: dict[str, Any],
-        annotations: dict[str, str | None] | None = None,
-    ) -> None:
-        self.writes.append((name, condition, annotations))
+    def on_verdict(self, namespace: str, name: str) -> None:
+        self.woken.append((namespace, name))
         self.done.set()
+
+    def written(
+        self, verifier: Verifier, rollout: ModelRollout, raw: dict[str, Any]
+    ) -> tuple[str, dict[str, Any], dict[str, str | None] | None]:
+        pods = observed_pods([raw], verifier.pending([raw]))
+        (gate,) = pod_gates(rollout.spec, pods, datetime.now(UTC))
+        return gate.pod, gate_condition(gate), dict(gate.annotations) or None
 
 
 @pytest.fixture
@@ -339,8 +350,8 @@ def server() -> Iterator[tuple[int, FakeServerState]]:
 def verify_once(
     port: int, golden: str = " Paris"
 ) -> tuple[str, dict[str, Any], dict[str, str | None] | None]:
-    kube = RecordingKube()
-    verifier = Verifier(kube, workers=2)  # type: ignore[arg-type]
+    verdicts = Verdicts()
+    verifier = Verifier(None, workers=2, on_verdict=verdicts.on_verdict)  # type: ignore[arg-type]
     r = rollout(
         goldenPrompts=[
             {"name": "capital", "prompt": "The capital of France is", "expect": {"prefix": golden}}
@@ -349,10 +360,10 @@ def verify_once(
         timeoutSeconds=5,
     )
     assert verifier.submit(r, [pod("p1")]) is True
-    assert kube.done.wait(30)
+    assert verdicts.done.wait(30)
     verifier.pool.shutdown(wait=True)
-    (write,) = kube.writes
-    return write
+    assert verdicts.woken == [("ns", r.metadata.name)]
+    return verdicts.written(verifier, r, pod("p1"))
 
 
 def test_verifier_opens_the_gate_after_digest_and_prompts(
@@ -402,10 +413,43 @@ def test_verifier_reports_a_checksum_failure_from_the_server(
 
 
 def test_verifier_waits_while_the_server_is_unreachable() -> None:
-    kube = RecordingKube()
-    verifier = Verifier(kube, workers=1)  # type: ignore[arg-type]
+    verdicts = Verdicts()
+    verifier = Verifier(None, workers=1, on_verdict=verdicts.on_verdict)  # type: ignore[arg-type]
     r = rollout(goldenPrompts=[], endpoint={"port": 9}, timeoutSeconds=1)
     verifier.submit(r, [pod("p1")])
-    assert kube.done.wait(30)
-    ((_, condition, _),) = kube.writes
+    assert verdicts.done.wait(30)
+    _, condition, _ = verdicts.written(verifier, r, pod("p1"))
     assert (condition["status"], condition["reason"]) == ("False", "Pending")
+
+
+def test_a_verdict_waits_for_its_gate_then_is_dropped(server: tuple[int, FakeServerState]) -> None:
+    """The verifier never writes the gate: its verdict waits (no second check meanwhile)
+    until the pod's gate shows it, as apply writes it."""
+    port, _ = server
+    verdicts = Verdicts()
+    verifier = Verifier(None, workers=1, on_verdict=verdicts.on_verdict)  # type: ignore[arg-type]
+    r = rollout(
+        goldenPrompts=[
+            {
+                "name": "capital",
+                "prompt": "The capital of France is",
+                "expect": {"prefix": " Paris"},
+            }
+        ],
+        endpoint={"port": port},
+        timeoutSeconds=5,
+    )
+    verifier.submit(r, [pod("p1")])
+    assert verdicts.done.wait(30)
+    verifier.pool.shutdown(wait=True)
+    verdicts.done.clear()
+    # Not on the gate yet: still waiting, and not checked again.
+    assert verifier.submit(r, [pod("p1")]) is True and set(verifier.pending([pod("p1")]))
+    _, condition, annotations = verdicts.written(verifier, r, pod("p1"))
+    applied = pod("p1", gate=(condition["status"], condition["reason"]), annotations={})
+    applied["status"]["conditions"][-1]["message"] = condition["message"]
+    applied["metadata"]["annotations"].update({k: v for k, v in (annotations or {}).items() if v})
+    now = datetime.now(UTC)
+    assert not pod_gates(r.spec, observed_pods([applied], verifier.pending([applied])), now)
+    assert verifier.submit(r, [applied]) is False  # shown: dropped, nothing to check
+    assert verifier.pending([applied]) == {} and not verdicts.done.is_set()

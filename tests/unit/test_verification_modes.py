@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
@@ -19,9 +20,11 @@ from weightship.api.spec import GoldenPrompt, ValidationSpec
 from weightship.controller.builders import (
     CACHE_VOLUME,
     DIGEST_ANNOTATION,
+    gate_condition,
     staged_model_dir,
     staged_node_label,
 )
+from weightship.controller.snapshot import observed_pods
 from weightship.controller.verifier import (
     LOADED_ANNOTATION,
     Verifier,
@@ -29,6 +32,7 @@ from weightship.controller.verifier import (
     staged_evidence,
     termination_messages,
 )
+from weightship.core.pod_gates import pod_gates
 from weightship.core.verification import LoadReport, StagedEvidence, termination_message
 
 DIGEST = "sha256:" + "cd" * 32
@@ -185,24 +189,16 @@ def server() -> Iterator[tuple[int, ServerState]]:
 
 
 class NodeKube:
-    """The verifier's kube: nodes to read (labels) and pod condition writes recorded."""
+    """The verifier's kube: nodes to read (labels); verdicts reported, as observations."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
-        self.writes: list[tuple[dict[str, Any], dict[str, str | None] | None]] = []
         self.done = threading.Event()
         self.core = SimpleNamespace(
             read_node=lambda name: SimpleNamespace(metadata=SimpleNamespace(labels=self.labels))
         )
 
-    def patch_pod_condition(
-        self,
-        namespace: str,
-        name: str,
-        condition: dict[str, Any],
-        annotations: dict[str, str | None] | None = None,
-    ) -> None:
-        self.writes.append((condition, annotations))
+    def on_verdict(self, namespace: str, name: str) -> None:
         self.done.set()
 
 
@@ -223,12 +219,16 @@ def verify(
         "timeoutSeconds": 5,
     }
     kube = NodeKube(labels if labels is not None else {staged_node_label(DIGEST): "true"})
-    verifier = Verifier(kube, workers=1, cache_dir=CACHE)  # type: ignore[arg-type]
-    assert verifier.submit(ModelRollout.model_validate(body), [pod]) is True
+    verifier = Verifier(kube, workers=1, cache_dir=CACHE, on_verdict=kube.on_verdict)  # type: ignore[arg-type]
+    rollout = ModelRollout.model_validate(body)
+    assert verifier.submit(rollout, [pod]) is True
     assert kube.done.wait(30)
     verifier.pool.shutdown(wait=True)
-    ((condition, annotations),) = kube.writes
-    return condition, json.loads((annotations or {}).get(LOADED_ANNOTATION) or "{}")
+    # The verdict reaches the gate as the controller carries it: core.pod_gates, apply.
+    observed = observed_pods([pod], verifier.pending([pod]))
+    (gate,) = pod_gates(rollout.spec, observed, datetime.now(UTC))
+    condition, annotations = gate_condition(gate), dict(gate.annotations)
+    return condition, json.loads(annotations.get(LOADED_ANNOTATION) or "{}")
 
 
 def test_auto_on_plain_vllm_verifies_the_staged_cache(server: tuple[int, ServerState]) -> None:

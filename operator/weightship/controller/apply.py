@@ -18,13 +18,13 @@ from weightship.controller.builders import (
     DRAINED_DELETION_COST,
     REVISION_LABEL,
     draining_condition,
+    gate_condition,
     pending_condition,
     replicaset_body,
     replicaset_name,
     retemplate_patch,
     scale_patch,
     staged_node_label,
-    verified_condition,
 )
 from weightship.controller.kube import Kube
 from weightship.controller.seedkey import SeedKeys
@@ -50,8 +50,9 @@ def carry_out(
     for label in decision.node_labels:
         kube.label_node(label.node, staged_node_label(label.manifest_digest), "true")
     namespace = rollout.metadata.namespace or "default"
-    for gate in decision.open_gates:
-        kube.patch_pod_condition(namespace, gate.pod, verified_condition(gate))
+    for gate in decision.pod_gates:
+        annotations = dict(gate.annotations) or None
+        kube.patch_pod_condition(namespace, gate.pod, gate_condition(gate), annotations)
     for pod in decision.reverify_pods:
         kube.patch_pod_condition(namespace, pod, pending_condition("its swap was refused"))
     for drain in decision.drain_pods:

@@ -14,7 +14,7 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.controller.seedkey import seed_key_env
-from weightship.core.decision import DrainPod, OpenGate, SeedEnv
+from weightship.core.decision import DrainPod, SeedEnv, SetGate
 from weightship.core.verification import DRAINING
 from weightship.data import viewlayout
 
@@ -182,13 +182,13 @@ def scale_patch(replicas: int, seed: SeedEnv | None = None) -> dict[str, Any]:
     return patch
 
 
-def verified_condition(gate: OpenGate) -> dict[str, Any]:
-    """The pod condition that opens the weights-verified readiness gate."""
+def gate_condition(gate: SetGate) -> dict[str, Any]:
+    """The pod condition of the weights-verified readiness gate, as the core decided it."""
     return {
         "type": VERIFIED_GATE,
-        "status": "True",
+        "status": gate.status,
         "reason": gate.reason,
-        "message": gate.message,
+        "message": gate.message[:1024],
         "lastTransitionTime": gate.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 

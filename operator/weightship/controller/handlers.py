@@ -107,7 +107,12 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         kube,
         view,
         slack=SlackSender(),
-        verifier=Verifier(kube, workers=verify_workers, cache_dir=cache_dir),
+        verifier=Verifier(
+            kube,
+            workers=verify_workers,
+            cache_dir=cache_dir,
+            on_verdict=lambda namespace, name: queue.add((namespace, name)),
+        ),
         swapper=Swapper(
             kube,
             workers=SWAP_WORKERS,

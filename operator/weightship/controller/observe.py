@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,7 +30,12 @@ from weightship.controller.snapshot import (
     replica_set_observations,
 )
 from weightship.core.analysis import AnalysisQuery, due_queries
-from weightship.core.observed import ManifestResolution, Observed, ObservedMeasurement
+from weightship.core.observed import (
+    ManifestResolution,
+    Observed,
+    ObservedMeasurement,
+    PodVerdict,
+)
 from weightship.core.targets import prefetch_node_selector
 from weightship.data.manifest import ManifestError
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
@@ -275,8 +280,10 @@ def observe(
     measurements: Measurements,
     templates: Templates,
     now: datetime,
+    verdicts: Mapping[str, PodVerdict] | None = None,
 ) -> Observation | None:
-    """None while the manifest is being read for the first time."""
+    """None while the manifest is being read for the first time. ``verdicts``: the
+    verifier's, not yet on the pods' gates (by pod uid)."""
     namespace = rollout.metadata.namespace or "default"
     key = (namespace, rollout.metadata.name)
     manifest = manifests.resolve(rollout, key)
@@ -304,7 +311,7 @@ def observe(
         Observed(
             manifest=manifest,
             replica_sets=replica_sets,
-            pods=observed_pods(objects.pods),
+            pods=observed_pods(objects.pods, verdicts),
             prefetch=prefetch,
             measurements=tuple(measured),
             workload_template=template,

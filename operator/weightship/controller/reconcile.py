@@ -38,6 +38,7 @@ from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
 from weightship.core.gates import DEFAULT_GATES, GateSet
+from weightship.core.observed import PodVerdict
 from weightship.notify import blocks
 from weightship.notify.slack import SlackSender
 
@@ -125,7 +126,14 @@ class Reconciler:
             metrics.record_rollout(namespace, name, decision.status, IDLE_RECHECK_SECONDS)
             return IDLE_RECHECK_SECONDS
         observation = observe(
-            self.view, objects, rollout, self.manifests, self.measurements, self.templates, now
+            self.view,
+            objects,
+            rollout,
+            self.manifests,
+            self.measurements,
+            self.templates,
+            now,
+            self._verdicts(pods),
         )
         laps.lap("observe")
         if observation is None:
@@ -176,7 +184,14 @@ class Reconciler:
             if objects is None:
                 break
             observation = observe(
-                self.view, objects, current, self.manifests, self.measurements, self.templates, now
+                self.view,
+                objects,
+                current,
+                self.manifests,
+                self.measurements,
+                self.templates,
+                now,
+                self._verdicts(objects.pods),
             )
             if observation is None:
                 break
@@ -197,6 +212,9 @@ class Reconciler:
             notifications=tuple(n for link in links for n in link.notifications),
             requeue_after=requeue_after,
         )
+
+    def _verdicts(self, pods: list[dict[str, Any]]) -> dict[str, PodVerdict]:
+        return self.verifier.pending(pods) if self.verifier is not None else {}
 
     def _forget_scaled(self, namespace: str, decision: Decision) -> None:
         """A workloadRef Deployment just scaled is read again, not the count before."""
@@ -273,7 +291,9 @@ def _acts(decision: Decision) -> bool:
     return bool(
         decision.scales
         or decision.node_labels
-        or decision.open_gates
+        or decision.pod_gates
+        or decision.drain_pods
+        or decision.undrain_pods
         or decision.workloads
         or decision.swaps
         or decision.retemplates

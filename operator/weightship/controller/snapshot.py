@@ -23,6 +23,7 @@ from weightship.core.observed import (
     PodFailure,
     PodLoad,
     PodSwap,
+    PodVerdict,
     PrefetchObservation,
     ReplicaSetObservation,
 )
@@ -45,13 +46,17 @@ def _opt_str(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
-    """Pure: the rollout's pods as the core's decisions (seed root, trivial gates) read them."""
+def observed_pods(
+    raw_pods: list[dict[str, Any]], verdicts: Mapping[str, PodVerdict] | None = None
+) -> tuple[ObservedPod, ...]:
+    """Pure: the rollout's pods as the core's decisions (seed root, gates, drains) read
+    them, with the verifier's verdicts not yet on their gates (by pod uid)."""
     out = []
     for pod in raw_pods:
         meta = pod.get("metadata") or {}
         status = pod.get("status") or {}
         containers = ((pod.get("spec") or {}).get("containers")) or []
+        gate = condition(pod, VERIFIED_GATE) or {}
         out.append(
             ObservedPod(
                 name=meta["name"],
@@ -64,12 +69,10 @@ def observed_pods(raw_pods: list[dict[str, Any]]) -> tuple[ObservedPod, ...]:
                 ready=is_true(pod, "Ready"),
                 containers_ready=is_true(pod, "ContainersReady"),
                 weights_verified=is_true(pod, VERIFIED_GATE),
-                gate_reason=None
-                if is_true(pod, VERIFIED_GATE)
-                else _opt_str((condition(pod, VERIFIED_GATE) or {}).get("reason")),
-                gate_since=time_or_none(
-                    (condition(pod, VERIFIED_GATE) or {}).get("lastTransitionTime")
-                ),
+                gate_reason=None if is_true(pod, VERIFIED_GATE) else _opt_str(gate.get("reason")),
+                gate_since=time_or_none(gate.get("lastTransitionTime")),
+                gate_message=_opt_str(gate.get("message")),
+                verdict=(verdicts or {}).get(str(meta.get("uid") or "")),
                 containers=tuple(str(c["name"]) for c in containers if c.get("name")),
                 restarts=sum(
                     int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []

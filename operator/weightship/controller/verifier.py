@@ -1,11 +1,15 @@
-"""The readiness-gate verifier: sets `weightship.io/weights-verified` on inference pods.
+"""The readiness-gate verifier: judges the weights of inference pods.
 
-For each pod whose gate has no verdict yet it asks the inference server what it loaded
-(GET /weightship/v1/loaded), compares the digest with the manifest digest the operator
-stamped on the pod, then sends the golden prompts. Checks run on a bounded thread pool,
-so a slow replica never blocks the reconcile loop. The verdict is written to the pod
-(condition + annotations, one status write); the in-flight set only de-duplicates work,
-so a restarted operator simply checks again every pod that has no verdict.
+For each pod whose gate `weightship.io/weights-verified` has no verdict yet it asks the
+inference server what it loaded (GET /weightship/v1/loaded), compares the digest with
+the manifest digest the operator stamped on the pod, then sends the golden prompts.
+Checks run on a bounded thread pool, so a slow replica never blocks the reconcile loop.
+
+The verifier is an observation source, like the analysis queries: a verdict waits here
+(`pending`) until the rollout's next reconcile, which it wakes (`on_verdict`); the
+snapshot hands it to the core, which sets the gate (core.pod_gates), and apply writes it
+with its annotations in one status write. A verdict is dropped once the gate shows it;
+one lost with a restarted operator is simply made again (the pod still has no verdict).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import urllib3
@@ -37,6 +42,7 @@ from weightship.controller.builders import (
 )
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
+from weightship.core.observed import PodVerdict
 from weightship.core.verification import (
     DRAINING,
     IN_PROGRESS_REASONS,
@@ -63,6 +69,7 @@ FAILED_PROMPT_ANNOTATION = f"{GROUP}/failed-prompt"
 # old verdict no longer says anything about what it serves.
 RESTARTS_ANNOTATION = f"{GROUP}/verified-restarts"
 DEFAULT_WORKERS = 8
+VERDICT_TTL = timedelta(minutes=10)  # a verdict reaches its gate in a reconcile or two
 PROMPT_ATTEMPTS = 4
 
 
@@ -174,6 +181,7 @@ class _Check:
     namespace: str
     name: str
     uid: str
+    rollout: str
     base_url: str
     want_digest: str
     mode: ChecksumMode
@@ -189,24 +197,62 @@ class _Check:
     terminations: tuple[str, ...] = ()  # containers' termination messages
 
 
+def _never(namespace: str, name: str) -> None:
+    return None
+
+
+def on_gate(pod: dict[str, Any], verdict: PodVerdict) -> bool:
+    """Pure: the pod's gate (and restart count) show the verdict: it can be dropped."""
+    gate = condition(pod, VERIFIED_GATE) or {}
+    if gate.get("reason") == DRAINING:
+        return True  # about to be deleted: nobody sets its gate any more
+    shown = (gate.get("status"), gate.get("reason"), gate.get("message"))
+    wanted = (verdict.status, verdict.reason, verdict.message[:1024])
+    written = dict(verdict.annotations).get(RESTARTS_ANNOTATION)
+    noted = ((pod.get("metadata") or {}).get("annotations") or {}).get(RESTARTS_ANNOTATION)
+    return shown == wanted and (written is None or written == noted)
+
+
 class Verifier:
     def __init__(
-        self, kube: Kube, *, workers: int = DEFAULT_WORKERS, cache_dir: str = DEFAULT_CACHE_DIR
+        self,
+        kube: Kube,
+        *,
+        workers: int = DEFAULT_WORKERS,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+        on_verdict: Callable[[str, str], None] = _never,
     ) -> None:
         self.kube = kube
         self.cache_dir = cache_dir  # the node cache, as the operator was installed with it
+        self.on_verdict = on_verdict
+        """Called with the rollout's namespace and name when a verdict waits (requeue)."""
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
         self.http = urllib3.PoolManager(maxsize=workers, retries=False)
         self.lock = threading.Lock()
         self.in_flight: set[str] = set()
+        self.verdicts: dict[str, PodVerdict] = {}
+        """Verdicts not yet on their pods' gates, by pod uid (bounded: one per pod)."""
+
+    def pending(self, pods: list[dict[str, Any]]) -> dict[str, PodVerdict]:
+        """The verdicts waiting for these pods' gates, by pod uid."""
+        with self.lock:
+            return {uid: self.verdicts[uid] for pod in pods if (uid := _uid(pod)) in self.verdicts}
 
     def submit(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> bool:
         """Start checks for pods without a verdict; True while any pod still waits for one."""
         validation = rollout.spec.validation
         if validation.mode == "none" and not validation.golden_prompts:
-            return False  # nothing to verify: apply.open_trivial_gates opens the gate
+            return False  # nothing to verify: core.pod_gates opens the gate
         waiting = False
         for pod in pods:
+            uid = _uid(pod)
+            with self.lock:
+                verdict = self.verdicts.get(uid)
+                if verdict is not None and on_gate(pod, verdict):
+                    del self.verdicts[uid]
+                elif verdict is not None:
+                    waiting = True
+                    continue  # its verdict waits for the core to set the gate
             if not needs_check(pod):
                 continue
             waiting = True
@@ -225,7 +271,8 @@ class Verifier:
         return _Check(
             namespace=meta["namespace"],
             name=meta["name"],
-            uid=meta.get("uid") or meta["name"],
+            uid=_uid(pod),
+            rollout=rollout.metadata.name,
             base_url=f"http://{pod['status']['podIP']}:{validation.endpoint.port}",
             want_digest=digest,
             mode=validation.mode,
@@ -258,7 +305,7 @@ class Verifier:
             if check.restarted or gate_changed(check.current, verdict):
                 annotations = verdict_annotations(report, verdict)
                 annotations[RESTARTS_ANNOTATION] = check.restarts
-                self._write(check, verdict, annotations)
+                self._record(check, verdict, annotations)
                 metrics.VERIFICATIONS.labels(check.namespace, verdict.status, verdict.reason).inc()
                 log.info(
                     "pod %s/%s: %s %s: %s",
@@ -376,19 +423,25 @@ class Verifier:
             raise ServerError(f"{method} {url}: not a JSON object")
         return doc
 
-    def _write(
+    def _record(
         self, check: _Check, verdict: GateVerdict, annotations: dict[str, str | None]
     ) -> None:
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self.kube.patch_pod_condition(
-            check.namespace,
-            check.name,
-            {
-                "type": VERIFIED_GATE,
-                "status": verdict.status,
-                "reason": verdict.reason,
-                "message": verdict.message[:1024],
-                "lastTransitionTime": now,
-            },
-            annotations,
-        )
+        """Keep the verdict for the core and wake the rollout's reconcile."""
+        now = datetime.now(UTC)
+        with self.lock:
+            for uid in [u for u, v in self.verdicts.items() if now - v.at > VERDICT_TTL]:
+                del self.verdicts[uid]  # its pod went before its gate was set
+            self.verdicts[check.uid] = PodVerdict(
+                status="True" if verdict.status == "True" else "False",
+                reason=verdict.reason,
+                message=verdict.message[:1024],
+                at=now,
+                annotations=tuple(sorted(annotations.items())),
+                restarted=check.restarted,
+            )
+        self.on_verdict(check.namespace, check.rollout)
+
+
+def _uid(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or meta.get("name") or "")

@@ -15,7 +15,7 @@ revision), control (promote/abort/retry requests), canary (steady or canary flow
 prefetch (and staged node labels), steps, pause, analysis_step, abort, projection (status
 from observations), scaling (ReplicaSet creates and sizes, traffic, pins), drain (pods
 leave traffic before a scale-down deletes them), seeding (who
-seeds a scale-up), trivial_gates (pods with nothing to verify), workload (a workloadRef
+seeds a scale-up), pod_gates (each pod's weights-verified gate), workload (a workloadRef
 Deployment's scale-down and give-back) and targets (the nodes that stage).
 """
 
@@ -32,8 +32,8 @@ from weightship.core.decision import Decision, ReplicaSetAction, RetemplateRepli
 from weightship.core.desired import desired_revision, mark_invalid, spec_template
 from weightship.core.gates import DEFAULT_GATES, GateSet
 from weightship.core.observed import Observed, ReplicaSetObservation
+from weightship.core.pod_gates import pod_gates
 from weightship.core.targets import prefetch_node_selector
-from weightship.core.trivial_gates import trivial_gates
 
 
 def decide(
@@ -104,7 +104,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         scales=drains.scales,
         not_rebuilt=not_rebuilt,
         node_labels=prefetch.staged_node_labels(ctx.observed),
-        open_gates=trivial_gates(ctx.spec, ctx.observed.pods, ctx.now),
+        pod_gates=pod_gates(ctx.spec, ctx.observed.pods, ctx.now),
         events=tuple(ctx.events),
         notifications=tuple(ctx.notifications),
         traffic=scaling.traffic(ctx),

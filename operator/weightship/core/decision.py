@@ -98,13 +98,16 @@ class ScaleWorkload:
 
 
 @dataclass(frozen=True)
-class OpenGate:
-    """Set a pod's weights-verified readiness gate True (nothing to verify)."""
+class SetGate:
+    """Set a pod's weights-verified readiness gate: the verifier's verdict, or True when
+    there is nothing to verify (core.pod_gates). The annotations go in the same write."""
 
     pod: str
+    status: Literal["True", "False"]
     reason: str
     message: str
     at: datetime
+    annotations: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,9 @@ class Decision:
     """Revisions whose ReplicaSet is gone but wanted: only the spec's current revision can
     be built again, from its template (apply logs these)."""
     node_labels: tuple[NodeLabel, ...] = ()
-    open_gates: tuple[OpenGate, ...] = ()
+    pod_gates: tuple[SetGate, ...] = ()
+    """Weights-verified gates to set: apply is the only writer of the condition (the
+    swapper's Swapping aside, core.inplace)."""
     events: tuple[Event, ...] = ()
     notifications: tuple[Notification, ...] = ()
     traffic: TrafficWeights | None = None

@@ -127,6 +127,21 @@ class ObservedMeasurement:
 
 
 @dataclass(frozen=True)
+class PodVerdict:
+    """The verifier's verdict on a pod's weights, not yet on its gate: the verifier is an
+    observation source like the analysis queries; the core sets the gate from it."""
+
+    status: Literal["True", "False"]
+    reason: str
+    message: str
+    at: datetime
+    annotations: tuple[tuple[str, str | None], ...] = ()
+    """Written with the gate: how the weights arrived, the failing prompt, the restarts."""
+    restarted: bool = False
+    """The pod's containers restarted since its gate's verdict: written even if unchanged."""
+
+
+@dataclass(frozen=True)
 class ObservedPod:
     """One pod of the rollout, as far as decisions about it need to know."""
 
@@ -154,6 +169,10 @@ class ObservedPod:
     """The reason of its weights-verified gate while that is not True."""
     gate_since: datetime | None = None
     """When that gate last changed (its lastTransitionTime)."""
+    gate_message: str | None = None
+    """The message of its weights-verified gate, whatever its status."""
+    verdict: PodVerdict | None = None
+    """The verifier's latest verdict, when it is not on the gate yet."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""Who sets a pod's weights-verified gate (pure): the core, from what it observed.
+
+With something to verify (a checksum or golden prompts in spec.validation), the
+verifier (controller/verifier.py) checks the pod and reports its verdict as an
+observation (`ObservedPod.verdict`); the gate takes the verdict when it says something
+new. With nothing to verify, the gate opens once a pod's containers are ready. A pod
+that is draining before its deletion (core.drain) keeps its gate closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+
+from weightship.api.spec import ModelRolloutSpec
+from weightship.core.decision import SetGate
+from weightship.core.observed import ObservedPod, PodVerdict
+from weightship.core.verification import DRAINING
+
+NOTHING_TO_VERIFY = "NothingToVerify"
+
+
+def pod_gates(
+    spec: ModelRolloutSpec, pods: Sequence[ObservedPod], now: datetime
+) -> tuple[SetGate, ...]:
+    validation = spec.validation
+    if validation.mode == "none" and not validation.golden_prompts:
+        return tuple(_trivial(pods, now))
+    return tuple(_verdicts(pods))
+
+
+def _trivial(pods: Sequence[ObservedPod], now: datetime) -> Iterator[SetGate]:
+    message = "spec.validation has no checksum and no golden prompts"
+    for pod in pods:
+        if pod.containers_ready and not pod.weights_verified and pod.gate_reason != DRAINING:
+            yield SetGate(pod.name, "True", NOTHING_TO_VERIFY, message, now)
+
+
+def _verdicts(pods: Sequence[ObservedPod]) -> Iterator[SetGate]:
+    for pod in pods:
+        verdict = pod.verdict
+        if verdict is None or pod.deleting or pod.gate_reason == DRAINING:
+            continue
+        if verdict.restarted or not _on_gate(pod, verdict):
+            yield SetGate(
+                pod.name,
+                verdict.status,
+                verdict.reason,
+                verdict.message,
+                verdict.at,
+                verdict.annotations,
+            )
+
+
+def _on_gate(pod: ObservedPod, verdict: PodVerdict) -> bool:
+    """The gate says what the verdict says already (no write per verification poll)."""
+    if pod.gate_message != verdict.message:
+        return False
+    if verdict.status == "True":
+        return pod.weights_verified
+    return not pod.weights_verified and pod.gate_reason == verdict.reason
