@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship_dev import testkit
 from weightship_dev.install import apply_crds as apply_crds  # re-exported for tests
@@ -145,19 +146,21 @@ class Rollouts:
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return dict(
             self.custom.create_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, body
+                GROUP, VERSION, self.namespace, ROLLOUT_PLURAL, body
             )
         )
 
     def get(self, name: str) -> dict[str, Any]:
         return dict(
-            self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+            self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, ROLLOUT_PLURAL, name
+            )
         )
 
     def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
         """Merge ``spec`` into the rollout's spec (a key set to None is removed)."""
         self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
+            GROUP, VERSION, self.namespace, ROLLOUT_PLURAL, name, {"spec": spec}
         )
 
     def set_model(
@@ -217,9 +220,51 @@ def operator_process(
 ) -> Iterator[OperatorProcess]:
     """One operator per test module, watching only that module's namespaces (globs), so
     modules never fight over each other's rollouts."""
-    op = OperatorProcess(kubeconfig, state / "operator-e2e.log", namespaces)
+    op = OperatorProcess(
+        kubeconfig, state / "operator-e2e.log", namespaces, metrics_port=free_port()
+    )
     op.start()
     try:
         yield op
     finally:
         op.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_reconciled(
+    rollouts: Rollouts, operator: OperatorProcess, name: str, timeout: float = 60
+) -> float:
+    """Return once ``operator`` has run a whole reconcile of the rollout that began after
+    this call: the positive signal that it saw the state as it is now and, where nothing
+    changed, decided to leave it so. Each round pokes the rollout (an annotation: a watch
+    event, so a reconcile) instead of waiting out the idle recheck. A reconcile that ends
+    after the call may have begun before it; the next one cannot (a key is never worked
+    twice at once), hence two. Returns when the second ended (the operator's clock)."""
+    mark = time.time()
+    for _ in range(2):
+        rollouts.custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            rollouts.namespace,
+            ROLLOUT_PLURAL,
+            name,
+            {"metadata": {"annotations": {"e2e.weightship.io/poke": str(time.time_ns())}}},
+        )
+        since = mark
+
+        def ended(since: float = since) -> float | None:
+            at = operator.reconciled_at(rollouts.namespace, name)
+            return at if at is not None and at > since else None
+
+        mark = testkit.wait_until(
+            ended,
+            timeout=timeout,
+            what=f"{name}: a reconcile by the operator after {since:.3f}",
+            detail=operator.tail,
+        )
+    return mark

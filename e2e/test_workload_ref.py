@@ -19,6 +19,7 @@ from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
     rollout_body,
+    wait_reconciled,
 )
 from weightship_dev import testkit
 
@@ -99,7 +100,7 @@ class Timeline:
             except ApiException:
                 continue
             self.samples.append((time.monotonic(), spec, available))
-            time.sleep(0.2)
+            time.sleep(0.2)  # the sampling period
 
     def __enter__(self) -> Timeline:
         self.thread.start()
@@ -111,7 +112,7 @@ class Timeline:
 
 
 def test_an_adopted_deployment_keeps_its_replicas_until_the_rollout_serves_and_gets_them_back(
-    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+    cluster: Any, rollouts: Rollouts, models: dict[str, str], operator: OperatorProcess
 ) -> None:
     namespace, name = rollouts.namespace, "llm"
     create_deployment(cluster, namespace, name, models["v1"])
@@ -129,7 +130,9 @@ def test_an_adopted_deployment_keeps_its_replicas_until_the_rollout_serves_and_g
     nodes = cluster.core.list_node().items
     assert len(nodes) > len(cluster.process_nodes)
     assert status["prefetch"]["targetNodes"] == len(cluster.process_nodes)
-    time.sleep(3)
+    # Reconciles that began while the rollout waited in Prefetching ran to the end: the
+    # Deployment was seen, and left at its replicas, not adopted.
+    wait_reconciled(rollouts, operator, name)
     assert deployment(cluster, namespace, name).spec.replicas == REPLICAS
     assert "workload" not in rollouts.get(name)["status"]
 
@@ -141,7 +144,7 @@ def test_an_adopted_deployment_keeps_its_replicas_until_the_rollout_serves_and_g
             what="the Deployment scaled to zero",
             detail=lambda: str(rollouts.get(name).get("status", {}).get("message")),
         )
-        time.sleep(1)
+        time.sleep(1)  # pacing, not a wait: a few more samples once at zero
     samples = timeline.samples
     assert any(spec == REPLICAS and available < REPLICAS for _, spec, available in samples)
     for at, spec, available in samples:
@@ -241,8 +244,9 @@ def test_a_rollout_deleted_while_the_operator_is_down_gives_back_once_it_is_up(
         rollouts.custom.delete_namespaced_custom_object(
             "weightship.io", "v1alpha1", namespace, "modelrollouts", name
         )
-        time.sleep(3)
-        held = rollouts.get(name)  # still there: nobody has given the Deployment back
+        # The API server's answer is the signal: it saw the finalizer and kept the
+        # rollout (deletionTimestamp set); only an operator, and none runs, removes it.
+        held = rollouts.get(name)
         assert (
             held["metadata"].get("deletionTimestamp")
             and FINALIZER in held["metadata"]["finalizers"]

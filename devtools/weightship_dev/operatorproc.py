@@ -13,9 +13,13 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 PR_SET_PDEATHSIG = 1
 
@@ -97,3 +101,23 @@ class OperatorProcess:
     def tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def reconciled_at(self, namespace: str, name: str) -> float | None:
+        """When this operator last finished a reconcile of the rollout (Unix time, from
+        its /metrics: weightship_rollout_last_reconcile_timestamp_seconds); None before its
+        first, or when it serves no metrics (metrics_port 0) or is down."""
+        if not self.metrics_port:
+            return None
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None
+        for family in text_string_to_metric_families(text):
+            if family.name != "weightship_rollout_last_reconcile_timestamp_seconds":
+                continue
+            for sample in family.samples:
+                if sample.labels == {"namespace": namespace, "name": name}:
+                    return float(sample.value)
+        return None
