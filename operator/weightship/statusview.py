@@ -48,6 +48,26 @@ def summary(rollout: dict[str, Any]) -> dict[str, Any]:
 
 def render(rollout: dict[str, Any]) -> Group:
     spec, status = rollout.get("spec") or {}, rollout.get("status") or {}
+    parts: list[Any] = [
+        _head_table(rollout, spec, status),
+        _steps_table(spec, status),
+        _conditions_table(status),
+    ]
+    prefetch = _prefetch_table(status.get("prefetch") or {})
+    if prefetch is not None:
+        parts.append(prefetch)
+    parts.extend(_verification_tables(status.get("verification") or {}))
+    in_place = _in_place_table(status.get("inPlace") or {})
+    if in_place is not None:
+        parts.append(in_place)
+    history = _history_table(status.get("history") or [])
+    if history is not None:
+        parts.append(history)
+    return Group(*parts)
+
+
+def _head_table(rollout: dict[str, Any], spec: dict[str, Any], status: dict[str, Any]) -> Table:
+    """Name, phase, revisions, weight, replicas and the adopted workload."""
     phase = status.get("phase", "Pending")
     head = Table.grid(padding=(0, 2))
     head.add_row("Name", f"{rollout['metadata']['namespace']}/{rollout['metadata']['name']}")
@@ -70,7 +90,12 @@ def render(rollout: dict[str, Any]) -> Group:
     workload = _workload_text(spec, status)
     if workload:
         head.add_row("Workload", workload)
+    return head
 
+
+def _steps_table(spec: dict[str, Any], status: dict[str, Any]) -> Table:
+    """The canary steps: done, in progress, to come."""
+    phase = status.get("phase", "Pending")
     steps = Table("#", "step", "", title="Steps", title_justify="left")
     current = status.get("currentStepIndex")
     for i, step in enumerate(((spec.get("strategy") or {}).get("canary") or {}).get("steps") or []):
@@ -82,44 +107,47 @@ def render(rollout: dict[str, Any]) -> Group:
             else ""
         )
         steps.add_row(str(i), _step_text(step), mark)
+    return steps
 
+
+def _conditions_table(status: dict[str, Any]) -> Table:
     gates = Table(
         "condition", "status", "reason", "message", title="Conditions", title_justify="left"
     )
     for c in status.get("conditions") or []:
         gates.add_row(c["type"], c["status"], c.get("reason", ""), c.get("message", ""))
+    return gates
 
-    parts: list[Any] = [head, steps, gates]
-    prefetch = status.get("prefetch") or {}
-    if prefetch.get("nodes"):
-        nodes = Table(
-            "node",
-            "state",
-            "progress",
-            "reason",
-            title=(
-                f"Prefetch {prefetch.get('stagedNodes', 0)}/{prefetch.get('targetNodes', 0)} staged"
-            ),
-            title_justify="left",
+
+def _prefetch_table(prefetch: dict[str, Any]) -> Table | None:
+    """Each node's staging progress; None before any node is counted."""
+    if not prefetch.get("nodes"):
+        return None
+    nodes = Table(
+        "node",
+        "state",
+        "progress",
+        "reason",
+        title=f"Prefetch {prefetch.get('stagedNodes', 0)}/{prefetch.get('targetNodes', 0)} staged",
+        title_justify="left",
+    )
+    for n in prefetch["nodes"]:
+        total = n.get("bytesTotal") or 0
+        pct = f"{100 * (n.get('bytesDone') or 0) / total:.0f}%" if total else "-"
+        nodes.add_row(n["name"], n["state"], pct, _staging_reason(n))
+    return nodes
+
+
+def _history_table(history: list[dict[str, Any]]) -> Table | None:
+    """The last five promotions and rollbacks; None when there are none."""
+    if not history:
+        return None
+    hist = Table("at", "revision", "outcome", "reason", title="History", title_justify="left")
+    for h in history[-5:]:
+        hist.add_row(
+            h.get("at", ""), h.get("revision", ""), h.get("outcome", ""), h.get("reason", "")
         )
-        for n in prefetch["nodes"]:
-            total = n.get("bytesTotal") or 0
-            pct = f"{100 * (n.get('bytesDone') or 0) / total:.0f}%" if total else "-"
-            nodes.add_row(n["name"], n["state"], pct, _staging_reason(n))
-        parts.append(nodes)
-    parts.extend(_verification_tables(status.get("verification") or {}))
-    in_place = _in_place_table(status.get("inPlace") or {})
-    if in_place is not None:
-        parts.append(in_place)
-    history = status.get("history") or []
-    if history:
-        hist = Table("at", "revision", "outcome", "reason", title="History", title_justify="left")
-        for h in history[-5:]:
-            hist.add_row(
-                h.get("at", ""), h.get("revision", ""), h.get("outcome", ""), h.get("reason", "")
-            )
-        parts.append(hist)
-    return Group(*parts)
+    return hist
 
 
 def _in_place_table(in_place: dict[str, Any]) -> Table | None:
