@@ -7,7 +7,6 @@ import copy
 import json
 import socket
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -506,8 +505,17 @@ def test_unreachable_prometheus_pauses_and_the_rollout_resumes_when_it_returns(
             "paused on an unreachable Prometheus",
             lambda s: s.get("phase") == "Paused" and "unreachable" in (s.get("message") or ""),
         )["status"]
-        time.sleep(6)  # several measurement intervals: still blind, so still paused
-        still = rollouts.get("llm")["status"]
+        # Still blind, so still paused: two more failed queries written to status, each
+        # by a reconcile that measured and decided (in the same status patch) to stay.
+        errors = paused["analysis"]["runs"][0]["error"]
+        still = rollouts.wait(
+            "llm",
+            "two more query errors recorded",
+            lambda s: (
+                ((s.get("analysis") or {}).get("runs") or [{}])[0].get("error", 0) >= errors + 2
+            ),
+            timeout=30,
+        )["status"]
         assert still["phase"] == "Paused"
         assert still["stableRevision"]["revision"] == "v1"
         assert still["currentStepIndex"] == paused["currentStepIndex"] == 1
