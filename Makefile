@@ -9,11 +9,15 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: demo test lint unit e2e bench deps venv lock cluster-up cluster-down cluster-status crds clean
 
 # The dev and test venv, from its lock (requirements/dev.txt: every package pinned with its
-# hashes, pip and uv included; torch is PyPI's build); then weightship and the test rig
-# editable, without deps, built by the lock's hatchling. `make lock` refreshes the locks.
+# hashes, pip and uv included; torch is PyPI's build): pip installs the lock's uv, uv the
+# rest (its cache, ~/.cache/uv, makes the venv of a fresh clone take about 1 min); then
+# weightship and the test rig editable, without deps, built by the lock's hatchling.
+# `make lock` refreshes the locks.
+UV_PIN := awk '/^uv==/ {p = 1; print; next} p && /^ +--hash=/ {print; next} {p = 0}'
 $(STAMP): requirements/dev.txt pyproject.toml devtools/pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --require-hashes --no-deps -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r <($(UV_PIN) requirements/dev.txt)
+	$(BIN)/uv pip install -q --python $(BIN)/python --require-hashes --no-deps -r requirements/dev.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . -e ./devtools
 	touch $(STAMP)
 
