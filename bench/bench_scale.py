@@ -59,8 +59,7 @@ from kubernetes.client.rest import ApiException
 
 from benchlib import free_port, table
 from scale_profile import HOP_HEADER, CpuMeter, Timeline, hop_table, machine_busy
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship_dev import cluster as local_cluster
 from weightship_dev import testkit
@@ -622,14 +621,16 @@ def release_finalizers(api: client.ApiClient, namespace: str) -> None:
     namespace in Terminating for good (and its rollouts would wait for the next run's
     operator of that design): drop them."""
     custom = client.CustomObjectsApi(api)
-    for rollout in custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]:
+    for rollout in custom.list_namespaced_custom_object(GROUP, VERSION, namespace, ROLLOUT_PLURAL)[
+        "items"
+    ]:
         if rollout["metadata"].get("finalizers"):
             with suppress(ApiException):
                 custom.patch_namespaced_custom_object(
                     GROUP,
                     VERSION,
                     namespace,
-                    PLURAL,
+                    ROLLOUT_PLURAL,
                     rollout["metadata"]["name"],
                     {"metadata": {"finalizers": None}},
                 )

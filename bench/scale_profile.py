@@ -24,8 +24,8 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from weightship.controller.builders import GROUP, REVISION_LABEL, ROLLOUT_LABEL
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
+from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL
 
 DAEMONS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 HOPS = (
@@ -120,7 +120,7 @@ class Timeline:
             (
                 "ModelRollout",
                 custom.list_namespaced_custom_object,
-                (GROUP, VERSION, self.namespace, PLURAL),
+                (GROUP, VERSION, self.namespace, ROLLOUT_PLURAL),
             ),
         ]
         for kind, fn, args in sources:

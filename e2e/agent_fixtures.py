@@ -11,8 +11,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import VERSION
+from weightship.api.names import GROUP, VERSION
 from weightship_dev import testkit
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 

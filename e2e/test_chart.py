@@ -20,8 +20,8 @@ from e2e.operator_fixtures import (
     rollout_body,
     s3_secret,
 )
-from weightship.controller.builders import GROUP, staged_node_label
-from weightship.controller.kube import VERSION
+from weightship.api.names import GROUP, VERSION
+from weightship.controller.builders import staged_node_label
 from weightship_dev import testkit
 from weightship_dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY

@@ -18,15 +18,14 @@ from kubernetes import client
 from e2e.agent_fixtures import CACHE_DIR, PROCESS, Agents, cache_root
 from e2e.operator_fixtures import Rollouts, publish_models, rollout_body
 from weightship import rollouts as user_actions
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship.controller.builders import (
-    GROUP,
     MODEL_VOLUMES,
     ROLLOUT_LABEL,
     VIEW_READY_VOLUME,
     VIEW_VOLUME,
     rollout_view_root,
 )
-from weightship.controller.kube import PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin
 from weightship_dev import testkit
 
@@ -247,7 +246,7 @@ def test_pods_see_only_what_their_rollout_pins(
 
     # 5. The rollout gone, its view goes.
     client.CustomObjectsApi(cluster.api).delete_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, "inplace"
+        GROUP, VERSION, ns, ROLLOUT_PLURAL, "inplace"
     )
     testkit.wait_until(
         lambda: all(uid not in views_on(cluster, n) for n in cluster.process_nodes),

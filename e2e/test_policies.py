@@ -18,9 +18,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from weightship.api.names import GROUP, VERSION
 from weightship.api.samples import VALID_MANIFEST
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import VERSION
 from weightship_dev import testkit
 from weightship_dev.install import helm
 

@@ -34,8 +34,7 @@ from e2e.operator_fixtures import (
     rollout_body,
     s3_secret,
 )
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship_dev import testkit
 from weightship_dev.install import CHART, helm
 
@@ -201,7 +200,7 @@ def test_standby_takes_over_mid_canary_and_finishes_it(
     lease = Recorder(leases.list_namespaced_lease, (namespace,), LEASE).start()
     rollout = Recorder(
         client.CustomObjectsApi(cluster.api).list_namespaced_custom_object,
-        (GROUP, VERSION, namespace, PLURAL),
+        (GROUP, VERSION, namespace, ROLLOUT_PLURAL),
         "llm",
     ).start()
     a, b = operator("a"), operator("b")
@@ -240,7 +239,7 @@ def test_standby_takes_over_mid_canary_and_finishes_it(
         a.kill()  # SIGKILL to its process group; returns once it is reaped
         after_kill = int(
             client.CustomObjectsApi(cluster.api).list_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL
+                GROUP, VERSION, namespace, ROLLOUT_PLURAL
             )["metadata"]["resourceVersion"]
         )
         acquired = testkit.wait_until(

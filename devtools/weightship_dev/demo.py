@@ -36,8 +36,8 @@ from kubernetes.client.rest import ApiException
 from rich.console import Console
 from rich.table import Table
 
-from weightship.controller.builders import GROUP, VERIFIED_GATE
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
+from weightship.controller.builders import VERIFIED_GATE
 from weightship_dev import cluster as local_cluster
 from weightship_dev import install, nodes, testkit
 from weightship_dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths
@@ -194,7 +194,9 @@ class Demo:
 
     def get(self, name: str = "llm") -> dict[str, Any]:
         return dict(
-            self.custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+            self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, NAMESPACE, ROLLOUT_PLURAL, name
+            )
         )
 
     def follow(
@@ -259,7 +261,7 @@ class Demo:
         }
 
         self.say("v1: the first revision goes straight to stable")
-        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, ROLLOUT_PLURAL, body)
         self.follow(lambda s: s.get("phase") == "Healthy")
 
         self.say("v2: a canary at 33% (1 pod), a pause, then 100% (3 pods, 2 seeded by broadcast)")
@@ -308,7 +310,7 @@ class Demo:
             "metadata": {"name": VLLM_ROLLOUT},
             "spec": vllm_rollout_spec(uri, endpoint),
         }
-        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, ROLLOUT_PLURAL, body)
         self.follow(lambda s: s.get("phase") == "Healthy", timeout=600, name=VLLM_ROLLOUT)
         pods = client.CoreV1Api(self.api).list_namespaced_pod(
             NAMESPACE, label_selector=f"app={VLLM_ROLLOUT}"
@@ -387,7 +389,7 @@ class Demo:
             GROUP,
             VERSION,
             NAMESPACE,
-            PLURAL,
+            ROLLOUT_PLURAL,
             name,
             {"spec": {"model": {"source": {"uri": uri}, "revision": revision}}},
         )
@@ -508,14 +510,14 @@ def _delete_demo_namespace(core: client.CoreV1Api, custom: client.CustomObjectsA
     released on the way out: the operator that would release them may be gone already."""
     try:
         core.delete_namespace(NAMESPACE)
-        for mr in custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL).get(
-            "items", []
-        ):
+        for mr in custom.list_namespaced_custom_object(
+            GROUP, VERSION, NAMESPACE, ROLLOUT_PLURAL
+        ).get("items", []):
             custom.patch_namespaced_custom_object(
                 GROUP,
                 VERSION,
                 NAMESPACE,
-                PLURAL,
+                ROLLOUT_PLURAL,
                 mr["metadata"]["name"],
                 {"metadata": {"finalizers": None}},
             )

@@ -13,8 +13,7 @@ from typing import Any
 
 from kubernetes import client
 
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship_dev import cluster, components, processes, testkit
 from weightship_dev.layout import ClusterPaths
 from weightship_dev.nodes import GPU_TAINT, NODE_KIND_LABEL, admin_api, delete_kwok_leases
@@ -82,7 +81,7 @@ class Fleet:
                 GROUP,
                 VERSION,
                 self.namespace,
-                PLURAL,
+                ROLLOUT_PLURAL,
                 kwok_rollout_body(name, uri, revision, endpoint, replicas),
             )
         )
@@ -92,7 +91,7 @@ class Fleet:
 
         def patch(name: str) -> None:
             self.custom.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
+                GROUP, VERSION, self.namespace, ROLLOUT_PLURAL, name, {"spec": spec}
             )
             self.changed_at[name] = time.monotonic()
 
@@ -100,9 +99,9 @@ class Fleet:
 
     def listing(self) -> dict[str, dict[str, Any]]:
         self.lists += 1
-        items = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)[
-            "items"
-        ]
+        items = self.custom.list_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, ROLLOUT_PLURAL
+        )["items"]
         mine = set(self.names)
         return {o["metadata"]["name"]: o for o in items if o["metadata"]["name"] in mine}
 

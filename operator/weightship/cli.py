@@ -92,19 +92,17 @@ def operator_command(
 
 
 def _api() -> Any:
-    from kubernetes import client, config
+    from kubernetes import config
+
+    from weightship.kube.client import load_client
 
     try:
-        config.load_kube_config()
-    except config.ConfigException:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException as e:
-            raise click.ClickException(
-                "no Kubernetes credentials: set KUBECONFIG (the local cluster's is "
-                "/var/tmp/weightship-cluster/kubeconfig) or run inside a pod"
-            ) from e
-    return client.ApiClient()
+        return load_client(kubeconfig_first=True)
+    except config.ConfigException as e:
+        raise click.ClickException(
+            "no Kubernetes credentials: set KUBECONFIG (the local cluster's is "
+            "/var/tmp/weightship-cluster/kubeconfig) or run inside a pod"
+        ) from e
 
 
 namespace_option = click.option("-n", "--namespace", default="default", show_default=True)

@@ -13,8 +13,7 @@ from typing import Any
 
 from kubernetes import client
 
-from weightship.controller.builders import GROUP
-from weightship.controller.kube import PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 
 
 def _token() -> str:
@@ -32,7 +31,7 @@ def _requester() -> str:
 def get_rollout(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     return dict(
         client.CustomObjectsApi(api).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name
+            GROUP, VERSION, namespace, ROLLOUT_PLURAL, name
         )
     )
 
@@ -43,7 +42,7 @@ def request(
     """Write one control request (promote/abort/retry) and return it."""
     body = {"requestedAt": _token(), "requestedBy": _requester(), **fields}
     client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": {"control": {action: body}}}
+        GROUP, VERSION, namespace, ROLLOUT_PLURAL, name, {"status": {"control": {action: body}}}
     )
     return body
 

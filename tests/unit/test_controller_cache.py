@@ -16,9 +16,9 @@ from weightship.controller.cache import (
     index_pod,
     index_replicaset,
 )
-from weightship.controller.informer import Informer
 from weightship.controller.snapshot import prefetch_observation, replica_set_observations
 from weightship.controller.verifier import staged_evidence, termination_messages
+from weightship.kube.informer import Informer
 
 OWNER = ("ns", "llm")
 

@@ -54,9 +54,10 @@ def agent_command(
     from prometheus_client import CollectorRegistry, start_http_server
 
     from weightship.agent.config import AgentConfig, ConfigError
-    from weightship.agent.kube import AgentKube, load_client
+    from weightship.agent.kube import AgentKube
     from weightship.agent.main import Agent
     from weightship.agent.metrics import AgentMetrics
+    from weightship.kube.client import load_client
 
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,

@@ -26,7 +26,7 @@ from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.failures import StageError, classify
-from weightship.agent.kube import AgentKube, RolloutInformer
+from weightship.agent.kube import AgentKube, rollout_informer
 from weightship.agent.metrics import AgentMetrics
 from weightship.api.weightcache import FailureReason
 from weightship.core.staging_failure import DETERMINISTIC
@@ -101,7 +101,7 @@ class Agent:
         self.job: _Job | None = None
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
-        self.informer = RolloutInformer(kube, self.wake.set)
+        self.informer = rollout_informer(kube, self.wake.set, stop=self.stop)
         self.peer_server: PeerServer | None = None
         self._labels: dict[str, str] = {}
         self._labels_at = float("-inf")
@@ -136,7 +136,7 @@ class Agent:
         self._changed(urgent=True)
         reporter = threading.Thread(target=self._report_loop, name="status", daemon=True)
         reporter.start()
-        self.informer.start(self.stop)
+        self.informer.start()
         try:
             while not self.stop.is_set():
                 try:

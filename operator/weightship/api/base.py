@@ -14,10 +14,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-GROUP = "weightship.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-
 # Go-style durations as accepted by time.ParseDuration, minus the sign and the µ alias.
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
 SHA256_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"

@@ -25,7 +25,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from weightship.api.base import GROUP, VERSION
+from weightship.api.names import (
+    CACHE_KIND,
+    CACHE_PLURAL,
+    GROUP,
+    ROLLOUT_KIND,
+    ROLLOUT_PLURAL,
+    VERSION,
+)
 from weightship.api.spec import ModelRolloutSpec
 from weightship.api.status import ModelRolloutStatus
 from weightship.api.weightcache import WeightCacheSpec, WeightCacheStatus
@@ -82,8 +89,8 @@ AGE = PrinterColumn("Age", ".metadata.creationTimestamp", "date", "Time since cr
 
 RESOURCES = (
     Resource(
-        kind="ModelRollout",
-        plural="modelrollouts",
+        kind=ROLLOUT_KIND,
+        plural=ROLLOUT_PLURAL,
         scope="Namespaced",
         description="ModelRollout rolls new model weights out to an inference fleet: prefetch "
         "onto nodes, seed, verify, then canary steps gated on analysis, with automatic "
@@ -106,8 +113,8 @@ RESOURCES = (
         ),
     ),
     Resource(
-        kind="WeightCache",
-        plural="weightcaches",
+        kind=CACHE_KIND,
+        plural=CACHE_PLURAL,
         scope="Cluster",
         description="WeightCache reports the model weights cached on one node. Written by that "
         "node's weightship agent.",

@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from weightship.api.base import API_VERSION, ApiModel
+from weightship.api.base import ApiModel
+from weightship.api.names import API_VERSION, CACHE_KIND, ROLLOUT_KIND
 from weightship.api.spec import ModelRolloutSpec
 from weightship.api.status import ModelRolloutStatus
 from weightship.api.weightcache import WeightCacheSpec, WeightCacheStatus
@@ -33,7 +34,7 @@ class ModelRollout(ApiModel):
     """A rollout of model weights to one inference fleet."""
 
     api_version: str = API_VERSION
-    kind: str = "ModelRollout"
+    kind: str = ROLLOUT_KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: ModelRolloutSpec
     status: ModelRolloutStatus = Field(default_factory=ModelRolloutStatus)
@@ -48,7 +49,7 @@ class WeightCache(ApiModel):
     """The weight cache of one node."""
 
     api_version: str = API_VERSION
-    kind: str = "WeightCache"
+    kind: str = CACHE_KIND
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: WeightCacheSpec
     status: WeightCacheStatus = Field(default_factory=WeightCacheStatus)

@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import GROUP
 from weightship.controller.seedkey import seed_key_env
 from weightship.core.decision import DrainPod, SeedEnv, SetGate
 from weightship.core.verification import DRAINING
 from weightship.data import viewlayout
 
-GROUP = "weightship.io"
 ROLLOUT_LABEL = f"{GROUP}/rollout"
 REVISION_LABEL = f"{GROUP}/revision-hash"
 DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"

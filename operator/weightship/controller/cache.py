@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from weightship.controller.builders import ROLLOUT_LABEL
-from weightship.controller.informer import Informer
+from weightship.kube.informer import Informer
 from weightship.kube.selector import labels_match
 
 T = TypeVar("T")

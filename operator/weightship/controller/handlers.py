@@ -26,24 +26,25 @@ import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
+from weightship.api.names import CACHE_PLURAL, GROUP, VERSION
 from weightship.api.status import WorkloadStatus
 from weightship.controller import apply, cache, metrics
 from weightship.controller.builders import (
     CACHE_DIR_ENV,
     DEFAULT_CACHE_DIR,
     FINALIZER,
-    GROUP,
     ROLLOUT_LABEL,
 )
 from weightship.controller.events import EventPoster
-from weightship.controller.informer import Informer
-from weightship.controller.kube import VERSION, Conflict, Kube, load_client
+from weightship.controller.kube import Conflict, Kube
 from weightship.controller.reconcile import Reconciler
 from weightship.controller.swapper import DEFAULT_WORKERS as SWAP_WORKERS
 from weightship.controller.swapper import Swapper
 from weightship.controller.verifier import Verifier
 from weightship.controller.workqueue import Workers, WorkQueue
 from weightship.core.workload import give_back
+from weightship.kube.client import load_client
+from weightship.kube.informer import Informer
 from weightship.notify.slack import SlackSender
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     nodes = Informer("nodes", core.list_node, cache.index_node_labels)
     caches = Informer(
         "weightcaches",
-        functools.partial(custom.list_cluster_custom_object, GROUP, VERSION, "weightcaches"),
+        functools.partial(custom.list_cluster_custom_object, GROUP, VERSION, CACHE_PLURAL),
         cache.index_cache_entries,
         # Called on the informer's thread: the kopf index is read on the loop.
         on_event=lambda body: loop.call_soon_threadsafe(

@@ -1,4 +1,5 @@
-"""Kubernetes adapter for the controller: reads and writes, with retries at the edge.
+"""Kubernetes adapter for the controller: reads and writes, with retries at the edge
+(`weightship.kube.client.api_retry`, the policy the agent's adapter uses too).
 
 All calls are synchronous (the kubernetes client is): the controller runs them from its
 reconcile workers, i.e. in threads, never on the event loop. Reads of what the operator
@@ -13,44 +14,14 @@ import contextlib
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
-from tenacity import (
-    retry,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
 
-from weightship.controller.builders import GROUP
+from weightship.api.names import API_VERSION, GROUP, ROLLOUT_KIND, ROLLOUT_PLURAL, VERSION
+from weightship.kube.client import api_retry
 
 if TYPE_CHECKING:
     from weightship.controller.cache import ClusterView
-
-VERSION = "v1alpha1"
-PLURAL = "modelrollouts"
-
-
-def _transient(exc: BaseException) -> bool:
-    """Retry throttling and server errors; never 4xx decisions like 404, 409 or 422."""
-    return isinstance(exc, ApiException) and exc.status in (429, 500, 502, 503, 504)
-
-
-api_retry = retry(
-    retry=retry_if_exception(_transient),
-    wait=wait_exponential_jitter(multiplier=0.2, max=5, jitter=0.2),
-    stop=stop_after_attempt(5),
-    reraise=True,
-)
-
-
-def load_client() -> client.ApiClient:
-    """In a pod: its service account. Elsewhere: KUBECONFIG or ~/.kube/config."""
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()
 
 
 class Conflict(Exception):
@@ -81,7 +52,7 @@ class Kube:
         body = {"metadata": {"resourceVersion": resource_version}, "status": patch}
         try:
             answer = self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, body
+                GROUP, VERSION, namespace, ROLLOUT_PLURAL, name, body
             )
         except ApiException as e:
             if e.status == 409:
@@ -211,8 +182,8 @@ class Kube:
                 generate_name=f"{meta['name']}.", namespace=meta["namespace"]
             ),
             involved_object=client.V1ObjectReference(
-                api_version=f"{GROUP}/{VERSION}",
-                kind="ModelRollout",
+                api_version=API_VERSION,
+                kind=ROLLOUT_KIND,
                 name=meta["name"],
                 namespace=meta["namespace"],
                 uid=meta.get("uid"),

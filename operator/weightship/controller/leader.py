@@ -342,7 +342,7 @@ def run_elected(
 ) -> None:
     """Run `run` (kopf) only while this process holds the Lease."""
     if api is None:
-        from weightship.controller.kube import load_client
+        from weightship.kube.client import load_client
 
         api = load_client()
     # A request may take no longer than a renewal round, so a hung one cannot hold the

@@ -27,12 +27,12 @@ import urllib3
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import GROUP
 from weightship.api.spec import ChecksumMode, GoldenPrompt
 from weightship.controller import metrics
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
     DIGEST_ANNOTATION,
-    GROUP,
     MODEL_DIR_ENV,
     NODE_VOLUMES,
     VERIFIED_GATE,

@@ -19,7 +19,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
-VERSION = "v1"
+FORMAT_VERSION = "v1"  # the token format's version (not the API's: weightship.api.names)
 KEY_BYTES = 32
 # A receiver mints its token right before it joins; the root refuses one that expires later
 # than this plus MAX_CLOCK_SKEW_S from its own clock, so a copied token dies within minutes.
@@ -49,14 +49,14 @@ def parse_key(text: str) -> bytes:
 
 
 def _mac(key: bytes, rollout_uid: str, digest: str, group: str, expires: int) -> str:
-    message = json.dumps([VERSION, rollout_uid, digest, group, expires]).encode()
+    message = json.dumps([FORMAT_VERSION, rollout_uid, digest, group, expires]).encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 def join_token(key: bytes, rollout_uid: str, digest: str, group: str, expires: int) -> str:
     """The token that opens ``group`` at a root of this rollout holding ``digest``, until
     ``expires`` (epoch seconds)."""
-    return f"{VERSION}.{expires}.{_mac(key, rollout_uid, digest, group, expires)}"
+    return f"{FORMAT_VERSION}.{expires}.{_mac(key, rollout_uid, digest, group, expires)}"
 
 
 def mint(key: bytes, rollout_uid: str, digest: str, group: str, now: float) -> str:
@@ -80,7 +80,12 @@ def check_token(
     if not token:
         return TokenRefusal(401, "TokenMissing", "a join needs the rollout's seeding token")
     parts = token.split(".") if len(token) <= MAX_TOKEN_CHARS else []
-    if len(parts) != 3 or parts[0] != VERSION or not parts[1].isdigit() or len(parts[1]) > 12:
+    if (
+        len(parts) != 3
+        or parts[0] != FORMAT_VERSION
+        or not parts[1].isdigit()
+        or len(parts[1]) > 12
+    ):
         return TokenRefusal(403, "TokenInvalid", "the seeding token is malformed")
     expires = int(parts[1])
     expected = _mac(key, rollout_uid, digest, group, expires)

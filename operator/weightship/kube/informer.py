@@ -1,20 +1,24 @@
-"""A list-then-watch cache of one cluster-wide resource kind, for the kinds a fleet has
-thousands of (nodes, WeightCaches).
+"""A list-then-watch cache of one resource kind, for the controller (nodes, WeightCaches:
+kinds a fleet has thousands of) and the agent (ModelRollouts: it never polls them).
 
-Why not `@kopf.index` for these too: kopf gives every object its own worker task and,
+Why not `@kopf.index` in the controller: kopf gives every object its own worker task and,
 until all indexes are filled, its own readiness toggle, and every toggle change wakes
 every waiting worker. At 5,000 nodes and 5,000 WeightCaches that start-up is quadratic
 (an operator under this bench spent over 5 minutes in `ToggleSet.make_toggle` without a
 single reconcile) and each object costs a task. Here one thread lists, then watches,
 parsing raw JSON and keeping only what `project` returns; it relists on 410 Gone or any
-error. `synced` is set once the first listing is in, so the reconciles that read it know
-the cache is complete.
+error. `synced` is set once the first listing is in, so the readers know the cache is
+complete. `on_list` is called after every listing, `on_event` after every watch event
+(the agent's hint to re-evaluate, the controller's to enqueue).
 
 The listing is paged (`page_size` objects a request): a whole list of 5,000 nodes is
 13 MB of JSON and ~50 MB parsed, and CPython keeps most of that heap after it is freed
 (the projections kept are interleaved with it), so one unpaged list left the operator
-~50 MB larger for good; pages of 500 leave it ~6 MB larger. (resourceVersion 0 would
-serve the list from the watch cache but ignores `limit`.)
+~50 MB larger for good; pages of 500 leave it ~6 MB larger. `page_size=None` lists in one
+request from the API server's watch cache (resourceVersion 0, which ignores `limit`):
+what thousands of agents use, so that their relists do not reach etcd.
+
+Objects are told apart by namespace and name, so one cache holds a namespaced kind too.
 """
 
 from __future__ import annotations
@@ -41,22 +45,25 @@ class Informer:
         project: Project,
         *,
         on_event: Callable[[dict[str, Any]], object] | None = None,
+        on_list: Callable[[], object] | None = None,
         watch_timeout_s: int = 300,
         retry_s: float = 5.0,
-        page_size: int = 500,
+        page_size: int | None = 500,
+        stop: threading.Event | None = None,
     ) -> None:
         self.name = name
         self.list_fn = list_fn
         self.project = project
         self.on_event = on_event
+        self.on_list = on_list
         self.watch_timeout_s = watch_timeout_s
         self.retry_s = retry_s
         self.page_size = page_size
         self.synced = threading.Event()
         self._lock = threading.Lock()
-        self._by_object: dict[str, dict[Hashable, Any]] = {}  # object name -> {key: value}
-        self._index: dict[Hashable, dict[str, Any]] = {}  # key -> {object name: value}
-        self._stop = threading.Event()
+        self._by_object: dict[str, dict[Hashable, Any]] = {}  # object -> {key: value}
+        self._index: dict[Hashable, dict[str, Any]] = {}  # key -> {object: value}
+        self._stop = stop if stop is not None else threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"informer-{name}", daemon=True)
         self._response: Any = None
 
@@ -74,9 +81,14 @@ class Informer:
             values = self._index.get(key)
             return next(iter(values.values()), None) if values else None
 
+    def snapshot(self) -> list[Any]:
+        """Every value kept, of every key."""
+        with self._lock:
+            return [value for values in self._index.values() for value in values.values()]
+
     # ---- upkeep -----------------------------------------------------------------------
     def put(self, obj: dict[str, Any]) -> None:
-        name = obj["metadata"]["name"]
+        name = _identity(obj)
         projected = self.project(obj)
         with self._lock:
             self._drop_locked(name)
@@ -86,10 +98,10 @@ class Informer:
 
     def delete(self, obj: dict[str, Any]) -> None:
         with self._lock:
-            self._drop_locked(obj["metadata"]["name"])
+            self._drop_locked(_identity(obj))
 
     def replace_all(self, objects: Iterable[dict[str, Any]]) -> None:
-        projected = {o["metadata"]["name"]: self.project(o) for o in objects}
+        projected = {_identity(o): self.project(o) for o in objects}
         index: dict[Hashable, dict[str, Any]] = {}
         for name, values in projected.items():
             for key, value in values.items():
@@ -124,6 +136,8 @@ class Informer:
                 self.replace_all(obj for page in pages for obj in page)
                 self.synced.set()
                 log.info("%s: %d objects listed", self.name, listed[0])
+                if self.on_list is not None:
+                    self.on_list()
                 self._watch(str(listed[1]))
             except Exception as e:  # the API server restarting, RBAC, network: relist
                 if not self._stop.is_set():
@@ -138,7 +152,10 @@ class Informer:
         token: str | None = None
         count = 0
         while True:
-            raw = self.list_fn(limit=self.page_size, _continue=token, _preload_content=False)
+            if self.page_size is None:
+                raw = self.list_fn(resource_version="0", _preload_content=False)
+            else:
+                raw = self.list_fn(limit=self.page_size, _continue=token, _preload_content=False)
             page = json.loads(raw.data)
             raw.release_conn()
             del raw
@@ -181,3 +198,10 @@ class Informer:
             finally:
                 self._response = None
                 response.release_conn()
+
+
+def _identity(obj: dict[str, Any]) -> str:
+    """`namespace/name`, or the name alone for a cluster-scoped object."""
+    meta = obj["metadata"]
+    namespace = meta.get("namespace")
+    return f"{namespace}/{meta['name']}" if namespace else str(meta["name"])

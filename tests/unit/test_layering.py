@@ -1,0 +1,175 @@
+"""The package layering, checked on the imports (Python's `ast`, no code run).
+
+One row of RULES a rule: the files it covers (`where`: a folder or a file, relative to the
+repository root), the module prefix they may not import (`forbidden`), optionally only
+some names from it (`names`: then only `from <forbidden...> import <name>` counts), what
+may all the same (`allowed`: pairs of a folder or file and a module prefix; a package
+importing itself is one), and why. Imports inside functions count too. To add a rule, add
+a row.
+
+Devtools, benches and tests may use the controller for what is the controller's (running
+it, its builders, its label and annotation keys); the API's names and the Kubernetes
+access layer (client, retries, the list-then-watch cache) they take from `weightship.api`
+and `weightship.kube`, as the product does.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = "operator/weightship"
+
+
+@dataclass(frozen=True)
+class Rule:
+    where: str
+    forbidden: str
+    why: str
+    names: frozenset[str] = frozenset()
+    allowed: tuple[tuple[str, str], ...] = ()
+
+
+KUBE_LAYER = frozenset(
+    {"GROUP", "VERSION", "API_VERSION", "PLURAL", "load_client", "api_retry", "Informer"}
+)
+TEST_RIG = ("devtools", "bench", "e2e", "tests")
+
+RULES = (
+    Rule(
+        PRODUCT,
+        "weightship.controller",
+        "the controller sits on top: the agent, the CLI and the rest share weightship.api "
+        "and weightship.kube with it, never borrow from it",
+        allowed=(
+            (f"{PRODUCT}/controller", "weightship.controller"),
+            # `weightship run` runs the controller: registering its handlers, its elector.
+            (f"{PRODUCT}/cli.py", "weightship.controller.handlers"),
+            (f"{PRODUCT}/cli.py", "weightship.controller.leader"),
+        ),
+    ),
+    Rule(
+        f"{PRODUCT}/kube",
+        "weightship",
+        "weightship.kube is the bottom layer: Kubernetes' grammars, client and cache",
+        allowed=((f"{PRODUCT}/kube", "weightship.kube"),),
+    ),
+    *(
+        Rule(
+            rig,
+            "weightship.controller",
+            "the API's names come from weightship.api.names, the client, retries and the "
+            "list-then-watch cache from weightship.kube",
+            names=KUBE_LAYER,
+        )
+        for rig in TEST_RIG
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    line: int
+    module: str
+    name: str | None  # the name imported from `module`; None for a plain import
+
+    @property
+    def target(self) -> str:
+        """What the import names: the module, or the module's `name` (maybe a module)."""
+        return f"{self.module}.{self.name}" if self.name else self.module
+
+    def __str__(self) -> str:
+        what = f"from {self.module} import {self.name}" if self.name else f"import {self.module}"
+        return f"{self.path}:{self.line}: {what}"
+
+
+def module_of(path: str) -> str | None:
+    """The dotted module of a product file (`operator/weightship/a/b.py`: weightship.a.b)."""
+    if not path.startswith("operator/"):
+        return None
+    parts = Path(path).with_suffix("").parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: str, source: str) -> Iterator[Found]:
+    """Every import of the file: `import a.b` as a.b; `from a import b, c` as a with the
+    name b and a with the name c; relative imports resolved."""
+    package = (module_of(path) or "").split(".")
+    if not path.endswith("__init__.py"):
+        package = package[:-1]
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Found(path, node.lineno, alias.name, None)
+        elif isinstance(node, ast.ImportFrom):
+            parts = node.module.split(".") if node.module else []
+            if node.level:
+                parts = [*package[: len(package) - node.level + 1], *parts]
+            for alias in node.names:
+                yield Found(path, node.lineno, ".".join(parts), alias.name)
+
+
+def _under(name: str, prefix: str, sep: str = ".") -> bool:
+    return name == prefix or name.startswith(prefix + sep)
+
+
+def breaks(rule: Rule, found: Found) -> bool:
+    if not _under(found.target, rule.forbidden):
+        return False
+    if rule.names and found.name not in rule.names:
+        return False
+    return not any(
+        _under(found.path, path, "/") and _under(found.target, module)
+        for path, module in rule.allowed
+    )
+
+
+def files(where: str) -> list[str]:
+    root = REPO / where
+    paths = [root] if root.is_file() else sorted(root.rglob("*.py"))
+    return [p.relative_to(REPO).as_posix() for p in paths if "__pycache__" not in p.parts]
+
+
+def violations(rule: Rule) -> list[Found]:
+    return [
+        found
+        for path in files(rule.where)
+        for found in imports(path, (REPO / path).read_text())
+        if breaks(rule, found)
+    ]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.where}-x-{r.forbidden}")
+def test_the_layering_holds(rule: Rule) -> None:
+    assert files(rule.where), f"{rule.where} has no Python files: a stale rule"
+    found = violations(rule)
+    assert not found, f"{rule.why}:\n" + "\n".join(map(str, found))
+
+
+def test_the_check_catches_what_each_form_of_import_names() -> None:
+    agent = f"{PRODUCT}/agent/x.py"
+    source = (
+        "import weightship.controller.kube\n"
+        "from weightship.controller import builders\n"
+        "from weightship import controller\n"
+        "def f():\n"
+        "    from ..controller.kube import VERSION\n"
+    )
+    rule = RULES[0]
+    found = [f for f in imports(agent, source) if breaks(rule, f)]
+    assert {f.line for f in found} == {1, 2, 3, 5}
+    assert not [f for f in imports(f"{PRODUCT}/controller/x.py", source) if breaks(rule, f)]
+    runs = imports(f"{PRODUCT}/cli.py", "import weightship.controller.handlers")
+    assert not [f for f in runs if breaks(rule, f)]
+    kube = next(r for r in RULES if r.where == f"{PRODUCT}/kube")
+    below = "from weightship.kube import selector\nfrom weightship.api import names\n"
+    assert [f.line for f in imports(f"{PRODUCT}/kube/x.py", below) if breaks(kube, f)] == [2]
+    rig = next(r for r in RULES if r.where == "devtools")
+    mixed = "from weightship.controller.builders import GROUP, VERIFIED_GATE\n"
+    assert [f.name for f in imports("devtools/x.py", mixed) if breaks(rig, f)] == ["GROUP"]
