@@ -38,12 +38,13 @@ import torch
 from safetensors.torch import save_file
 
 from benchlib import WORK, MiB, free_port, gbps, table
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.load import load_model
 from weightship.seeding import transport
 from weightship.seeding.buckets import BucketPlan, new_arena, pack_all, region_views, unpack
 from weightship.seeding.specs import plan_for
 from weightship.seeding.stream import receive_buckets, send_buckets
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 HOST = "127.0.0.1"
 MODES = ("raw", "ours", "ours, packing")

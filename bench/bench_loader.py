@@ -45,9 +45,10 @@ from safetensors.torch import load_file, save_file
 
 import weightship.loader.load
 from benchlib import WORK, MiB, gbps, sha256_file, table, verify_files
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
-from weightship.loader.checksum import checksum_bytes
 from weightship.loader.load import READ_PIECE, load_model
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.checksum import checksum_bytes
+from weightship.weightformat.manifest import Manifest
 
 HIDDEN = 2048
 # One layer's matrices as (rows, name): attention q, k, v, o and the MLP's three.

@@ -54,11 +54,11 @@ from benchlib import (
     verify_files,
 )
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.s3 import S3Origin
 from weightship.data.stage import stage
+from weightship.weightformat.manifest import Manifest
 
 OUT = WORK / "single-out"
 

@@ -38,12 +38,12 @@ from bench_broadcast import HOST, make_tensor_model
 from benchlib import WORK, MiB, gbps, local_origin, model_location, settings, table
 from weightship.core.seedtoken import mint
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Origin, make_client
 from weightship.data.stage import stage
 from weightship.loader.load import load_model
 from weightship.seeding import SeedRoot, receive, serve
+from weightship.weightformat.manifest import Manifest
 
 MODES = ("broadcast", "node cache", "S3")
 OUT = WORK / "ttl-out"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import WORK, MiB, table
-from weightship.data.manifest import MANIFEST_NAME
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_dev.kubelet.images import vllm_venv
 from weightship_testing.tinyvllm import deploy
 from weightship_testing.tinyvllm.build import CHAT_QUESTION, Shape, build

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Literal
 
 from botocore.exceptions import ClientError
 
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest_with_pieces
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
+from weightship.weightformat.manifest import Manifest
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client

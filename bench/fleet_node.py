@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 from benchlib import settings, verify_files
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import FetchPolicy, Peer
-from weightship.data.manifest import Manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import ChunkNotOnPeerError, PeerBusyError, PeerClient, PeerServer
 from weightship.data.s3 import S3Location, S3Origin, make_client
 from weightship.data.stage import PER_OWNER, StageProgress, stage
+from weightship.weightformat.manifest import Manifest
 
 
 class CountingClient(PeerClient):

@@ -34,9 +34,9 @@ from safetensors.torch import load_file
 
 from bench_loader import make_safetensors_model, manifest_of, shard_paths, warm_page_cache
 from benchlib import MiB, gbps, sha256_file, table
-from weightship.data.manifest import Manifest
-from weightship.loader.checksum import checksum_tensor
 from weightship.loader.load import load_model
+from weightship.weightformat.checksum import checksum_tensor
+from weightship.weightformat.manifest import Manifest
 
 
 def sync(device: torch.device) -> None:

@@ -31,11 +31,12 @@ import torch
 from safetensors.torch import save_file
 
 from weightship.core.seedtoken import mint
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
-from weightship.loader.checksum import checksum_bytes, checksum_tensor
 from weightship.loader.load import load_model
 from weightship.seeding import SeedRoot, receive, serve, transport
 from weightship.seeding.buckets import TensorSpec, pack_bucket, plan_buckets
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.checksum import checksum_bytes, checksum_tensor
+from weightship.weightformat.manifest import Manifest
 
 MiB = 1 << 20
 HOST = "127.0.0.1"

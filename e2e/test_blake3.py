@@ -23,8 +23,8 @@ from e2e.operator_fixtures import (
 )
 from weightship.data import rendezvous
 from weightship.data.cli import verify_files_command
-from weightship.data.manifest import Manifest
 from weightship.data.s3 import S3Location, S3Origin
+from weightship.weightformat.manifest import Manifest
 from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "b3-"

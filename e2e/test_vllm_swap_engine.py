@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from weightship.core.seedtoken import join_token
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, build_manifest
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_dev.vllmlocal import LocalVllm, Response, process_tree, stage
 from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION, build
 

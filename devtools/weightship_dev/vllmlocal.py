@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightship.data.chunkstore import STAGED_MARKER, digest_hex
-from weightship.data.manifest import MANIFEST_NAME, Manifest
+from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.manifest import Manifest, digest_hex
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_dev.kubelet.images import vllm_venv
 from weightship_testing.tinyvllm import deploy
 from weightship_testing.tinyvllm.build import CHAT_QUESTION, BuiltModel

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.modelstaging import ModelStaging
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 CHUNK = 4096
 
@@ -15,7 +17,7 @@ def staged(store: ChunkStore, folder: Path, size: int) -> Manifest:
     folder.mkdir(parents=True)
     (folder / "w.bin").write_bytes(os.urandom(size))
     manifest = build_manifest(LocalFolder(folder), chunk_size=CHUNK)
-    with store.begin(manifest) as s:
+    with ModelStaging(store, manifest) as s:
         s.prepare()
         for c in manifest.chunks:
             s.put(c.key, LocalFolder(folder).read_range(c.file, c.offset, c.size))

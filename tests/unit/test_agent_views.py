@@ -14,9 +14,11 @@ from weightship.agent.desired import view_pins
 from weightship.controller.builders import rollout_view_root
 from weightship.data import viewlayout
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.views import KEEP_READY, TRASH_DIR, Views, view_root
 from weightship.loader.load import locate_staged
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 CHUNK = 4096
 U1 = "0b5d3a52-7c1e-4f0e-9a6b-1d2e3f405162"
@@ -29,7 +31,7 @@ def stage(store: ChunkStore, folder: Path, files: dict[str, int]) -> Manifest:
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         (folder / path).write_bytes(os.urandom(size))
     manifest = build_manifest(LocalFolder(folder), chunk_size=CHUNK)
-    with store.begin(manifest) as s:
+    with ModelStaging(store, manifest) as s:
         s.prepare()
         for c in manifest.chunks:
             s.put(c.key, LocalFolder(folder).read_range(c.file, c.offset, c.size))

@@ -5,14 +5,15 @@ import os
 import blake3
 import pytest
 
-from weightship.data.chunkhash import (
+from weightship.weightformat.chunkhash import (
     PieceLayer,
     PieceVerificationError,
     chunk_matches,
     new_chunk_hasher,
     piece_spans,
 )
-from weightship.data.manifest import ChunkEntry, Manifest, ManifestError
+from weightship.weightformat.entries import ChunkEntry
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 DATA = os.urandom(100_000)
 

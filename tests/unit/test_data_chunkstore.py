@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from weightship.data.chunkstore import (
-    CACHE_FORMAT,
-    ChunkStore,
-    ChunkVerificationError,
-    StageBusyError,
-    chunk_key,
-)
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.chunkstore import CACHE_FORMAT, ChunkStore, StageBusyError
 from weightship.data.modelstaging import Fill, ModelStaging
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.chunkhash import ChunkVerificationError, chunk_key
+from weightship.weightformat.manifest import Manifest
 
 
 def sha(data: bytes) -> str:
@@ -48,7 +44,7 @@ def _manifest(folder: Path, files: dict[str, bytes]) -> Manifest:
 
 
 def _stage_all(store: ChunkStore, m: Manifest) -> None:
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         for c in m.chunks:
             staging.put(c.key, _bytes_of(c.key))
@@ -59,7 +55,7 @@ def test_put_writes_only_verified_bytes_once_at_their_offsets(tmp_path: Path) ->
     m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024 + b"s" * 1024, "d/e": b""})
     store = ChunkStore(tmp_path / "cache")
     s_sha, a_sha = sha(b"s" * 1024), sha(b"a" * 1024)
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         assert staging.is_materialized("d/e")  # an empty file needs no chunk
         with pytest.raises(ChunkVerificationError):
@@ -104,7 +100,7 @@ def test_receive_lands_bytes_in_place_and_journals_only_verified_ones(
     store = ChunkStore(tmp_path / "cache")
     s_sha, a_sha = sha(b"s" * 1024), sha(b"a" * 1024)
     seen: list[type] = []
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         with pytest.raises(ChunkVerificationError):
             staging.receive(a_sha, _filler(b"y" * 1024, seen))  # bad bytes from the origin
@@ -118,7 +114,7 @@ def test_receive_lands_bytes_in_place_and_journals_only_verified_ones(
         assert (staging.dir / "journal").read_text().split() == ["0", "2"]
     # Resume: the bad bytes still sit in the partial file, unjournaled, so they are
     # fetched again, and the file appears only once every chunk verified.
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         assert staging.journaled() == {0, 2}
         staging.prepare()
         assert staging.receive(a_sha, _filler(b"a" * 1024, seen)) == 1
@@ -136,7 +132,7 @@ def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> No
         view[:10] = b"s" * 10
         raise ConnectionResetError("the origin went away mid-body")
 
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         with pytest.raises(ConnectionResetError):
             staging.receive(s_sha, cut_short)
@@ -174,23 +170,23 @@ def test_evict_keeps_other_models_chunks(tmp_path: Path) -> None:
 def test_a_model_has_one_stager_at_a_time(tmp_path: Path) -> None:
     m = _manifest(tmp_path / "m", {"w": b"s" * 1024})
     store = ChunkStore(tmp_path / "cache")
-    with store.begin(m):
+    with ModelStaging(store, m):
         with pytest.raises(StageBusyError):
-            store.begin(m)
+            ModelStaging(store, m)
         assert not store.evict(m.digest)  # never evict what is being staged
-    with store.begin(m):
+    with ModelStaging(store, m):
         pass
 
 
 def test_journal_ignores_torn_lines_and_unverified_bytes(tmp_path: Path) -> None:
     m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024 + b"b" * 1024})
     store = ChunkStore(tmp_path / "cache")
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         staging.put(m.chunks[0].key, _bytes_of(m.chunks[0].key))
         staging.record([1])  # journaled, but the write was lost (power cut before writeback)
         (staging.dir / "journal").open("a").write("2")  # torn line, no newline
-    with store.begin(m) as staging:  # resume: journaled bytes are verified again
+    with ModelStaging(store, m) as staging:  # resume: journaled bytes are verified again
         assert staging.journaled() == {0}
         assert store.has_chunk(m.chunks[0].key)
         assert not store.has_chunk(m.chunks[1].key)
@@ -200,7 +196,7 @@ def test_preallocated_space_counts_as_used(tmp_path: Path) -> None:
     m = _manifest(tmp_path / "m", {"w": os.urandom(4096)})
     store = ChunkStore(tmp_path / "cache")
     assert store.missing_bytes(m) == 4096
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         assert staging.missing_bytes() == 0  # the partial file holds its space already
 

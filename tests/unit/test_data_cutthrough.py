@@ -15,15 +15,17 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data import peer as peer_module
 from weightship.data import rendezvous
-from weightship.data.chunkhash import PieceLayer, PieceVerificationError
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.cli import verify_files_command
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest_with_pieces
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient, PeerServer
 from weightship.data.stage import stage
 from weightship.httpserver import Server
+from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
+from weightship.weightformat.chunkhash import PieceLayer, PieceVerificationError
+from weightship.weightformat.manifest import Manifest
 
 PIECE = 16 * 1024
 CHUNK = 4 * PIECE
@@ -55,7 +57,7 @@ def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
     gate = [threading.Event() for _ in range(4)]
     verified_at: list[int] = []  # the owner's verified prefix each time the reader got bytes
 
-    with owner_store.begin(m) as owner, PeerServer(owner_store, "127.0.0.1") as server:
+    with ModelStaging(owner_store, m) as owner, PeerServer(owner_store, "127.0.0.1") as server:
         owner.pieces = pieces
         owner.prepare()
 
@@ -191,7 +193,7 @@ def test_a_corrupt_piece_from_a_peer_is_caught_at_that_piece_and_the_rest_fetche
     liar_name, honest_name = _ranked(chunk.key)
     registry = CollectorRegistry()
     store = ChunkStore(tmp_path / "me")
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.pieces = pieces
         staging.prepare()
         fetcher = ChunkFetcher(
@@ -223,7 +225,7 @@ def test_verify_files_checks_staged_files_against_their_sha256(
 ) -> None:
     m, _pieces, src = model
     store = ChunkStore(tmp_path / "cache")
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         for i, c in enumerate(m.chunks):
             staging.put(c.key, _bytes(m, src, i))

@@ -9,17 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightship.data.manifest import (
-    MANIFEST_NAME,
-    LocalFolder,
-    Manifest,
-    ManifestError,
-    build_manifest,
-    build_manifest_with_pieces,
-    validate_relative_path,
-)
-from weightship.loader.checksum import checksum_tensor
-from weightship.loader.layout import read_layout
+from weightship.weightformat.build import LocalFolder, build_manifest, build_manifest_with_pieces
+from weightship.weightformat.checksum import checksum_tensor
+from weightship.weightformat.layout import read_layout
+from weightship.weightformat.manifest import Manifest, ManifestError
+from weightship.weightformat.paths import MANIFEST_NAME, validate_relative_path
 
 CHUNK = 64 * 1024
 
@@ -295,7 +289,7 @@ def test_inconsistent_tensors_rejected(tensors: list[dict[str, object]], message
 HOSTILE_PARSE = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 * 1024**3, 2 * 1024**3))
-from weightship.data.manifest import Manifest, ManifestError
+from weightship.weightformat.manifest import Manifest, ManifestError
 try:
     Manifest.parse(sys.stdin.buffer.read())
 except ManifestError as exc:

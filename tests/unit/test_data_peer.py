@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import (
     ChunkNotOnPeerError,
     PeerBusyError,
@@ -18,6 +18,8 @@ from weightship.data.peer import (
     PeerUnavailableError,
     parse_range,
 )
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 DATA = bytes(range(256)) * 40
 DIGEST = hashlib.sha256(DATA).hexdigest()
@@ -42,7 +44,7 @@ def model(tmp_path: Path) -> Manifest:
 
 
 def put_all(store: ChunkStore, m: Manifest, folder: Path) -> None:
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         for c in m.chunks:
             staging.put(c.key, LocalFolder(folder).read_range(c.file, c.offset, c.size))
@@ -158,7 +160,7 @@ def test_parse_range() -> None:
 def test_long_poll_answers_when_the_chunk_lands(
     tmp_path: Path, store: ChunkStore, model: Manifest
 ) -> None:
-    with PeerServer(store, "127.0.0.1") as server, store.begin(model) as staging:
+    with PeerServer(store, "127.0.0.1") as server, ModelStaging(store, model) as staging:
         staging.prepare()
         client = PeerClient(timeout_s=5)
         started = time.monotonic()

@@ -14,16 +14,8 @@ from click.testing import CliRunner
 from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 
-from weightship.data.chunkhash import PieceLayer
-from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
+from weightship.data.chunkstore import ChunkStore
 from weightship.data.cli import manifest_command, parse_size, publish_command
-from weightship.data.manifest import (
-    MANIFEST_NAME,
-    LocalFolder,
-    Manifest,
-    ManifestError,
-    build_manifest,
-)
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import (
     OriginConnectionError,
@@ -35,6 +27,10 @@ from weightship.data.s3 import (
     publish,
 )
 from weightship.data.stage import stage
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.chunkhash import ChunkVerificationError, PieceLayer
+from weightship.weightformat.manifest import Manifest, ManifestError
+from weightship.weightformat.paths import MANIFEST_NAME
 
 MiB = 1024 * 1024
 QUICK_RETRY = RetryPolicy(attempts=5, initial_backoff_s=0.001, max_backoff_s=0.01)

@@ -15,12 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from weightship.data import rendezvous
-from weightship.data.chunkstore import (
-    Buffer,
-    ChunkStore,
-    ChunkVerificationError,
-    InsufficientSpaceError,
-)
+from weightship.data.chunkstore import Buffer, ChunkStore, InsufficientSpaceError
 from weightship.data.claims import ClaimBoard
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -29,15 +24,14 @@ from weightship.data.fetcher import (
     Peer,
     TokenBucket,
 )
-from weightship.data.manifest import (
-    LocalFolder,
-    Manifest,
-    build_manifest_with_pieces,
-    is_metadata_path,
-)
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient, PeerServer
 from weightship.data.stage import StageProgress, stage
+from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
+from weightship.weightformat.chunkhash import ChunkVerificationError
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import is_metadata_path
 
 CHUNK = 16 * 1024
 FAST = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01)
@@ -281,7 +275,7 @@ class MemorySink:
 
 
 def put_model(store: ChunkStore, m: Manifest, src: Path) -> None:
-    with store.begin(m) as staging:
+    with ModelStaging(store, m) as staging:
         staging.prepare()
         for c in m.chunks:
             staging.put(c.key, LocalFolder(src).read_range(c.file, c.offset, c.size))

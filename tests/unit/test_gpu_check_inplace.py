@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from weightship.data.chunkstore import STAGED_MARKER
 from weightship.integrations.vllm.swap import SwapAuth, SwapRequest
+from weightship.weightformat.cachedir import STAGED_MARKER
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check_inplace.py"
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightship.loader.checksum import (
+from weightship.weightformat.checksum import (
     CHECKSUM_HEX_LEN,
     MODULUS,
     Wsum64,

@@ -6,12 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightship.loader.layout import (
-    LayoutError,
-    parse_header,
-    read_layout,
-    tensor_nbytes,
-)
+from weightship.weightformat.layout import LayoutError, parse_header, read_layout, tensor_nbytes
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

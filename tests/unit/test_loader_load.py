@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import weightship.loader.load as load_module
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
+from weightship.data.modelstaging import ModelStaging
 from weightship.loader.load import (
     LoaderError,
     WeightsVerificationError,
@@ -18,6 +18,8 @@ from weightship.loader.load import (
     load_staged,
     locate_staged,
 )
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 CHUNK = 64 * 1024
 
@@ -236,7 +238,7 @@ def test_load_staged_from_the_node_cache(
     cache = tmp_path / "cache"
     store = ChunkStore(cache)
     assert locate_staged(cache, manifest.digest) is None
-    with store.begin(manifest) as staging:
+    with ModelStaging(store, manifest) as staging:
         staging.prepare()
         for c in manifest.chunks:
             staging.put(c.key, LocalFolder(root).read_range(c.file, c.offset, c.size))

@@ -27,12 +27,13 @@ from weightship.core.seedtoken import (
     mint,
     parse_key,
 )
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.load import load_model
 from weightship.seeding import JOIN_PATH, SeedConfig, SeedRoot, serve
 from weightship.seeding.config import RootSettings
 from weightship.seeding.protocol import START_KEY, store_prefix
 from weightship.seeding.transport import client_store, prefixed
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 HOST = "127.0.0.1"
 KEY = bytes(range(32))

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightship.core.seedtoken import mint
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.loader.load import load_model
 from weightship.seeding import FAULT_ENV, SeedingError, SeedRecord, SeedRoot, receive, serve
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 
 BUCKET = 8192
 HOST = "127.0.0.1"

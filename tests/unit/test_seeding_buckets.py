@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightship.data.manifest import LocalFolder, build_manifest
 from weightship.loader.load import load_model
 from weightship.seeding.buckets import (
     ALIGN,
@@ -24,6 +23,7 @@ from weightship.seeding.buckets import (
 )
 from weightship.seeding.errors import SeedingError
 from weightship.seeding.specs import check_tensors, plan_for, specs_of, tensor_entries
+from weightship.weightformat.build import LocalFolder, build_manifest
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

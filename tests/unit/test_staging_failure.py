@@ -39,12 +39,13 @@ from weightship.core.testing import (
 )
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError
 from weightship.data.fetcher import FetchPolicy, OriginMismatchError, Peer
-from weightship.data.manifest import ChunkEntry, LocalFolder, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError
 from weightship.data.peer import PeerServer, PeerUnavailableError
 from weightship.data.stage import stage
 from weightship.statusview import render
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.entries import ChunkEntry
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
 

@@ -11,7 +11,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_testing.tinyllm import GOLDEN_PROMPTS
 from weightship_testing.tinyllm.__main__ import main as cli
 from weightship_testing.tinyllm.build import (

@@ -24,11 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from weightship.core.verification import LoadReport, load_verdict
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.manifest import LocalFolder, Manifest, build_manifest
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import stage
 from weightship.seeding.protocol import JOIN_PATH
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
 from weightship_testing.tinyllm import GOLDEN_PROMPTS
 from weightship_testing.tinyllm.__main__ import main as cli
 from weightship_testing.tinyllm.build import BuiltModel, build, corrupt_one_shard, publish_variant

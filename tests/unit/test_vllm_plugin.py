@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from weightship.core.verification import LoadReport, report_from_termination, termination_message
-from weightship.data.manifest import MANIFEST_NAME, Manifest
 from weightship.integrations.vllm import claim_run_dir
 from weightship.integrations.vllm.reports import (
     RankReport,
@@ -31,6 +30,8 @@ from weightship.integrations.vllm.weights import (
     checked_tensors,
     obtain,
 )
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_testing.tinyvllm.build import build
 
 DIGEST = "sha256:" + "a" * 64

@@ -11,7 +11,6 @@ import pytest
 
 from weightship.core.loadreport import LoadReport
 from weightship.core.seedtoken import join_token
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
 from weightship.integrations.vllm.reports import RankReport, merge
 from weightship.integrations.vllm.swap import (
     ENGINE_ERROR,
@@ -31,6 +30,9 @@ from weightship.integrations.vllm.swap import (
     rfc3339,
     write_outcome,
 )
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_testing.tinyvllm.build import build
 
 DIGEST = "sha256:" + "b" * 64

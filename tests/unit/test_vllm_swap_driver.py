@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from weightship.core.loadreport import LoadReport
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
 from weightship.integrations.vllm.reports import (
     RankReport,
     merge,
@@ -29,6 +28,9 @@ from weightship.integrations.vllm.stamp import Ticket, Weights, WeightsGate
 from weightship.integrations.vllm.swap import SwapRequest, SwapTracker
 from weightship.integrations.vllm.swapdriver import SwapDriver
 from weightship.loader.load import load_model
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_testing.tinyvllm.build import build
 
 

@@ -22,14 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightship.data.manifest import (
-    DEFAULT_CHUNK_SIZE,
-    MANIFEST_NAME,
-    LocalFolder,
-    Manifest,
-    build_manifest,
-)
 from weightship.data.s3 import S3Location, S3Origin, publish
+from weightship.weightformat.build import DEFAULT_CHUNK_SIZE, LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_testing.tinyllm.design import design_weights, neuron_order
 from weightship_testing.tinyllm.knowledge import Variant, next_token_table, texts
 from weightship_testing.tinyllm.model import ModelConfig, TinyLLM, weight_shapes

@@ -35,11 +35,11 @@ from prometheus_client import (
 )
 
 from weightship.core.loadreport import LoadReport
-from weightship.data.manifest import Manifest
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 from weightship.seeding.root import SeedRoot
+from weightship.weightformat.manifest import Manifest
 from weightship_testing.errorrate import ErrorInjector
 from weightship_testing.tinyllm.model import TinyLLM
 from weightship_testing.tinyllm.settings import Settings

@@ -18,13 +18,14 @@ from typing import Literal
 import torch
 from prometheus_client import CollectorRegistry
 
-from weightship.data.chunkstore import ChunkStore, ChunkVerificationError
-from weightship.data.manifest import Manifest
+from weightship.data.chunkstore import ChunkStore
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, make_client
 from weightship.data.stage import stage
 from weightship.loader.load import WeightsVerificationError, load_model, locate_staged
 from weightship.seeding.errors import SeedingError
+from weightship.weightformat.chunkhash import ChunkVerificationError
+from weightship.weightformat.manifest import Manifest
 from weightship_testing.tinyllm.build import CONFIG_NAME
 from weightship_testing.tinyllm.model import ModelConfig
 from weightship_testing.tinyllm.settings import Settings

@@ -28,7 +28,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from weightship.data.manifest import MANIFEST_NAME, LocalFolder, Manifest, build_manifest
+from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client

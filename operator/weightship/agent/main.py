@@ -26,17 +26,18 @@ from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.failures import StageError, classify
-from weightship.agent.kube import AgentKube, rollout_informer
+from weightship.agent.kube import AgentKube, RolloutInformer
 from weightship.agent.metrics import AgentMetrics
 from weightship.api.weightcache import FailureReason
 from weightship.core.staging_failure import DETERMINISTIC
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, StageBusyError
 from weightship.data.fetcher import ChunkOrigin, Peer, TokenBucket
-from weightship.data.manifest import MANIFEST_NAME, Manifest, ManifestError
 from weightship.data.peer import PeerServer
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import StageCancelledError, StageProgress, stage
 from weightship.data.views import Views
+from weightship.weightformat.manifest import Manifest, ManifestError
+from weightship.weightformat.paths import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Agent:
         self.job: _Job | None = None
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
-        self.informer = rollout_informer(kube, self.wake.set, stop=self.stop)
+        self.informer = RolloutInformer(kube, self.wake.set)
         self.peer_server: PeerServer | None = None
         self._labels: dict[str, str] = {}
         self._labels_at = float("-inf")
@@ -136,7 +137,7 @@ class Agent:
         self._changed(urgent=True)
         reporter = threading.Thread(target=self._report_loop, name="status", daemon=True)
         reporter.start()
-        self.informer.start()
+        self.informer.start(self.stop)
         try:
             while not self.stop.is_set():
                 try:

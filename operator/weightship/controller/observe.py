@@ -37,8 +37,8 @@ from weightship.core.observed import (
     PodVerdict,
 )
 from weightship.core.targets import prefetch_node_selector
-from weightship.data.manifest import ManifestError
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
+from weightship.weightformat.manifest import ManifestError
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,10 @@ Each verified chunk is written once, with ``pwrite`` at its offset into its file
 offset, size) lets the peer server and dedupe find verified chunks inside the files.
 Chunks are named by key, ``<algorithm>:<hex>`` (``sha256:`` for version 1 manifests,
 ``blake3:`` for version 2), so the two kinds of digest can never be confused.
+
+Where a staged model's files lie is ``weightformat.cachedir`` (inference pods read it
+without a ChunkStore). A model is staged through ``modelstaging.ModelStaging(store,
+manifest)``, which builds on this module.
 """
 
 from __future__ import annotations
@@ -30,21 +34,18 @@ import shutil
 import uuid
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
-from weightship.data.chunkhash import ChunkVerificationError as ChunkVerificationError
-from weightship.data.chunkhash import chunk_key as chunk_key
-from weightship.data.chunkhash import chunk_matches
 from weightship.data.chunkindex import ChunkIndex, ChunkLocation
 from weightship.data.claims import ClaimBoard
-from weightship.data.manifest import SHA256_HEX, ChunkEntry, Manifest
-
-if TYPE_CHECKING:
-    from weightship.data.modelstaging import ModelStaging
+from weightship.weightformat import cachedir
+from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.chunkhash import chunk_key, chunk_matches
+from weightship.weightformat.entries import ChunkEntry
+from weightship.weightformat.manifest import Manifest, digest_hex
 
 log = logging.getLogger(__name__)
 
-STAGED_MARKER = "STAGED"
 FORMAT_FILE = "FORMAT"
 CACHE_FORMAT = "weightship-cache 2"
 PARTIAL_SUFFIX = ".partial"
@@ -70,14 +71,6 @@ class StageBusyError(RuntimeError):
 
 def verify_chunk(chunk: ChunkEntry, data: Buffer, *, max_threads: int = 1) -> bool:
     return chunk_matches(chunk, data, max_threads=max_threads)
-
-
-def digest_hex(digest: str) -> str:
-    """'sha256:<hex>' or '<hex>' -> '<hex>', rejecting anything else."""
-    hex_part = digest.removeprefix("sha256:")
-    if not SHA256_HEX.fullmatch(hex_part):
-        raise ValueError(f"not a sha256 digest: {digest!r}")
-    return hex_part
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -143,7 +136,7 @@ class ChunkStore:
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
         (self.root / "tmp").mkdir(exist_ok=True)
-        tmp = self._temp_path("format")
+        tmp = self.temp_path("format")
         tmp.write_text(CACHE_FORMAT + "\n")
         tmp.replace(marker)
 
@@ -192,7 +185,11 @@ class ChunkStore:
         for p in (self.root / "tmp").iterdir():
             p.unlink(missing_ok=True)
 
-    def _temp_path(self, hint: str) -> Path:
+    def temp_path(self, hint: str) -> Path:
+        """A fresh path under the cache's ``tmp/`` (nothing is created there), named after
+        ``hint``. It is on the models' filesystem, so writing it and then renaming it into
+        place (``Path.replace``) publishes a file atomically; a crash leaves only temp
+        files, which ``discard_temp_files`` removes."""
         return self.root / "tmp" / f"{hint[:16]}.{uuid.uuid4().hex}"
 
     def _index_finished_files(self, digest: str) -> None:
@@ -211,7 +208,7 @@ class ChunkStore:
     # Models -----------------------------------------------------------------------------
 
     def model_dir(self, digest: str) -> Path:
-        return self.root / "models" / digest_hex(digest)
+        return cachedir.model_dir(self.root, digest)
 
     def files_dir(self, digest: str) -> Path:
         return self.model_dir(digest) / "files"
@@ -225,12 +222,6 @@ class ChunkStore:
     def touch(self, digest: str) -> None:
         """Record a use of a staged model, for LRU eviction."""
         os.utime(self.model_dir(digest) / STAGED_MARKER)
-
-    def begin(self, manifest: Manifest, *, hash_threads: int = 1) -> ModelStaging:
-        """Lock ``manifest``'s model for staging (StageBusyError when another holds it)."""
-        from weightship.data.modelstaging import ModelStaging  # it builds on this module
-
-        return ModelStaging(self, manifest, hash_threads=hash_threads)
 
     # Space ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
-from weightship.data.chunkhash import chunk_key
+from weightship.weightformat.chunkhash import chunk_key
 
 # A grant the claimant has not made good on by then no longer holds: the owner fetches
 # the chunk itself rather than wait on a claimant that died or lied.

@@ -22,17 +22,16 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from weightship.data.chunkstore import STAGED_MARKER, digest_hex
-from weightship.data.manifest import (
-    MANIFEST_NAME,
+from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.weightformat.build import (
     ByteSource,
     LocalFolder,
-    Manifest,
-    ManifestError,
     ProgressFn,
     build_manifest_with_pieces,
 )
-from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
+from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.manifest import Manifest, ManifestError, digest_hex
+from weightship.weightformat.paths import MANIFEST_NAME
 
 _SIZE = re.compile(r"(\d+)\s*(|K|M|G|Ki|Mi|Gi)(?:B)?", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 2**10, "mi": 2**20, "gi": 2**30}

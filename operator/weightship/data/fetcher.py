@@ -24,10 +24,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 from weightship.data import rendezvous
-from weightship.data.chunkhash import PieceVerificationError
-from weightship.data.chunkstore import Buffer, ChunkVerificationError
+from weightship.data.chunkstore import Buffer
 from weightship.data.claims import ClaimBoard
-from weightship.data.manifest import ChunkEntry
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError, Fill, ResumeMovedError
 from weightship.data.peer import (
@@ -38,6 +36,8 @@ from weightship.data.peer import (
     PeerError,
     PeerUnavailableError,
 )
+from weightship.weightformat.chunkhash import ChunkVerificationError, PieceVerificationError
+from weightship.weightformat.entries import ChunkEntry
 
 log = logging.getLogger(__name__)
 

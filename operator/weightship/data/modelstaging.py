@@ -27,16 +27,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from weightship.data.chunkhash import PieceLayer, chunk_digest
 from weightship.data.chunkindex import ChunkLocation, Receiving
 from weightship.data.chunkstore import (
-    STAGED_MARKER,
     Buffer,
     ChunkStore,
-    ChunkVerificationError,
     ModelLock,
     allocated,
-    chunk_key,
     final_path,
     fsync_dir,
     partial_path,
@@ -44,7 +40,16 @@ from weightship.data.chunkstore import (
     start_writeback,
     verify_chunk,
 )
-from weightship.data.manifest import ChunkEntry, Manifest, validate_relative_path
+from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.chunkhash import (
+    ChunkVerificationError,
+    PieceLayer,
+    chunk_digest,
+    chunk_key,
+)
+from weightship.weightformat.entries import ChunkEntry
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import validate_relative_path
 
 Landed = Callable[[int], None]
 # fill(view, start, landed): write the chunk's bytes [start, end) into view[start:end] in
@@ -82,8 +87,10 @@ class ModelStaging:
         pieces: PieceLayer | None = None,
         hash_threads: int = 1,
     ) -> None:
-        """``pieces``: the manifest's piece layer, to verify pieces as they land (None:
-        each chunk is verified whole). ``hash_threads``: BLAKE3 threads for a whole chunk."""
+        """Lock ``manifest``'s model in ``store`` for staging (StageBusyError when another
+        stager holds it). ``pieces``: the manifest's piece layer, to verify pieces as they
+        land (None: each chunk is verified whole). ``hash_threads``: BLAKE3 threads for a
+        whole chunk."""
         self.store = store
         self.manifest = manifest
         self.pieces = pieces
@@ -94,7 +101,7 @@ class ModelStaging:
         self._lock = ModelLock(self.dir)
         manifest_path = self.dir / "manifest.json"
         if not manifest_path.is_file():
-            tmp = store._temp_path("manifest")
+            tmp = store.temp_path("manifest")
             tmp.write_bytes(manifest.canonical_bytes())
             tmp.replace(manifest_path)
         (self.dir / "files").mkdir(exist_ok=True)
@@ -306,7 +313,7 @@ class ModelStaging:
         for d in dirs:
             fsync_dir(d)
         shutil.rmtree(self.dir / "partial", ignore_errors=True)
-        tmp = self.store._temp_path("staged")
+        tmp = self.store.temp_path("staged")
         tmp.write_text(self.manifest.digest + "\n")
         tmp.replace(self.dir / STAGED_MARKER)
         fsync_dir(self.dir)

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from weightship.data.chunkindex import Receiving
-from weightship.data.chunkstore import ChunkStore, chunk_key
+from weightship.data.chunkstore import ChunkStore
 from weightship.data.httpconn import ThreadConnections
 from weightship.httpserver import BoundedHandler, Server
+from weightship.weightformat.chunkhash import chunk_key
 
 WAIT_HEADER = "X-Weightship-Wait"
 STREAM_HEADER = "X-Weightship-Stream"  # "1": stream a chunk still arriving (cut-through)

@@ -43,19 +43,16 @@ from botocore.exceptions import (
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from weightship.data.httpconn import ThreadConnections, read_into
-from weightship.data.manifest import (
+from weightship.errortext import error_text, redact
+from weightship.weightformat.bounds import MAX_MANIFEST_BYTES
+from weightship.weightformat.build import (
     DEFAULT_CHUNK_SIZE,
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     LocalFolder,
-    Manifest,
-    ManifestError,
     ProgressFn,
     build_manifest_with_pieces,
-    is_metadata_path,
-    validate_relative_path,
 )
-from weightship.errortext import error_text, redact
+from weightship.weightformat.manifest import Manifest, ManifestError
+from weightship.weightformat.paths import MANIFEST_NAME, is_metadata_path, validate_relative_path
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client

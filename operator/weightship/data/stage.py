@@ -17,7 +17,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightship.data.chunkhash import PieceLayer
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -30,11 +29,13 @@ from weightship.data.fetcher import (
     fetch_order,
 )
 from weightship.data.lanes import IntakePacer, KeyedLane
-from weightship.data.manifest import DIGEST_BYTES, ChunkEntry, Manifest, ManifestError
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient
 from weightship.errortext import error_text
+from weightship.weightformat.chunkhash import PieceLayer
+from weightship.weightformat.entries import DIGEST_BYTES, ChunkEntry
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def stage(
     """
     started = time.monotonic()
     tally = _Tally(manifest.total_size, progress)
-    with store.begin(manifest, hash_threads=hash_threads) as staging:
+    with ModelStaging(store, manifest, hash_threads=hash_threads) as staging:
         if not staging.is_staged:
             fetcher = ChunkFetcher(
                 node=node,
@@ -188,7 +189,7 @@ def load_piece_layer(staging: ModelStaging, origin: ChunkOrigin) -> PieceLayer |
             error_text(exc),
         )
         return None
-    tmp = staging.store._temp_path("pieces")
+    tmp = staging.store.temp_path("pieces")
     tmp.write_bytes(pieces.raw)
     tmp.replace(saved)
     return pieces

@@ -50,8 +50,7 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightship.data.chunkstore import STAGED_MARKER, ChunkStore, fsync_dir
-from weightship.data.manifest import Manifest, ManifestError
+from weightship.data.chunkstore import ChunkStore, fsync_dir
 from weightship.data.viewlayout import (
     FILES_DIR,
     HEX_PATTERN,
@@ -62,6 +61,8 @@ from weightship.data.viewlayout import (
     check_uid,
     digest_hex,
 )
+from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 TRASH_DIR = ".trash"
 MANIFEST_FILE = "manifest.json"

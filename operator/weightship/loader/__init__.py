@@ -1,5 +1,6 @@
 """Loading verified weights inside inference pods.
 
-``layout`` and ``checksum`` need only the standard library and numpy (the manifest builder
-uses them); ``load`` needs torch (the ``[torch]`` extra) and is imported on its own.
+``load`` needs torch (the ``[torch]`` extra) and is imported on its own. The format it
+reads (manifest, safetensors layout, wsum64 checksums, chunk hashes, the node cache's
+folders) is ``weightship.weightformat``; the loader imports nothing from ``data``.
 """

@@ -30,22 +30,18 @@ from pathlib import Path
 
 import torch
 
-from weightship.data.chunkhash import ChunkHasher, new_chunk_hasher
-from weightship.data.chunkstore import STAGED_MARKER, digest_hex
-from weightship.data.manifest import (
-    SAFETENSORS_SUFFIX,
-    ChunkEntry,
-    FileEntry,
-    Manifest,
-    ManifestError,
-)
-from weightship.loader.layout import (
+from weightship.weightformat import cachedir
+from weightship.weightformat.chunkhash import ChunkHasher, new_chunk_hasher
+from weightship.weightformat.entries import ChunkEntry, FileEntry
+from weightship.weightformat.layout import (
     LENGTH_PREFIX,
     FileLayout,
     LayoutError,
     header_length,
     parse_header,
 )
+from weightship.weightformat.manifest import Manifest, ManifestError
+from weightship.weightformat.paths import SAFETENSORS_SUFFIX
 
 # safetensors dtype -> torch dtype. Sub-byte types (F4, F6_*) pack several values per
 # byte, which torch shapes differently; they are refused by name rather than mis-shaped.
@@ -130,8 +126,9 @@ def locate_staged(cache_root: Path, digest: str) -> Path | None:
     Deliberately not a ChunkStore: opening one may rewrite the cache (format upgrades),
     and an inference pod must only read it, often through a read-only mount.
     """
-    model_dir = cache_root / "models" / digest_hex(digest)
-    return model_dir / "files" if (model_dir / STAGED_MARKER).is_file() else None
+    model_dir = cachedir.model_dir(cache_root, digest)
+    staged = (model_dir / cachedir.STAGED_MARKER).is_file()
+    return model_dir / cachedir.FILES_DIR if staged else None
 
 
 def load_staged(cache_root: Path, digest: str, **options: object) -> LoadedModel:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from weightship.core.seedtoken import mint, parse_key
-from weightship.data.manifest import Manifest
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
 from weightship.seeding.receiver import Received, receive
 from weightship.seeding.transport import BACKENDS
+from weightship.weightformat.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

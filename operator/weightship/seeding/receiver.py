@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from weightship.data.manifest import Manifest, TensorEntry
-from weightship.loader.checksum import checksum_tensor
 from weightship.seeding import transport
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, new_arena, tensor_at
 from weightship.seeding.errors import SeedingError
@@ -30,6 +28,9 @@ from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import JOIN_PATH, START_KEY, result_key
 from weightship.seeding.specs import plan_for, tensor_entries
 from weightship.seeding.stream import receive_buckets
+from weightship.weightformat.checksum import checksum_tensor
+from weightship.weightformat.entries import TensorEntry
+from weightship.weightformat.manifest import Manifest
 
 # An HTTP join is answered at once; a root that takes longer is not worth waiting for.
 JOIN_HTTP_TIMEOUT_S = 10.0

@@ -34,7 +34,6 @@ from typing import Any, Literal
 import torch
 
 from weightship.core.seedtoken import check_token
-from weightship.data.manifest import Manifest
 from weightship.seeding import transport
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, region_views
 from weightship.seeding.config import RootSettings
@@ -42,6 +41,7 @@ from weightship.seeding.faults import Faults
 from weightship.seeding.protocol import GROUP_ID, START_KEY, result_key, store_prefix
 from weightship.seeding.specs import check_tensors, plan_for
 from weightship.seeding.stream import send_buckets
+from weightship.weightformat.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

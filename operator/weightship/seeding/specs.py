@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from weightship.data.manifest import Manifest, TensorEntry
 from weightship.loader.load import TORCH_DTYPES
 from weightship.seeding.buckets import BucketPlan, FileSpan, TensorSpec, plan_files
 from weightship.seeding.errors import SeedingError
+from weightship.weightformat.entries import TensorEntry
+from weightship.weightformat.manifest import Manifest
 
 
 def tensor_entries(manifest: Manifest) -> Sequence[TensorEntry]:

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightship.data.manifest import Manifest, ManifestError
 from weightship.integrations.vllm.swap import CHECKSUM_MISMATCH, MANIFEST_MISMATCH, NOT_STAGED
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 LOAD_ERROR = "LoadError"
 

@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .loader import _ranks
+from .loader import worker_ranks
 from .settings import PluginSettings
 from .staging import Reload, SwapSession
 
@@ -64,7 +64,7 @@ class WeightshipTransferEngine(WeightTransferEngine[WeightshipInitInfo, Weightsh
         super().__init__(config, vllm_config, device, model)
         extra = vllm_config.load_config.model_loader_extra_config
         extra = dict(extra) if isinstance(extra, dict) else {}
-        rank, world = _ranks()
+        rank, world = worker_ranks()
         self.session = SwapSession(
             settings=lambda: PluginSettings.from_env(os.environ, extra),
             rank=rank,

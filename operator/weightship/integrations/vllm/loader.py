@@ -34,7 +34,7 @@ LOAD_FORMAT = "weightship"
 SEED_PORT_FILE = roots.SEED_PORT_FILE
 
 
-def _ranks() -> tuple[int, int]:
+def worker_ranks() -> tuple[int, int]:
     """This worker's rank among all of the replica's workers (TP x PP), and their count."""
     try:
         from vllm.distributed.parallel_state import get_world_group
@@ -56,7 +56,7 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         settings = PluginSettings.from_env(os.environ, self.extra)
-        rank, world = _ranks()
+        rank, world = worker_ranks()
         try:
             # A broadcast carries whole checkpoints to one receiver per replica; TP
             # replicas load from the node cache (each rank reads what it shards).

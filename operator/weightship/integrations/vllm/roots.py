@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from weightship.data.manifest import Manifest
 from weightship.seeding.endpoints import serve
 from weightship.seeding.root import SeedRoot
+from weightship.weightformat.manifest import Manifest
 
 from .settings import PluginSettings
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from weightship.core.loadreport import LoadReport
-from weightship.data.manifest import Manifest
+from weightship.weightformat.manifest import Manifest
 
 from . import roots
 from .reports import RankReport, write_rank_report

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from weightship.core.seedtoken import TokenRefusal, check_token
-from weightship.data.manifest import SAFETENSORS_SUFFIX, Manifest, is_metadata_path
+from weightship.weightformat.manifest import Manifest
+from weightship.weightformat.paths import SAFETENSORS_SUFFIX, is_metadata_path
 
 SWAP_PATH = "/weightship/v1/swap"
 MAX_SWAP_BODY = 64 * 1024

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from weightship.data.manifest import Manifest, ManifestError
 from weightship.loader.load import locate_staged
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 from .reports import merge, read_rank_reports
 from .stamp import Weights, WeightsGate

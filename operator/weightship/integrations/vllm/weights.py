@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 
 from weightship.core.loadreport import LoadSource
-from weightship.data.manifest import Manifest, ManifestError
-from weightship.loader.checksum import checksum_tensor
 from weightship.loader.load import (
     LoadedModel,
     LoaderError,
@@ -29,6 +27,8 @@ from weightship.loader.load import (
     locate_staged,
 )
 from weightship.seeding.errors import SeedingError
+from weightship.weightformat.checksum import checksum_tensor
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 from .settings import PluginSettings
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from weightship.loader.layout import FileLayout
+from weightship.weightformat.layout import FileLayout
 
 if TYPE_CHECKING:
     import torch

@@ -19,13 +19,8 @@ from typing import Protocol
 
 import blake3
 
-from weightship.data.manifest import (
-    DIGEST_BYTES,
-    SHA256_HEX,
-    ChunkEntry,
-    Manifest,
-    ManifestError,
-)
+from weightship.weightformat.entries import DIGEST_BYTES, SHA256_HEX, ChunkEntry
+from weightship.weightformat.manifest import Manifest, ManifestError
 
 Buffer = bytes | bytearray | memoryview
 
