@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -22,11 +21,13 @@ from click.testing import CliRunner
 
 from e2e.agent_fixtures import PROCESS, Agents, cache_root, damage_staged_piece
 from e2e.operator_fixtures import (
+    OperatorProcess,
     Rollouts,
     publish_models,
     rollout_body,
     tinyllm_models,
     tinyllm_rollout_body,
+    wait_reconciled,
 )
 from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
@@ -358,7 +359,7 @@ class Sampler:
 
 
 def test_a_process_node_lost_mid_canary_neither_promotes_on_missing_pods_nor_drops_stable(
-    cluster: Any, rollouts: Rollouts, models: dict[str, str]
+    cluster: Any, rollouts: Rollouts, models: dict[str, str], operator: OperatorProcess
 ) -> None:
     steps: list[dict[str, Any]] = [{"setWeight": 60}, {"pause": {}}]  # 2 of 3 pods
     body = rollout_body(
@@ -433,7 +434,9 @@ def test_a_process_node_lost_mid_canary_neither_promotes_on_missing_pods_nor_dro
                 ),
                 timeout=60,
             )
-            time.sleep(10)  # reconciles come and go; none may promote
+            # Reconciles that began with the lost node's pod not Ready ran to the end;
+            # none promoted.
+            wait_reconciled(rollouts, operator, "llm")
             held = rollouts.get("llm")["status"]
             print(f"\nwith {lost.node} lost: {held['phase']}: {held['message']}")
             assert held["stableRevision"]["revision"] == "v1", held["message"]

@@ -6,7 +6,6 @@ operator, which counts the same nodes. Uses the `agents` fixture: run under
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,43 +26,55 @@ def models(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     bucket = testkit.unique_name("ss")
     s3.create_bucket(Bucket=bucket)
     yield publish_models(
-        cluster.s3_endpoint, bucket, tmp_path_factory.mktemp("ss"), ["v1"], size=3 << 20
+        cluster.s3_endpoint, bucket, tmp_path_factory.mktemp("ss"), ["v1", "v2"], size=3 << 20
     )
     testkit.empty_bucket(s3, bucket)
     s3.delete_bucket(Bucket=bucket)
 
 
-def test_agents_stage_where_the_deployments_pods_may_run(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
-) -> None:
-    digest = (
-        S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(models["v1"]))
+def digest_of(cluster: Any, uri: str) -> str:
+    return str(
+        S3Origin(testkit.local_s3(cluster.s3_endpoint), S3Location.parse(uri))
         .read_manifest()
         .digest
     )
+
+
+def adopt(
+    cluster: Any, rollouts: Rollouts, name: str, uri: str, revision: str, selector: dict[str, str]
+) -> None:
+    """A Deployment of no replicas whose pods may run on `selector`'s nodes, and a rollout
+    that refers to it, with prefetch on and no nodeSelector of its own."""
+    template = rollout_body(name, uri, revision, [], "")["spec"]["template"]
+    template["spec"]["nodeSelector"] = selector
+    body = rollout_body(name, uri, revision, [{"setWeight": 100}], cluster.s3_endpoint)
+    del body["spec"]["template"]
+    body["spec"]["workloadRef"] = {"name": name}
+    body["spec"]["prefetch"] = {"enabled": True, "minStagedPercent": 100}  # no nodeSelector
+    cluster.apps.create_namespaced_deployment(
+        rollouts.namespace,
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": {"app": name}},
+                "template": template,
+            },
+        },
+    )
+    rollouts.create(body)
+
+
+def test_agents_stage_where_the_deployments_pods_may_run(
+    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+) -> None:
+    digest = digest_of(cluster, models["v1"])
     *chosen, other = cluster.process_nodes
     selector = {**PROCESS, WAVE: "yes"}
-    template = rollout_body("llm", models["v1"], "v1", [], "")["spec"]["template"]
-    template["spec"]["nodeSelector"] = selector
-    body = rollout_body("llm", models["v1"], "v1", [{"setWeight": 100}], cluster.s3_endpoint)
-    del body["spec"]["template"]
-    body["spec"]["workloadRef"] = {"name": "llm"}
-    body["spec"]["prefetch"] = {"enabled": True, "minStagedPercent": 100}  # no nodeSelector
     try:
         for node in chosen:
             cluster.core.patch_node(node, {"metadata": {"labels": {WAVE: "yes"}}})
-        cluster.apps.create_namespaced_deployment(
-            rollouts.namespace,
-            {
-                "metadata": {"name": "llm"},
-                "spec": {
-                    "replicas": 0,
-                    "selector": {"matchLabels": {"app": "llm"}},
-                    "template": template,
-                },
-            },
-        )
-        rollouts.create(body)
+        adopt(cluster, rollouts, "llm", models["v1"], "v1", selector)
         agents.wait_staged(digest, nodes=chosen)
         status = rollouts.wait(
             "llm",
@@ -72,7 +83,12 @@ def test_agents_stage_where_the_deployments_pods_may_run(
         )["status"]
         assert status["prefetchNodeSelector"] == selector
         assert status["prefetch"]["targetNodes"] == len(chosen)
-        time.sleep(3)  # the third node's agent had every chance to stage it
+        # The third node's agent looked at llm as published and passed: it stages a
+        # rollout created after that (its watch delivers events in order, so the snapshot
+        # it acted on held llm's prefetchNodeSelector too), and not llm.
+        probe = {**PROCESS, "kubernetes.io/hostname": other}
+        adopt(cluster, rollouts, "probe", models["v2"], "v2", probe)
+        agents.wait_staged(digest_of(cluster, models["v2"]), nodes=[other])
         assert agents.entry(other, digest) == {}, f"{other} staged a model no pod of it needs"
     finally:
         for node in chosen:
