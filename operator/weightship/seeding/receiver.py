@@ -90,28 +90,20 @@ def receive(
     """
     t0 = time.monotonic()
     deadline = _Deadline(timeout_s)
-    # Before joining: a receiver that cannot verify or lay out the tensors takes no rank.
-    entries = tensor_entries(manifest)
-    try:
-        plan_for(manifest, DEFAULT_BUCKET_BYTES)
-    except ValueError as exc:  # a dtype torch cannot hold, sizes that contradict shapes
-        raise SeedingError("NoTensorChecksums", f"the tensors cannot be verified: {exc}") from exc
+    entries = _verifiable_entries(manifest)
     device = torch.device(device)
     faults = faults if faults is not None else Faults.from_env()
     if backend == "auto" and device.type != "cuda":
         backend = "gloo"
-    answer = _join(
-        root_url,
-        {
-            "group": group_id,
-            "worldSize": world_size,
-            "member": member,
-            "digest": manifest.digest,
-            "backend": backend,
-            "token": token,
-        },
-        min(JOIN_HTTP_TIMEOUT_S, deadline.left()),
-    )
+    join = {
+        "group": group_id,
+        "worldSize": world_size,
+        "member": member,
+        "digest": manifest.digest,
+        "backend": backend,
+        "token": token,
+    }
+    answer = _join(root_url, join, min(JOIN_HTTP_TIMEOUT_S, deadline.left()))
     if answer.get("digest") != manifest.digest:
         raise SeedingError("RootUnavailable", f"root holds {answer.get('digest')}")
     plan = plan_for(manifest, int(answer["bucketBytes"]))
@@ -120,23 +112,8 @@ def receive(
     size = _wait_start(ctl, deadline)
     pg = None
     try:
-        with _classified(deadline):
-            pg = transport.new_group(
-                answer["backend"],
-                transport.prefixed(answer["storePrefix"] + "pg/", store),
-                rank,
-                size,
-                bind_address=transport.local_address_towards(answer["storeHost"]),
-                timeout_s=deadline.left(),
-                device=device,
-            )
-        arena = new_arena(plan, device)
-        verifier = _Verifier(plan, entries, arena, tamper=faults.tamper)
-        t_transfer = time.monotonic()
-        with _classified(deadline):
-            receive_buckets(pg, plan, arena, deadline.left, on_bucket=verifier.bucket_done)
-        verifier.finish()
-        transfer_seconds = time.monotonic() - t_transfer
+        pg = _new_group(answer, store, rank, size, device, deadline)
+        verifier, transfer_seconds = _receive_verified(pg, plan, entries, device, faults, deadline)
         if verifier.bad:
             _report(ctl, rank, member, "ChecksumMismatch", time.monotonic() - t0)
             raise SeedingError(
@@ -158,6 +135,57 @@ def receive(
         transfer_seconds=transfer_seconds,
         verify_seconds=verifier.seconds,
     )
+
+
+def _new_group(
+    answer: dict[str, Any],
+    store: transport.Store,
+    rank: int,
+    size: int,
+    device: torch.device,
+    deadline: _Deadline,
+) -> transport.Group:
+    """This receiver's rank in the process group the root's answer names."""
+    with _classified(deadline):
+        return transport.new_group(
+            answer["backend"],
+            transport.prefixed(answer["storePrefix"] + "pg/", store),
+            rank,
+            size,
+            bind_address=transport.local_address_towards(answer["storeHost"]),
+            timeout_s=deadline.left(),
+            device=device,
+        )
+
+
+def _verifiable_entries(manifest: Manifest) -> Sequence[TensorEntry]:
+    """The manifest's tensor checksums, once its tensors are known to lay out: checked
+    before joining, so a receiver that cannot verify or lay out the tensors takes no rank."""
+    entries = tensor_entries(manifest)
+    try:
+        plan_for(manifest, DEFAULT_BUCKET_BYTES)
+    except ValueError as exc:  # a dtype torch cannot hold, sizes that contradict shapes
+        raise SeedingError("NoTensorChecksums", f"the tensors cannot be verified: {exc}") from exc
+    return entries
+
+
+def _receive_verified(
+    pg: transport.Group,
+    plan: BucketPlan,
+    entries: Sequence[TensorEntry],
+    device: torch.device,
+    faults: Faults,
+    deadline: _Deadline,
+) -> tuple[_Verifier, float]:
+    """Every bucket into one arena on ``device``, each tensor checked as its bucket lands;
+    the verifier (its tensors and the bad ones) and the transfer's seconds."""
+    arena = new_arena(plan, device)
+    verifier = _Verifier(plan, entries, arena, tamper=faults.tamper)
+    t_transfer = time.monotonic()
+    with _classified(deadline):
+        receive_buckets(pg, plan, arena, deadline.left, on_bucket=verifier.bucket_done)
+    verifier.finish()
+    return verifier, time.monotonic() - t_transfer
 
 
 def _join(root_url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
