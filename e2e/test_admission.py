@@ -30,7 +30,9 @@ from kubernetes.client.exceptions import ApiException
 
 from weightship.api.models import ModelRollout
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
+from weightship.controller.builders import replicaset_body
 from weightship.core.decide import decide
+from weightship.core.decision import CreateReplicaSet
 from weightship.core.observed import ManifestResolution, Observed, PrefetchObservation
 from weightship_dev import testkit
 
@@ -117,10 +119,69 @@ def strategy(schema: dict[str, Any], path: str = "spec") -> st.SearchStrategy[An
     return st.none()
 
 
+# Pod templates: what a ReplicaSet create refuses (issue 23) beside what it takes.
+SERVER = {"name": "server", "image": "ghcr.io/example/llm-server:1.0"}
+EDGE_RESOURCE_KEYS = ["cpu", "memory", "nvidia.com/gpu", "example.com/x", "kubernetes.io/y", "app"]
+EDGE_RESOURCE_VALUES: list[Any] = [1, 0, -1, 2, 1.5, True, "1", "0.5", "500m", "-1", "1.5",
+                                   "1500m", "2Gi", "abc", "1e1.5", "1e3", "1" * 64, "1" * 100,
+                                   ""]  # fmt: skip
+EDGE_CONTAINER_NAMES = ["server", "sidecar", "Server", "a" * 63, "a" * 64, "-a", "", 5]
+EDGE_IMAGES = ["ghcr.io/example/llm-server:1.0", "x", "", " x", None]
+
+
+def _templates() -> st.SearchStrategy[Any]:
+    valid = VALID_MANIFEST["spec"]["template"]
+    labels = copy.deepcopy(valid["metadata"])
+    resource_list = st.dictionaries(
+        st.sampled_from(EDGE_RESOURCE_KEYS), st.sampled_from(EDGE_RESOURCE_VALUES), max_size=3
+    )
+    resources = st.fixed_dictionaries(
+        {}, optional={"limits": resource_list, "requests": resource_list}
+    )
+
+    def container(name: Any, image: Any, res: dict[str, Any] | None) -> dict[str, Any]:
+        out = {"name": name, "image": image}
+        out = {k: v for k, v in out.items() if v is not None}
+        return {**out, "resources": res} if res is not None else out
+
+    containers = st.lists(
+        st.builds(
+            container,
+            st.sampled_from([*EDGE_CONTAINER_NAMES, None]),
+            st.sampled_from(EDGE_IMAGES),
+            st.one_of(st.none(), resources),
+        ),
+        max_size=3,
+    )
+    specs = st.one_of(
+        st.just({}),
+        st.just({"containers": []}),
+        st.builds(lambda cs: {"containers": cs}, containers),
+        st.builds(lambda res: {"containers": [{**SERVER, "resources": res}]}, resources),
+        st.builds(
+            lambda cs, init: {"containers": cs, "initContainers": init},
+            st.just([copy.deepcopy(SERVER)]),
+            st.sampled_from([[], [copy.deepcopy(SERVER)], [{"name": "init", "image": "x"}]]),
+        ),
+    )
+    return st.one_of(
+        st.just(copy.deepcopy(valid)),
+        st.just({"spec": copy.deepcopy(valid["spec"])}),
+        st.builds(lambda spec: {"metadata": copy.deepcopy(labels), "spec": spec}, specs),
+    )
+
+
 def _special(path: str) -> st.SearchStrategy[Any] | None:
     if path == "spec.template":
-        template = copy.deepcopy(VALID_MANIFEST["spec"]["template"])
-        return st.one_of(st.just(template), st.just({"spec": template["spec"]}))
+        return _templates()
+    if re.search(r"\.resources\.(limits|requests)$", path):
+        return st.dictionaries(
+            st.sampled_from(EDGE_RESOURCE_KEYS), st.sampled_from(EDGE_RESOURCE_VALUES), max_size=3
+        )
+    if re.search(r"[cC]ontainers(\.0|\[\])\.name$", path):
+        return st.sampled_from(EDGE_CONTAINER_NAMES)
+    if re.search(r"[cC]ontainers(\.0|\[\])\.image$", path):
+        return st.sampled_from(EDGE_IMAGES[:-1])
     if path == "spec.workloadRef":
         return st.just({"name": "llm"})
     if path.endswith(".duration") or path.endswith(".interval"):
@@ -190,6 +251,10 @@ EDGE_FIELDS = [
 ]
 
 
+# The pod template and the parts of it the API server checks (issue 23).
+TEMPLATE_FIELDS = [f for f in FIELDS if _label(f[0]).startswith("spec.template")]
+
+
 def mutations(fields: list[tuple[Any, ...]] = FIELDS) -> st.SearchStrategy[dict[str, Any]]:
     """The valid sample with one to three fields set to generated values: close enough
     to valid that the API server admits many, and each edge is tried on its own."""
@@ -224,16 +289,25 @@ def manifests() -> st.SearchStrategy[dict[str, Any]]:
     whole = st.fixed_dictionaries(
         {}, optional={k: strategy(v, f"spec.{k}") for k, v in parts.items()}
     ).map(merged)
-    return st.one_of(mutations(), mutations(EDGE_FIELDS), mutations(EDGE_FIELDS), whole)
+    return st.one_of(
+        mutations(),
+        mutations(EDGE_FIELDS),
+        mutations(EDGE_FIELDS),
+        mutations(TEMPLATE_FIELDS),
+        whole,
+    )
 
 
-def survives_run_time(admitted: dict[str, Any]) -> None:
+def survives_run_time(admitted: dict[str, Any], apps: client.AppsV1Api | None = None) -> bool:
     """What the controller does with an admitted object: parse it, then decide with no
     manifest yet, with a resolved and staged manifest, and on the status that gives,
-    an hour and a year later (pauses and analysis intervals are date arithmetic)."""
+    an hour and a year later (pauses and analysis intervals are date arithmetic). With
+    ``apps``, the first ReplicaSet a decision creates, built by the controller's builder,
+    is created with a server-side dry run through the client call the controller makes
+    (the API server validates it as it would the real one). True when one was tried."""
     rollout = ModelRollout.model_validate(admitted)
     empty = Observed(manifest=ManifestResolution())
-    decide(rollout, empty, NOW)
+    creates = list(decide(rollout, empty, NOW).scales)
     staged = Observed(
         manifest=ManifestResolution(digest=DIGEST),
         prefetch=PrefetchObservation(digest=DIGEST, target_nodes=3, staged_nodes=3),
@@ -242,12 +316,32 @@ def survives_run_time(admitted: dict[str, Any]) -> None:
     for step in (timedelta(0), timedelta(hours=1), timedelta(days=366)):
         now += step
         decision = decide(rollout, staged, now)
+        creates += decision.scales
         rollout = rollout.model_copy(update={"status": decision.status})
+    action = next((a for a in creates if isinstance(a, CreateReplicaSet) and a.template), None)
+    if apps is None or action is None:
+        return False
+    body = replicaset_body(
+        rollout,
+        template=action.template,
+        revision_hash=action.revision_hash,
+        manifest_digest=action.manifest_digest,
+        replicas=action.replicas,
+        require_staged=action.require_staged,
+        template_hash=action.template_hash,
+    )
+    apps.create_namespaced_replica_set(body["metadata"]["namespace"], body, dry_run="All")
+    return True
 
 
 @pytest.fixture(scope="module")
 def custom(cluster: Any, crds: None) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(cluster.api)
+
+
+@pytest.fixture(scope="module")
+def apps(cluster: Any) -> client.AppsV1Api:
+    return client.AppsV1Api(cluster.api)
 
 
 def dry_run(custom: client.CustomObjectsApi, namespace: str, body: dict[str, Any]) -> Any:
@@ -450,9 +544,9 @@ def test_a_rollout_stored_before_keeps_its_old_tolerations_and_chunk_size_unchan
 
 
 def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
-    custom: client.CustomObjectsApi, namespace: str
+    custom: client.CustomObjectsApi, apps: client.AppsV1Api, namespace: str
 ) -> None:
-    tally = {"generated": 0, "admitted": 0, "refused": 0}
+    tally = {"generated": 0, "admitted": 0, "refused": 0, "replicasets": 0}
     disagreements: list[str] = []
 
     @settings(
@@ -473,7 +567,7 @@ def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
             return
         tally["admitted"] += 1
         try:
-            survives_run_time(admitted)
+            tally["replicasets"] += survives_run_time(admitted, apps)
         except Exception as e:  # any exception is a disagreement; collect them all
             spec = json.dumps(admitted["spec"], ensure_ascii=True)[:600]
             disagreements.append(f"{type(e).__name__}: {str(e)[:400]}\n  spec: {spec}")
@@ -484,10 +578,12 @@ def test_every_admitted_manifest_is_accepted_and_decided_at_run_time(
     finally:
         print(
             f"admission parity: {tally['generated']} generated, {tally['admitted']} admitted, "
-            f"{tally['refused']} refused, {len(disagreements)} admitted but refused or crashed"
+            f"{tally['refused']} refused, {len(disagreements)} admitted but refused or crashed; "
+            f"{tally['replicasets']} ReplicaSets built and dry-run created"
         )
     assert not disagreements, "\n".join(disagreements[:5])
     assert tally["admitted"] >= MAX_EXAMPLES // 10, tally  # the generator reaches admission
+    assert tally["replicasets"] >= tally["admitted"] // 2, tally  # and the ReplicaSet create
 
 
 def test_the_generator_reaches_the_edges() -> None:
@@ -508,6 +604,15 @@ def test_the_generator_reaches_the_edges() -> None:
         for needle in ("70000000h", "{{ bogus }}", "\\u00a0"):
             if needle in text:
                 seen.add(needle)
+        spec = (value["spec"].get("template") or {}).get("spec")
+        if spec == {} or spec == {"containers": []}:
+            seen.add("no containers")
+        resources = [c.get("resources") or {} for c in (spec or {}).get("containers") or []]
+        odd = {"1.5", "abc", "1e1.5", "-1", "1" * 100}
+        for r in resources:
+            values = [*(r.get("limits") or {}).values(), *(r.get("requests") or {}).values()]
+            if odd & {v for v in values if isinstance(v, str)}:
+                seen.add("an odd resource quantity")
 
     collect()
-    assert {"70000000h", "{{ bogus }}"} <= seen, seen
+    assert {"70000000h", "{{ bogus }}", "no containers", "an odd resource quantity"} <= seen, seen

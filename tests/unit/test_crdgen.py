@@ -79,7 +79,10 @@ def test_preserve_unknown_fields_only_where_intended() -> None:
         for path, node in walk(schema_of("ModelRollout"))
         if node.get("x-kubernetes-preserve-unknown-fields")
     }
-    assert preserved == {".spec.template.spec", ".spec.prefetch.tolerations[]"}
+    # The pod spec passes through; the parts the API server checks are typed (api.podspec).
+    pod = {f".spec.template.spec{p}" for p in ("", ".containers[]", ".initContainers[]")}
+    pod |= {f"{p}.resources" for p in pod if p.endswith("[]")}
+    assert preserved == {*pod, ".spec.prefetch.tolerations[]"}
 
 
 def test_cel_rules_have_messages() -> None:

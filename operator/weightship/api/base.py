@@ -21,6 +21,13 @@ SHA256_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 # in Python, so `[^\s]` let U+00A0 or U+2028 through one and not the other.
 URL_PATTERN = r"^https?://[!-~]+$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Label keys and values as Kubernetes checks them (a qualified name: an optional DNS
+# subdomain prefix and a name of at most 63 characters; values at most 63, alphanumeric
+# at both ends).
+_NAME_PART = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+_PREFIX_PART = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+LABEL_KEY_PATTERN = rf"^({_PREFIX_PART}/)?{_NAME_PART}$"
+LABEL_VALUE_PATTERN = rf"^({_NAME_PART})?$"
 
 # Bounds keep CEL cost estimates small: the apiserver multiplies a rule's cost by the
 # maxItems/maxLength of everything it iterates over.

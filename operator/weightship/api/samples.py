@@ -325,3 +325,66 @@ INVALID_MANIFESTS += [
         "spec.strategy.canary.analysis.prometheus.address",
     ),
 ]
+
+# Pod templates a ReplicaSet create refuses, and quantities no one can mean (issue 23).
+_SERVER = {"name": "server", "image": "ghcr.io/example/llm-server:1.0"}
+
+
+def _resources(resources: dict[str, Any]) -> dict[str, Any]:
+    return {"containers": [{**_SERVER, "resources": resources}]}
+
+
+INVALID_MANIFESTS += [
+    (
+        "a pod template without containers",
+        _mutated(_set("template.spec", {})),
+        "spec.template.spec.containers",
+    ),
+    (
+        "a pod template with an empty container list",
+        _mutated(_set("template.spec", {"containers": []})),
+        "spec.template.spec.containers",
+    ),
+    (
+        "a container without an image",
+        _mutated(_set("template.spec", {"containers": [{"name": "server"}]})),
+        "spec.template.spec.containers[0].image",
+    ),
+    (
+        "a container without a name",
+        _mutated(_set("template.spec", {"containers": [{"image": "x"}]})),
+        "spec.template.spec.containers[0].name",
+    ),
+    (
+        "two containers of one name",
+        _mutated(_set("template.spec", {"containers": [_SERVER, _SERVER]})),
+        "container names must be unique across containers and initContainers",
+    ),
+    (
+        "a negative CPU limit",
+        _mutated(_set("template.spec", _resources({"limits": {"cpu": "-1"}}))),
+        "must be a non-negative quantity",
+    ),
+    (
+        "a memory limit that is no quantity",
+        _mutated(_set("template.spec", _resources({"limits": {"memory": "lots"}}))),
+        "must be a non-negative quantity",
+    ),
+    (
+        "half a GPU",
+        _mutated(_set("template.spec", _resources({"limits": {"nvidia.com/gpu": "0.5"}}))),
+        "extended resources (such as nvidia.com/gpu) must be whole numbers",
+    ),
+    (
+        "requests above limits",
+        _mutated(
+            _set("template.spec", _resources({"requests": {"cpu": "2"}, "limits": {"cpu": 1}}))
+        ),
+        "requests must be less than or equal to limits",
+    ),
+    (
+        "a 100-digit bandwidth limit",
+        _mutated(_set("prefetch.bandwidthLimit", "1" * 100)),
+        "spec.prefetch.bandwidthLimit",
+    ),
+]

@@ -19,6 +19,8 @@ from pydantic import (
 from weightship.api.base import (
     DNS_LABEL_PATTERN,
     DURATION_PATTERN,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
     MAX_LABEL_VALUE,
     MAX_NAME,
     MAX_SHORT_TEXT,
@@ -30,6 +32,7 @@ from weightship.api.base import (
     validations,
 )
 from weightship.api.durations import parse_duration
+from weightship.api.podspec import POD_SPEC_SCHEMA, check_pod_spec
 from weightship.api.promql import placeholders
 from weightship.api.regex import RE2_VALID_RULE, check_re2
 from weightship.kube.quantity import QUANTITY_PATTERN, quantity_value
@@ -98,13 +101,8 @@ StringMap = Annotated[
     Field(json_schema_extra={"maxProperties": 64}),
 ]
 
-# Label keys and values as Kubernetes checks them (a qualified name: an optional DNS
-# subdomain prefix and a name of at most 63 characters; values at most 63, alphanumeric
-# at both ends). The API server refused such keys only when the ReplicaSet was made.
-_NAME_PART = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
-_PREFIX_PART = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-LABEL_KEY_PATTERN = rf"^({_PREFIX_PART}/)?{_NAME_PART}$"
-LABEL_VALUE_PATTERN = rf"^({_NAME_PART})?$"
+# Label keys and values as Kubernetes checks them (api.base's patterns). The API server
+# refused such keys only when the ReplicaSet was made.
 _LABEL_KEY_MESSAGE = (
     "keys must be qualified names (an optional DNS prefix and '/', then at most 63 "
     "alphanumeric, '-', '_' or '.' characters, alphanumeric at both ends)"
@@ -211,9 +209,9 @@ class PodTemplate(ApiModel):
     metadata: PodTemplateMetadata = Field(
         default_factory=PodTemplateMetadata, description="Pod metadata (labels, annotations)."
     )
-    spec: dict[str, Any] = Field(
-        description="A core/v1 PodSpec, passed through unchanged (see `kubectl explain pod.spec`)."
-    )
+    spec: Annotated[
+        dict[str, Any], AfterValidator(check_pod_spec), WithJsonSchema(POD_SPEC_SCHEMA)
+    ] = Field(description=POD_SPEC_SCHEMA["description"])
 
 
 class WorkloadRef(ApiModel):

@@ -264,6 +264,18 @@ def _inject_container(
     container["volumeMounts"] = mounts
 
 
+def _quantities_as_strings(container: dict[str, Any]) -> None:
+    """Resource quantities written as JSON integers (`nvidia.com/gpu: 1`), as strings: the
+    API server reads both, the kubernetes client's ReplicaSet model takes only strings."""
+    resources = container.get("resources")
+    for what in ("limits", "requests"):
+        values = resources.get(what) if isinstance(resources, dict) else None
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    values[key] = str(value)
+
+
 def _staged_affinity(pod_spec: dict[str, Any], label: str) -> None:
     """Require nodes labelled as staged: added to every existing nodeSelectorTerm (ANDed)."""
     affinity = pod_spec.setdefault("affinity", {})
@@ -318,6 +330,8 @@ def replicaset_body(
         mine = model_volumes(cache_dir, manifest_digest)
     for container in spec.get("containers") or []:
         _inject_container(container, env, mine)
+    for container in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        _quantities_as_strings(container)
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in NODE_VOLUMES]
     spec["volumes"] = [*volumes, *mine]
     gates = [g for g in spec.get("readinessGates") or [] if g.get("conditionType") != VERIFIED_GATE]
