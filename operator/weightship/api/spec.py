@@ -899,14 +899,19 @@ class CanaryStrategy(ApiModel):
     abort_scale_down_delay_seconds: int = Field(
         30,
         description="After an abort, once the stable ReplicaSet is Ready again, wait this long "
-        "before scaling the canary to zero. 0 scales it down at once.",
+        "before scaling the canary to zero. With replicaRatio routing its pods leave the "
+        "Service's endpoints at once and drain meanwhile. 0 scales it down once they left.",
         ge=0,
         le=86400,
     )
     scale_down_delay_seconds: int = Field(
         30,
-        description="With gatewayAPI routing, keep the old stable this long after a promotion "
-        "so routers can drain. With replicaRatio the old stable scales down at once.",
+        description="Pods are out of traffic this long before they are deleted. With "
+        "gatewayAPI routing the old stable is kept this long at weight 0 after a promotion. "
+        "With replicaRatio every pod a scale-down removes (an old stable, a dropped canary, "
+        "fewer replicas) first leaves the Service's endpoints (its weights-verified gate "
+        "goes False) and is deleted this long after; its own preStop hook and grace period "
+        "still run then.",
         ge=0,
         le=86400,
     )
