@@ -26,7 +26,7 @@ from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.failures import StageError, classify
-from weightship.agent.kube import AgentKube, RolloutInformer
+from weightship.agent.kube import AgentKube, rollout_informer
 from weightship.agent.metrics import AgentMetrics
 from weightship.api.weightcache import FailureReason
 from weightship.core.staging_failure import DETERMINISTIC
@@ -34,7 +34,7 @@ from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError, Stage
 from weightship.data.fetcher import ChunkOrigin, Peer, TokenBucket
 from weightship.data.peer import PeerServer
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
-from weightship.data.stage import StageCancelledError, StageProgress, stage
+from weightship.data.stage import StageCancelledError, StageProgress, StageResult, stage
 from weightship.data.views import Views
 from weightship.weightformat.manifest import Manifest, ManifestError
 from weightship.weightformat.paths import MANIFEST_NAME
@@ -102,7 +102,7 @@ class Agent:
         self.job: _Job | None = None
         self.failures: dict[str, int] = {}
         self.retry_at: dict[str, float] = {}
-        self.informer = RolloutInformer(kube, self.wake.set)
+        self.informer = rollout_informer(kube, self.wake.set, stop=self.stop)
         self.peer_server: PeerServer | None = None
         self._labels: dict[str, str] = {}
         self._labels_at = float("-inf")
@@ -137,7 +137,7 @@ class Agent:
         self._changed(urgent=True)
         reporter = threading.Thread(target=self._report_loop, name="status", daemon=True)
         reporter.start()
-        self.informer.start(self.stop)
+        self.informer.start()
         try:
             while not self.stop.is_set():
                 try:
@@ -279,34 +279,7 @@ class Agent:
             pinned_by=want.pinned_by,
         )
         try:
-            manifest, origin = self._resolve(want)
-            self._update(digest, bytes_total=manifest.total_size)
-            with self.lock:
-                pinned = {w.digest for w in self.wants} | {digest} | self.view_digests
-            self._make_room(manifest, pinned)
-            peers, holders = self._peers(digest) if want.peer_to_peer else ([], set())
-            log.info(
-                "staging %s (%d bytes) with %d peers (%d have it staged)%s",
-                digest,
-                manifest.total_size,
-                len(peers),
-                len(holders),
-                f", capped at {want.bandwidth_limit} B/s" if want.bandwidth_limit else "",
-            )
-            result = stage(
-                manifest,
-                self.store,
-                origin,
-                peers,
-                node=self.cfg.node_name,
-                metrics=self.metrics.data,
-                pinned=pinned,
-                workers=self.cfg.workers,
-                bandwidth=TokenBucket(want.bandwidth_limit) if want.bandwidth_limit else None,
-                progress=lambda p: self._progress(digest, p),
-                cancel=cancel,
-                holders=holders,
-            )
+            result = self._fetch(want, cancel)
         except StageBusyError:
             # Another process holds the model's lock: a previous agent on this node that
             # is still dying (a force-deleted pod). Not a failure; try again shortly.
@@ -316,45 +289,83 @@ class Agent:
             log.info("staging %s cancelled; verified chunks are kept", digest)
             self.metrics.stages.labels("cancelled").inc()
         except Exception as e:
-            message = _describe(e, digest)
-            failures = self.failures.get(digest, 0) + 1
-            self.failures[digest] = failures
-            delay = desired.retry_delay_s(failures)
-            self.retry_at[digest] = time.monotonic() + delay
-            log.warning("staging %s failed (retry in %.0fs): %s", digest, delay, message)
-            self.metrics.stages.labels("failed").inc()
-            with self.lock:
-                previous = self.entries[digest].failure if digest in self.entries else None
-            failure = classify(e, self.now(), previous)
-            self.metrics.stage_failures.labels(failure.reason).inc()
-            self._update(digest, state="Failed", last_error=status.clip(message), failure=failure)
+            self._failed(digest, e)
         else:
-            self.failures.pop(digest, None)
-            self.retry_at.pop(digest, None)
-            seconds = time.monotonic() - started
-            self.metrics.stages.labels("staged").inc()
-            self.metrics.stage_seconds.observe(seconds)
-            log.info(
-                "staged %s in %.1fs: %d bytes from origin, %d from peers, %d local",
-                digest,
-                seconds,
-                result.from_origin,
-                result.from_peers,
-                result.from_local,
-            )
-            self._update(
-                digest,
-                state="Staged",
-                bytes_done=result.done_bytes,
-                bytes_total=result.total_bytes,
-                bytes_from_origin=result.from_origin,
-                bytes_from_peers=result.from_peers,
-                completed_at=self.now(),
-                last_error=None,
-                failure=None,
-            )
+            self._staged(digest, result, time.monotonic() - started)
         finally:
             self.wake.set()
+
+    def _fetch(self, want: Wanted, cancel: threading.Event) -> StageResult:
+        """Resolve the manifest, make room, and stage every chunk (peers first)."""
+        digest = want.digest
+        manifest, origin = self._resolve(want)
+        self._update(digest, bytes_total=manifest.total_size)
+        with self.lock:
+            pinned = {w.digest for w in self.wants} | {digest} | self.view_digests
+        self._make_room(manifest, pinned)
+        peers, holders = self._peers(digest) if want.peer_to_peer else ([], set())
+        log.info(
+            "staging %s (%d bytes) with %d peers (%d have it staged)%s",
+            digest,
+            manifest.total_size,
+            len(peers),
+            len(holders),
+            f", capped at {want.bandwidth_limit} B/s" if want.bandwidth_limit else "",
+        )
+        return stage(
+            manifest,
+            self.store,
+            origin,
+            peers,
+            node=self.cfg.node_name,
+            metrics=self.metrics.data,
+            pinned=pinned,
+            workers=self.cfg.workers,
+            bandwidth=TokenBucket(want.bandwidth_limit) if want.bandwidth_limit else None,
+            progress=lambda p: self._progress(digest, p),
+            cancel=cancel,
+            holders=holders,
+        )
+
+    def _failed(self, digest: str, e: Exception) -> None:
+        """A failed stage: retried after a back-off, its failure classified in status."""
+        message = _describe(e, digest)
+        failures = self.failures.get(digest, 0) + 1
+        self.failures[digest] = failures
+        delay = desired.retry_delay_s(failures)
+        self.retry_at[digest] = time.monotonic() + delay
+        log.warning("staging %s failed (retry in %.0fs): %s", digest, delay, message)
+        self.metrics.stages.labels("failed").inc()
+        with self.lock:
+            previous = self.entries[digest].failure if digest in self.entries else None
+        failure = classify(e, self.now(), previous)
+        self.metrics.stage_failures.labels(failure.reason).inc()
+        self._update(digest, state="Failed", last_error=status.clip(message), failure=failure)
+
+    def _staged(self, digest: str, result: StageResult, seconds: float) -> None:
+        self.failures.pop(digest, None)
+        self.retry_at.pop(digest, None)
+        self.metrics.stages.labels("staged").inc()
+        self.metrics.stage_seconds.observe(seconds)
+        log.info(
+            "staged %s in %.1fs: %d bytes from origin, %d from peers, %d local",
+            digest,
+            seconds,
+            result.from_origin,
+            result.from_peers,
+            result.from_local,
+        )
+        self._update(
+            digest,
+            state="Staged",
+            bytes_done=result.done_bytes,
+            bytes_total=result.total_bytes,
+            bytes_from_origin=result.from_origin,
+            bytes_from_peers=result.from_peers,
+            completed_at=self.now(),
+            last_error=None,
+            failure=None,
+        )
 
     def _resolve(self, want: Wanted) -> tuple[Manifest, ChunkOrigin]:
         """The manifest of ``want.digest`` and an origin holding its weights.
