@@ -16,10 +16,11 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from weightship.data.viewlayout import DIGEST_PATTERN, UID_PATTERN
+from weightship.data.viewlayout import UID_PATTERN
 from weightship.kube.quantity import quantity_value
 from weightship.kube.rfc3339 import time_or_none
 from weightship.kube.selector import labels_match
+from weightship.weightformat.cachedir import MANIFEST_DIGEST
 
 Role = Literal["canary", "stable", "retiring"]
 ROLE_ORDER: dict[Role, int] = {"canary": 0, "stable": 1, "retiring": 2}
@@ -214,7 +215,7 @@ def view_pins(
         if not isinstance(uid, str) or not UID_PATTERN.fullmatch(uid):
             refused.append(f"{namespace}/{name}")
             continue
-        pins[uid] = frozenset(d for _, d in rollout_digests(r) if DIGEST_PATTERN.fullmatch(d))
+        pins[uid] = frozenset(d for _, d in rollout_digests(r) if MANIFEST_DIGEST.fullmatch(d))
     return ViewPins(pins, tuple(sorted(refused)))
 
 

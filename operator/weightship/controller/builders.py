@@ -7,7 +7,6 @@ shapes are unit-tested without a cluster.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +17,7 @@ from weightship.controller.seedkey import seed_key_env
 from weightship.core.decision import DrainPod, SeedEnv, SetGate
 from weightship.core.verification import DRAINING
 from weightship.data import viewlayout
+from weightship.weightformat.cachedir import FILES_DIR, MANIFEST_DIGEST, host_model_root
 
 ROLLOUT_LABEL = f"{GROUP}/rollout"
 REVISION_LABEL = f"{GROUP}/revision-hash"
@@ -62,26 +62,17 @@ VIEW_READY_VOLUME = "weightship-view-ready"
 VIEW_VOLUMES = {VIEW_VOLUME: "Directory", VIEW_READY_VOLUME: "File"}
 # Names a pod template cannot use: the controller's node mounts replace them.
 NODE_VOLUMES = frozenset({*MODEL_VOLUMES, *VIEW_VOLUMES})
-_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
-
-
-def _digest_hex(manifest_digest: str) -> str:
-    """The hex of a sha256 digest: the only rollout-derived part of a host path."""
-    found = _DIGEST.fullmatch(manifest_digest)
-    if found is None:
-        raise ValueError(f"not a sha256 manifest digest: {manifest_digest[:80]!r}")
-    return found.group(1)
 
 
 def staged_model_root(cache_dir: str, manifest_digest: str) -> str:
     """`<cacheDir>/models/<hex>`: where the node agent stages one model (data.chunkstore)."""
-    return f"{cache_dir.rstrip('/')}/models/{_digest_hex(manifest_digest)}"
+    return host_model_root(cache_dir, manifest_digest)
 
 
 def staged_model_dir(cache_dir: str, manifest_digest: str) -> str | None:
-    if not _DIGEST.fullmatch(manifest_digest or ""):
+    if not MANIFEST_DIGEST.fullmatch(manifest_digest or ""):
         return None
-    return f"{staged_model_root(cache_dir, manifest_digest)}/files"
+    return f"{staged_model_root(cache_dir, manifest_digest)}/{FILES_DIR}"
 
 
 def rollout_view_root(cache_dir: str, uid: str) -> str:
@@ -113,7 +104,7 @@ def pod_model_dir(
 ) -> str | None:
     """`$(WEIGHTSHIP_MODEL_DIR)` of a pod: the model's files in its rollout's view with
     ``view_uid``, else in the node cache; None for a digest that is not sha256."""
-    if not _DIGEST.fullmatch(manifest_digest or ""):
+    if not MANIFEST_DIGEST.fullmatch(manifest_digest or ""):
         return None
     if view_uid is None:
         return staged_model_dir(cache_dir, manifest_digest)

@@ -1,6 +1,6 @@
 """Where a rollout's view of the node cache lives (weightship.data.views). Pure, and
-without imports beyond the standard library, so the controller (which builds the pods
-that mount a view) and the node agent (which maintains it) share one definition.
+importing only the weight format's node-cache names, so the controller (which builds the
+pods that mount a view) and the node agent (which maintains it) share one definition.
 
     <cacheDir>/views/<rollout-uid>/models/<hex>/{files/, manifest.json, STAGED}
     <cacheDir>/views/<rollout-uid>/ready/<hex>
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import re
 
+from weightship.weightformat.cachedir import FILES_DIR, MODELS_DIR, manifest_digest_hex
+
 VIEWS_DIR = "views"
-MODELS_DIR = "models"
 READY_DIR = "ready"
-FILES_DIR = "files"
 UID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 HEX_PATTERN = re.compile(r"[0-9a-f]{64}")
-DIGEST_PATTERN = re.compile(r"sha256:([0-9a-f]{64})")
 
 
 def check_uid(uid: object) -> str:
@@ -29,14 +28,6 @@ def check_uid(uid: object) -> str:
     return uid
 
 
-def digest_hex(digest: object) -> str:
-    """The 64 hex characters of ``sha256:<hex>``; ValueError otherwise."""
-    found = DIGEST_PATTERN.fullmatch(digest) if isinstance(digest, str) else None
-    if found is None:
-        raise ValueError(f"not a sha256 manifest digest: {str(digest)[:80]!r}")
-    return found.group(1)
-
-
 def view_root(cache_dir: str, uid: str) -> str:
     """``<cacheDir>/views/<uid>``: the folder a pod of the rollout mounts."""
     return f"{cache_dir.rstrip('/')}/{VIEWS_DIR}/{check_uid(uid)}"
@@ -44,10 +35,10 @@ def view_root(cache_dir: str, uid: str) -> str:
 
 def view_model_dir(cache_dir: str, uid: str, digest: str) -> str:
     """``<cacheDir>/views/<uid>/models/<hex>/files``: a model's files in the view."""
-    return f"{view_root(cache_dir, uid)}/{MODELS_DIR}/{digest_hex(digest)}/{FILES_DIR}"
+    return f"{view_root(cache_dir, uid)}/{MODELS_DIR}/{manifest_digest_hex(digest)}/{FILES_DIR}"
 
 
 def ready_marker(cache_dir: str, uid: str, digest: str) -> str:
     """``<cacheDir>/views/<uid>/ready/<hex>``: exists once the view showed the model;
     the start gate of the pods created for it."""
-    return f"{view_root(cache_dir, uid)}/{READY_DIR}/{digest_hex(digest)}"
+    return f"{view_root(cache_dir, uid)}/{READY_DIR}/{manifest_digest_hex(digest)}"

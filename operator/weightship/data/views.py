@@ -51,17 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightship.data.chunkstore import ChunkStore, fsync_dir
-from weightship.data.viewlayout import (
+from weightship.data.viewlayout import HEX_PATTERN, READY_DIR, UID_PATTERN, VIEWS_DIR, check_uid
+from weightship.weightformat.cachedir import (
     FILES_DIR,
-    HEX_PATTERN,
     MODELS_DIR,
-    READY_DIR,
-    UID_PATTERN,
-    VIEWS_DIR,
-    check_uid,
-    digest_hex,
+    STAGED_MARKER,
+    manifest_digest_hex,
 )
-from weightship.weightformat.cachedir import STAGED_MARKER
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 TRASH_DIR = ".trash"
@@ -163,7 +159,7 @@ class Views:
             hexes = set()
             for d in digests:
                 try:
-                    hexes.add(digest_hex(d))
+                    hexes.add(manifest_digest_hex(d))
                 except ValueError as e:
                     report.errors.append(f"view {uid}: {e}")
             wanted[uid] = hexes
@@ -180,7 +176,9 @@ class Views:
             except OSError as e:
                 report.errors.append(f"view {uid}: {type(e).__name__}: {e}")
         keep = set().union(*wanted.values())
-        self._manifests = {d: m for d, m in self._manifests.items() if digest_hex(d) in keep}
+        self._manifests = {
+            d: m for d, m in self._manifests.items() if manifest_digest_hex(d) in keep
+        }
         if not self._empty_trash(left):
             report.pending = True
         if left.left == 0:
@@ -229,7 +227,7 @@ class Views:
         this call wrote STAGED. Stops where the budget runs out (the next call goes on).
         Links already in place are checked once per process, and afterwards only
         through STAGED and the manifest's inode (`_current`)."""
-        hex_ = digest_hex(digest)
+        hex_ = manifest_digest_hex(digest)
         if (dest / STAGED_MARKER).is_file() and (uid, hex_) in self._checked:
             return False
         src = self.store.model_dir(digest)
