@@ -63,14 +63,22 @@ def test_a_hundred_rollouts_reach_healthy_on_a_second_revision(
     assert len(done) == ROLLOUTS, describe_stragglers(done, listing) + "\n" + operator.tail()
 
     # Each rollout went through both revisions with exactly one ReplicaSet per revision,
-    # the old one scaled to zero and the new one at full size.
-    by_rollout: dict[str, list[Any]] = {}
-    for rs in cluster.apps.list_namespaced_replica_set(namespace).items:
-        by_rollout.setdefault(rs.metadata.labels["weightship.io/rollout"], []).append(rs)
-    assert set(by_rollout) == set(fleet.names)
-    for name, replica_sets in by_rollout.items():
-        sizes = sorted(rs.spec.replicas for rs in replica_sets)
-        assert sizes == [0, 2], (
-            name,
-            [(rs.metadata.name, rs.spec.replicas) for rs in replica_sets],
-        )
+    # the old one scaled to zero (once its pods drained: core/drain.py, after Healthy) and
+    # the new one at full size.
+    def sizes() -> dict[str, list[int]]:
+        by_rollout: dict[str, list[int]] = {}
+        for rs in cluster.apps.list_namespaced_replica_set(namespace).items:
+            rollout = rs.metadata.labels["weightship.io/rollout"]
+            by_rollout.setdefault(rollout, []).append(rs.spec.replicas)
+        return {name: sorted(found) for name, found in by_rollout.items()}
+
+    def wrong() -> dict[str, list[int]]:
+        return {name: found for name, found in sizes().items() if found != [0, 2]}
+
+    testkit.wait_until(
+        lambda: not wrong(),
+        timeout=240,
+        what="every old ReplicaSet at 0",
+        detail=lambda: str(wrong()),
+    )
+    assert set(sizes()) == set(fleet.names)

@@ -44,7 +44,9 @@ def kwok_rollout_body(
             "model": testkit.local_model(uri, endpoint, revision),
             "prefetch": {"enabled": False},
             "validation": {"checksum": False},
-            "strategy": {"canary": {"steps": STEPS}},
+            # Old pods drain 1 s before they go (core/drain.py); a KWOK pod may stay Ready
+            # whatever its readiness gate says, and then goes after that bounded wait.
+            "strategy": {"canary": {"steps": STEPS, "scaleDownDelaySeconds": 1}},
         },
     }
 

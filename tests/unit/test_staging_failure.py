@@ -561,6 +561,21 @@ def test_after_a_retry_only_failures_of_new_attempts_abort_again() -> None:
     assert retried.status.abort is None and retried.status.phase == "Prefetching"
     retried = with_status(retried, decide(retried, stale, at(101)))
     assert retried.status.abort is None  # still the old attempts' word
+
+    # The agents start again at once: Staging, the last attempt's failure kept beside it
+    # (a row of failures that began before the retry): not a new attempt's word either.
+    def restaged(name: str, started: float) -> NodeStaging:
+        kept = dataclasses.replace(failed_at(name, started), state="Staging")
+        assert kept.failure is not None
+        return dataclasses.replace(kept, failure=kept.failure.model_copy(update={"since": at(60)}))
+
+    restarted = observe(
+        replica_set(stable.pod_template_hash, 4),
+        digest=DIGEST_B,
+        prefetch=seen(restaged("n1", 102), restaged("n2", 102)),
+    )
+    retried = with_status(retried, decide(retried, restarted, at(103)))
+    assert retried.status.abort is None, retried.status.message
     fresh = observe(
         replica_set(stable.pod_template_hash, 4),
         digest=DIGEST_B,

@@ -70,8 +70,7 @@ def deterministic_failure(
     groups: dict[tuple[str, str | None, int | None], list[NodeStaging]] = defaultdict(list)
     for node in prefetch.nodes:
         f = _failing(node)
-        stale = since is not None and node.started_at is not None and node.started_at < since
-        if f is not None and f.reason in DETERMINISTIC and not stale:
+        if f is not None and f.reason in DETERMINISTIC and not _stale(node, f, since):
             groups[(f.reason, f.file, f.chunk)].append(node)
     need = min(MIN_AGREEING_NODES, prefetch.target_nodes)
     agreeing = [(k, g) for k, g in groups.items() if len(g) >= need]
@@ -88,6 +87,17 @@ def deterministic_failure(
         names,
         failure,
     )
+
+
+def _stale(node: NodeStaging, failure: StagingFailure, since: datetime | None) -> bool:
+    """The failure is from before ``since``: its attempt began earlier, or the node is
+    Staging again and keeps the failure of a row of attempts that began earlier (the
+    attempt that failed is unknown, the one running began after: not its word)."""
+    if since is None:
+        return False
+    if node.started_at is not None and node.started_at < since:
+        return True
+    return node.state == "Staging" and failure.since is not None and failure.since < since
 
 
 def _describe(
