@@ -73,10 +73,10 @@ from weightship_dev import cluster as local_cluster  # noqa: E402
 from weightship_dev import demo, testkit  # noqa: E402
 from weightship_dev.install import apply_crds  # noqa: E402
 from weightship_dev.layout import ClusterPaths  # noqa: E402
-from weightship_dev.loadgen import Answer, RevisionTimeline, ServiceLoad  # noqa: E402
+from weightship_dev.loadgen import Answer, RevisionTimeline, ServiceLoad, app_service  # noqa: E402
 from weightship_dev.operatorproc import OperatorProcess  # noqa: E402
 from weightship_testing.tinyvllm import deploy  # noqa: E402
-from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION  # noqa: E402
+from weightship_testing.tinyvllm.build import CHAT_ANSWER  # noqa: E402
 from weightship_testing.tinyvllm.build import publish_versions as publish_tinyvllm  # noqa: E402
 
 MODES = ("inplace", "replace")
@@ -108,19 +108,6 @@ def rollout(name: str, mode: str, uri: str, endpoint: str) -> dict[str, Any]:
     return body
 
 
-def service(cluster: Cluster, namespace: str, name: str) -> None:
-    cluster.core.create_namespaced_service(
-        namespace,
-        {
-            "metadata": {"name": name},
-            "spec": {
-                "selector": {"app": name},
-                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
-            },
-        },
-    )
-
-
 def chat_load(cluster: Cluster, namespace: str, name: str, rate: float) -> ServiceLoad:
     return ServiceLoad(
         cluster.api,
@@ -128,12 +115,7 @@ def chat_load(cluster: Cluster, namespace: str, name: str, rate: float) -> Servi
         name,
         deploy.PORT,
         deploy.CHAT_PATH,
-        {
-            "model": deploy.SERVED_MODEL,
-            "messages": [{"role": "user", "content": CHAT_QUESTION}],
-            "max_tokens": 8,
-            "temperature": 0,
-        },
+        deploy.chat_request(max_tokens=8),
         rate=rate,
         timeout_s=30.0,
     )
@@ -264,7 +246,7 @@ def run_mode(
 ) -> ModeRun:
     ns = rollouts.namespace
     name = mode
-    service(cluster, ns, name)
+    app_service(cluster.core, ns, name, deploy.PORT)
     started = time.monotonic()
     rollouts.create(rollout(name, mode, uris["v1"], cluster.s3_endpoint))
     watch = PodWatch(cluster.core, ns, name)

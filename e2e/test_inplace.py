@@ -29,10 +29,10 @@ from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL, VERIFI
 from weightship.weightformat.manifest import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
-from weightship_dev.loadgen import RevisionTimeline, ServiceLoad
+from weightship_dev.loadgen import RevisionTimeline, ServiceLoad, app_service
 from weightship_dev.slackreceiver import SlackReceiver
 from weightship_testing.tinyvllm import deploy
-from weightship_testing.tinyvllm.build import CHAT_ANSWER, CHAT_QUESTION, publish_versions
+from weightship_testing.tinyvllm.build import CHAT_ANSWER, publish_versions
 
 NAMESPACE_PREFIX = "ip-"
 VLLM_START_S = 480
@@ -127,24 +127,11 @@ def rot_staged(cluster: Any, digest: str) -> None:
             f.write(bytes(b ^ 0xFF for b in data[middle : middle + 4]))
 
 
-def service(cluster: Any, namespace: str) -> None:
-    cluster.core.create_namespaced_service(
-        namespace,
-        {
-            "metadata": {"name": "llm"},
-            "spec": {
-                "selector": {"app": "llm"},
-                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
-            },
-        },
-    )
-
-
 def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
     cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str], tmp_path: Path
 ) -> None:
     ns = rollouts.namespace
-    service(cluster, ns)
+    app_service(cluster.core, ns, "llm", deploy.PORT)
     with SlackReceiver(host=BRIDGE_IP) as slack:
         cluster.core.create_namespaced_secret(
             ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
@@ -166,12 +153,7 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
             "llm",
             deploy.PORT,
             deploy.CHAT_PATH,
-            {
-                "model": deploy.SERVED_MODEL,
-                "messages": [{"role": "user", "content": CHAT_QUESTION}],
-                "max_tokens": 8,
-                "temperature": 0,
-            },
+            deploy.chat_request(max_tokens=8),
             rate=4.0,
             timeout_s=30.0,
         )

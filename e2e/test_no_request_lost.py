@@ -17,7 +17,7 @@ from weightship import rollouts as user_actions
 from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE
 from weightship.core.verification import DRAINING
 from weightship_dev import testkit
-from weightship_dev.loadgen import ServiceLoad
+from weightship_dev.loadgen import ServiceLoad, app_service
 from weightship_testing.tinyllm.settings import DEFAULT_PORT
 
 NAMESPACE_PREFIX = "nrl-"
@@ -80,16 +80,7 @@ def test_no_request_fails_through_a_promotion_an_abort_and_a_rollback(
     cluster: Any, rollouts: Rollouts, models: dict[str, str]
 ) -> None:
     ns = rollouts.namespace
-    cluster.core.create_namespaced_service(
-        ns,
-        {
-            "metadata": {"name": "llm"},
-            "spec": {
-                "selector": {"app": "llm"},
-                "ports": [{"port": DEFAULT_PORT, "targetPort": DEFAULT_PORT}],
-            },
-        },
-    )
+    app_service(cluster.core, ns, "llm", DEFAULT_PORT)
     body = tinyllm_rollout_body(
         "llm",
         models["v1"],

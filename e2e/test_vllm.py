@@ -23,10 +23,10 @@ from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
 from weightship.weightformat.manifest import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
-from weightship_dev.loadgen import ServiceLoad
+from weightship_dev.loadgen import ServiceLoad, app_service
 from weightship_dev.slackreceiver import SlackReceiver
 from weightship_testing.tinyvllm import deploy
-from weightship_testing.tinyvllm.build import CHAT_QUESTION, publish_versions
+from weightship_testing.tinyvllm.build import publish_versions
 
 NAMESPACE_PREFIX = "vl-"
 VLLM_START_S = 420  # a vLLM replica starts in about 40 s on an idle 2-core machine
@@ -59,29 +59,15 @@ def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, An
 
 def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
     """A Service over the rollout's pods and a client sending chat requests to its ready
-    endpoints (start it with ``with``)."""
-    cluster.core.create_namespaced_service(
-        namespace,
-        {
-            "metadata": {"name": "llm"},
-            "spec": {
-                "selector": {"app": "llm"},
-                "ports": [{"port": deploy.PORT, "targetPort": deploy.PORT}],
-            },
-        },
-    )
+    endpoints (call ``start``)."""
+    app_service(cluster.core, namespace, "llm", deploy.PORT)
     return ServiceLoad(
         cluster.api,
         namespace,
         "llm",
         deploy.PORT,
         deploy.CHAT_PATH,
-        {
-            "model": deploy.SERVED_MODEL,
-            "messages": [{"role": "user", "content": CHAT_QUESTION}],
-            "max_tokens": 4,
-            "temperature": 0,
-        },
+        deploy.chat_request(max_tokens=4),
         rate=LOAD_RATE,
         timeout_s=60.0,
     )

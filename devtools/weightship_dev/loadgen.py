@@ -25,6 +25,17 @@ REVISION_HEADER = "X-Weightship-Revision"
 DIGEST_HEADER = "X-Weightship-Manifest-Digest"
 
 
+def app_service(core: client.CoreV1Api, namespace: str, app: str, port: int) -> None:
+    """A Service named ``app`` over the pods labelled ``app=<app>``: what the load sends to."""
+    core.create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": app},
+            "spec": {"selector": {"app": app}, "ports": [{"port": port, "targetPort": port}]},
+        },
+    )
+
+
 @dataclass(frozen=True)
 class Answer:
     started: float  # time.monotonic()

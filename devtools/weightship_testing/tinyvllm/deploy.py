@@ -87,6 +87,16 @@ def pod_template(
     }
 
 
+def chat_request(max_tokens: int) -> dict[str, Any]:
+    """The body of a greedy chat request to the served model (client load)."""
+    return {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": CHAT_QUESTION}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
 def golden_prompts(answer: str = CHAT_ANSWER["good"]) -> list[dict[str, Any]]:
     return [
         {
