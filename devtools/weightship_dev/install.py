@@ -60,8 +60,10 @@ def install_chart(
     watch_namespaces: list[str],
     *extra_sets: str,
     agent: bool = False,
+    chart: Path = CHART,
 ) -> None:
-    """`helm upgrade --install` the chart, with the operator (and the agents) on process
+    """`helm upgrade --install` the chart (the working tree's, or `chart`: an earlier
+    release's, weightship_dev.release), with the operator (and the agents) on process
     nodes."""
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
@@ -75,7 +77,7 @@ def install_chart(
         "upgrade",
         "--install",
         release,
-        str(CHART),
+        str(chart),
         "--namespace",
         namespace,
         "--create-namespace",

@@ -24,15 +24,14 @@ from weightship_dev.kubelet.images import release_venv
 REPO = Path(__file__).resolve().parents[2]
 
 # The previous release the upgrade test starts from: main just before the leader-election
-# / drain / pod-template-typing series (4f34de0, cd77f43, 3b5f3f6). Its chart has no
-# leader election (no --leader-elect, no Lease Role, no PodDisruptionBudget, one operator
-# with no standby) and its ModelRollout CRD has an untyped spec.template.spec and no
-# bound on prefetch.bandwidthLimit's length; its operator scales pods down without
-# draining them first. An earlier pin (before the in-place fields, effcf76) would add
-# CRD fields too, but in-place moved pods between ReplicaSets by template hash, a change
-# of ownership no in-flight rollout of that age should be asked to survive in a test
-# that runs on every CI pass; this one is the newest state of main a user could have
-# installed whose chart and CRD differ from today's.
+# / drain / pod-template-typing series (4f34de0, cd77f43, 3b5f3f6), the newest state of
+# main whose chart and CRD differ from today's. Its chart has no leader election (no
+# --leader-elect, no Lease Role, no PodDisruptionBudget) and does not let a scoped
+# operator list namespaces; its ModelRollout CRD has an untyped spec.template.spec and
+# no bound on prefetch.bandwidthLimit's length; its operator scales pods down without
+# draining them first. An older pin, before the in-place fields (effcf76), would add
+# CRD fields too; it was not tried: in-place also changed how ReplicaSets select their
+# pods (weightship.io/template-hash), a bigger step than one release's upgrade.
 PREVIOUS_RELEASE = "d508bb1f"
 
 
