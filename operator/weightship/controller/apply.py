@@ -26,7 +26,7 @@ from weightship.controller.builders import (
     scale_patch,
     staged_node_label,
 )
-from weightship.controller.kube import Kube
+from weightship.controller.kube import Kube, PodConditionWrite
 from weightship.controller.seedkey import SeedKeys
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleWorkload
 
@@ -50,22 +50,34 @@ def carry_out(
     for label in decision.node_labels:
         kube.label_node(label.node, staged_node_label(label.manifest_digest), "true")
     namespace = rollout.metadata.namespace or "default"
-    for gate in decision.pod_gates:
-        annotations = dict(gate.annotations) or None
-        kube.patch_pod_condition(namespace, gate.pod, gate_condition(gate), annotations)
-    for pod in decision.reverify_pods:
-        kube.patch_pod_condition(namespace, pod, pending_condition("its swap was refused"))
-    for drain in decision.drain_pods:
-        cost = {DELETION_COST_ANNOTATION: DRAINED_DELETION_COST}
-        kube.patch_pod_condition(namespace, drain.pod, draining_condition(drain), cost)
-    for pod in decision.undrain_pods:
-        why = "its scale-down was called off"
-        kube.patch_pod_condition(
-            namespace, pod, pending_condition(why), {DELETION_COST_ANNOTATION: None}
-        )
+    kube.patch_pod_conditions(namespace, pod_condition_writes(decision))
     for pod in decision.restart_pods:
         log.info("restarting pod %s/%s: its swap back to stable failed", namespace, pod)
         kube.delete_pod(namespace, pod)
+
+
+def pod_condition_writes(decision: Decision) -> list[PodConditionWrite]:
+    """The decision's gate, reverify, drain and undrain writes, in that order."""
+    cost = {DELETION_COST_ANNOTATION: DRAINED_DELETION_COST}
+    return [
+        *(
+            PodConditionWrite(g.pod, gate_condition(g), dict(g.annotations) or None)
+            for g in decision.pod_gates
+        ),
+        *(
+            PodConditionWrite(pod, pending_condition("its swap was refused"))
+            for pod in decision.reverify_pods
+        ),
+        *(PodConditionWrite(d.pod, draining_condition(d), cost) for d in decision.drain_pods),
+        *(
+            PodConditionWrite(
+                pod,
+                pending_condition("its scale-down was called off"),
+                {DELETION_COST_ANNOTATION: None},
+            )
+            for pod in decision.undrain_pods
+        ),
+    ]
 
 
 def apply_replica_sets(

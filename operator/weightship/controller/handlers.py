@@ -36,7 +36,7 @@ from weightship.controller.builders import (
     ROLLOUT_LABEL,
 )
 from weightship.controller.events import EventPoster
-from weightship.controller.kube import Conflict, Kube
+from weightship.controller.kube import POD_WRITERS, Conflict, Kube
 from weightship.controller.reconcile import Reconciler
 from weightship.controller.swapper import DEFAULT_WORKERS as SWAP_WORKERS
 from weightship.controller.swapper import Swapper
@@ -84,7 +84,8 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     # One connection per thread that calls the API (the 2 informers' watches hold theirs):
     # past its pool size urllib3 opens and drops a TLS connection per request.
     api = await asyncio.to_thread(
-        _client, reconcile_workers + verify_workers + SWAP_WORKERS + EVENT_THREADS + 2 + 4
+        _client,
+        reconcile_workers + verify_workers + SWAP_WORKERS + EVENT_THREADS + POD_WRITERS + 2 + 4,
     )
     kube = Kube(api)
     queue: WorkQueue[cache.RolloutKey] = WorkQueue()

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +27,20 @@ if TYPE_CHECKING:
     from weightship.controller.cache import ClusterView
 
 
+POD_WRITERS = 8
+"""Pod condition writes in flight at once per operator: a scale-down of hundreds of pods
+drains them all in one decision, and one write after another took seconds."""
+
+
 class Conflict(Exception):
     """The object changed since it was read (HTTP 409): observe again."""
+
+
+@dataclass(frozen=True)
+class PodConditionWrite:
+    pod: str
+    condition: dict[str, Any]
+    annotations: Mapping[str, str | None] | None = None
 
 
 class Kube:
@@ -35,6 +50,8 @@ class Kube:
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.view: ClusterView | None = None  # set by the operator; None in plain scripts
+        # Threads start on first use; idle ones cost nothing.
+        self._pod_writers = ThreadPoolExecutor(POD_WRITERS, thread_name_prefix="pod-write")
 
     def _wrote(self, kind: str, body: dict[str, Any]) -> None:
         if self.view is not None:
@@ -105,6 +122,27 @@ class Kube:
         self._wrote(
             "Pod", self.to_dict(self.core.patch_namespaced_pod_status(name, namespace, patch))
         )
+
+    def patch_pod_conditions(self, namespace: str, writes: Sequence[PodConditionWrite]) -> None:
+        """Many pods' conditions, up to POD_WRITERS at once; one pod's writes stay in their
+        order. Raises the first failure once every write has been tried."""
+        by_pod: dict[str, list[PodConditionWrite]] = {}
+        for write in writes:
+            by_pod.setdefault(write.pod, []).append(write)
+
+        def one_pod(pod_writes: list[PodConditionWrite]) -> None:
+            for w in pod_writes:
+                annotations = dict(w.annotations) if w.annotations else None
+                self.patch_pod_condition(namespace, w.pod, w.condition, annotations)
+
+        if len(by_pod) <= 1:
+            for pod_writes in by_pod.values():
+                one_pod(pod_writes)
+            return
+        futures = [self._pod_writers.submit(one_pod, w) for w in by_pod.values()]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
 
     @api_retry
     def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
