@@ -1,3 +1,4 @@
+import gc
 import hashlib
 import json
 import struct
@@ -252,3 +253,15 @@ def test_load_staged_from_the_node_cache(
 
     with pytest.raises(LoaderError, match="is not staged"):
         load_staged(cache, "sha256:" + "1" * 64)
+
+
+def test_host_buffers_are_writable_and_outlive_every_name_but_their_views() -> None:
+    buffer = load_module.host_buffer(3 * 1024 * 1024 + 5)  # not a whole number of pages
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * 1024 * 1024 + 5
+    assert int(buffer.count_nonzero()) == 0  # fresh memory reads as zeros
+    buffer.numpy().data[-5:] = b"abcde"
+    tail = buffer[-5:].view(torch.uint8)
+    del buffer
+    gc.collect()
+    assert bytes(tail.numpy()) == b"abcde"  # the mapping lives as long as a view does
+    assert load_module.host_buffer(0).numel() == 0
