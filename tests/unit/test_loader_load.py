@@ -256,7 +256,7 @@ def test_load_staged_from_the_node_cache(
 
 
 def test_host_buffers_are_writable_and_outlive_every_name_but_their_views() -> None:
-    buffer = load_module.host_buffer(3 * 1024 * 1024 + 5)  # not a whole number of pages
+    buffer = load_module.host_buffer(3 * 1024 * 1024 + 5, huge=True)  # not a whole number of pages
     assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * 1024 * 1024 + 5
     assert int(buffer.count_nonzero()) == 0  # fresh memory reads as zeros
     buffer.numpy().data[-5:] = b"abcde"
@@ -264,4 +264,19 @@ def test_host_buffers_are_writable_and_outlive_every_name_but_their_views() -> N
     del buffer
     gc.collect()
     assert bytes(tail.numpy()) == b"abcde"  # the mapping lives as long as a view does
-    assert load_module.host_buffer(0).numel() == 0
+    assert load_module.host_buffer(0, huge=False).numel() == 0
+
+
+BUDDYINFO = """Node 0, zone DMA 0 0 0 0 0 0 0 0 1 1 3
+Node 0, zone Normal 364 9419 7362 3585 1892 780 884 1658 1474 443 3021
+"""
+
+
+def test_huge_pages_only_when_free_huge_blocks_cover_the_load() -> None:
+    # Orders 9 and 10 of 4 KiB pages are the 2 MiB and 4 MiB blocks: (1 + 443) * 2 MiB
+    # + (3 + 3021) * 4 MiB free; the smaller orders (free but fragmented) do not count.
+    free = (1 + 443) * 2 * 1024**2 + (3 + 3021) * 4 * 1024**2
+    assert load_module.huge_blocks_cover(free, BUDDYINFO, 2 * 1024**2)
+    assert not load_module.huge_blocks_cover(free + 1, BUDDYINFO, 2 * 1024**2)
+    assert not load_module.huge_blocks_cover(1, "", 2 * 1024**2)  # no /proc/buddyinfo
+    assert not load_module.huge_blocks_cover(1, BUDDYINFO, 0)  # no THP

@@ -180,7 +180,9 @@ def load_model(
 
     with ExitStack() as stack:
         opened = {f.path: stack.enter_context(_open_checked(model_dir, f)) for f in entries}
-        buffers = {f.path: _destination(f, target) for f in entries}
+        host_bytes = sum(f.size for f in entries if not _on_device(f, target))
+        huge = huge_blocks_cover(host_bytes, *_kernel_memory())
+        buffers = {f.path: _destination(f, target, huge) for f in entries}
         jobs = [(c, opened[c.file], buffers[c.file]) for c in manifest.chunks if c.file in opened]
         hashing = _Hashing(verify, max(1, hash_threads))
         if target.type == "cuda":
@@ -223,25 +225,56 @@ def _open_checked(model_dir: Path, entry: FileEntry) -> Iterator[int]:
         os.close(fd)
 
 
-def _destination(entry: FileEntry, target: torch.device) -> torch.Tensor:
+def _on_device(entry: FileEntry, target: torch.device) -> bool:
+    return target.type == "cuda" and entry.path.endswith(SAFETENSORS_SUFFIX)
+
+
+def _destination(entry: FileEntry, target: torch.device, huge: bool) -> torch.Tensor:
     """Where a file's bytes go: device memory for a GPU's tensors, host memory otherwise."""
-    if target.type == "cuda" and entry.path.endswith(SAFETENSORS_SUFFIX):
+    if _on_device(entry, target):
         return torch.empty(entry.size, dtype=torch.uint8, device=target)
-    return host_buffer(entry.size)
+    return host_buffer(entry.size, huge=huge)
 
 
-def host_buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of fresh host memory, advised into transparent huge pages: the
-    first write to each 4 KiB page of a plain allocation takes a page fault, which was a
-    third of a verified load's CPU (docs/loader.md); a 2 MiB page takes one fault for 512
-    of them (the kernel still zeroes every byte). The tensor keeps the mapping alive."""
+def host_buffer(size: int, *, huge: bool) -> torch.Tensor:
+    """``size`` bytes of fresh host memory, advised into transparent huge pages if
+    ``huge`` (see ``huge_blocks_cover``). The first write to each 4 KiB page of a plain
+    allocation takes a page fault, a third of a verified load's CPU (docs/loader.md); a
+    huge page takes one fault for 512 of them. Advised memory may also make the fault
+    path compact memory (THP ``defrag=madvise``), which once made loads 3x slower on a
+    fragmented host: so a load advises only when free huge blocks already cover all its
+    buffers. The tensor keeps the mapping alive."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if advice is not None:
+    if huge and advice is not None:
         mapping.madvise(advice)
     return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def huge_blocks_cover(size: int, buddyinfo: str, huge_page: int) -> bool:
+    """Whether /proc/buddyinfo's free blocks of ``huge_page`` bytes or larger (the
+    buddy allocator's counts per order, from ``mmap.PAGESIZE`` up) hold ``size`` bytes."""
+    if huge_page <= 0:
+        return False
+    free = 0
+    for line in buddyinfo.splitlines():
+        counts = line.split()[4:]  # "Node 0, zone Normal" then one count per order
+        for order, count in enumerate(counts):
+            if count.isdigit() and mmap.PAGESIZE << order >= huge_page:
+                free += int(count) * (mmap.PAGESIZE << order)
+    return free >= size
+
+
+def _kernel_memory() -> tuple[str, int]:
+    """The kernel's free-block counts and its huge page size, or ("", 0) without THP."""
+    try:
+        buddyinfo = Path("/proc/buddyinfo").read_text()
+        huge = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text()
+        return buddyinfo, int(huge)
+    except (OSError, ValueError):
+        return "", 0
 
 
 Job = tuple[ChunkEntry, int, torch.Tensor]
