@@ -27,7 +27,7 @@ from weightship.data.fetcher import (
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient, PeerServer
-from weightship.data.stage import StageProgress, stage
+from weightship.data.stage import StageProgress, load_piece_layer, stage
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
 from weightship.weightformat.chunkhash import ChunkVerificationError
 from weightship.weightformat.manifest import Manifest
@@ -446,10 +446,54 @@ def test_a_node_joining_late_takes_its_own_chunks_from_nodes_that_have_the_model
     owned = rendezvous.balanced_owners([c.key for c in m.chunks], sorted(stores))
     own_bytes = sum(c.size for c in m.chunks if owned[c.key] == "late")
     assert own_bytes > 0
-    if told:  # its own share came from the nodes that had it: nothing from the origin
-        assert origin.reads == 0 and r.from_peers == m.total_size
-    else:  # the baseline: it fetches the chunks it owns from the origin
-        assert r.from_origin == origin.bytes == own_bytes
+    # Its own share came from the nodes that had it, nothing from the origin: told, by
+    # asking the holders; not told, because its probe found a peer holding a chunk it
+    # owns (it joined late: fetcher.join_late), so it took the view without itself.
+    assert origin.reads == 0 and r.from_peers == m.total_size
+
+
+# Only version 2's pieces verify a prefix of a chunk: version 1 has nothing to resume from.
+@pytest.mark.parametrize("manifest_version", [2], ids=["v2-blake3"], indirect=True)
+def test_a_chunk_verified_to_its_end_but_not_committed_is_committed_without_a_request(
+    tmp_path: Path, manifest_version: int
+) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(2 * CHUNK, 8)})
+    chunk = m.chunks[0]
+    raw = (src / "w.bin").read_bytes()[: chunk.size]
+    store = ChunkStore(tmp_path / "cache")
+
+    class Gone(Exception):
+        pass
+
+    def fill_then_die(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+        view[begin:] = raw[begin:]
+        landed(len(view))
+        raise Gone  # the source went away while ending its answer
+
+    with ModelStaging(store, m) as staging:
+        staging.pieces = load_piece_layer(staging, CountingOrigin(src))
+        staging.prepare()
+        with pytest.raises(Gone):
+            staging.receive(chunk.key, fill_then_die)
+        assert staging.resume_point(chunk.key) == chunk.size and not staging.has(chunk.key)
+
+        class NoRequests(PeerClient):
+            def open(self, *args: Any, **kwargs: Any) -> Any:
+                raise AssertionError("asked a peer for a range from the chunk's end (416)")
+
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(names_ranked(chunk.key, "owner", ["me"]), "127.0.0.1:9")],
+            origin=CountingOrigin(src),
+            sink=staging,
+            metrics=metrics()[0],
+            chunks=m.chunks,
+            policy=FAST,
+            client=NoRequests(),
+        )
+        assert fetcher.fetch(chunk) == "peer"
+        assert staging.has(chunk.key)
 
 
 def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(

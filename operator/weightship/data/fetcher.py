@@ -12,6 +12,13 @@ is verified before it is stored.
 At the tail, a node whose own origin queue is done claims chunks it has waited on from
 their slow owner and fetches them from the origin itself; the owner grants only chunks
 it has not started, so each still leaves the origin once (claims.py).
+
+A node that starts after the others (they listed their peers without it) would own its
+share in its own view, and nobody else's view: it would fetch that share from the origin
+a second time. So before it plans, it asks (HEAD) the nodes that own its first chunks in
+the view without it; if one holds a chunk this node owns, nobody counted it, and it
+takes that view (``join_late``): it owns nothing and takes every chunk from the node that
+fetches it, falling back to the origin only when no live node has or gets it in time.
 """
 
 from __future__ import annotations
@@ -120,6 +127,11 @@ class FetchPolicy:
     # Once this node's own origin queue is done, a chunk whose owner has kept it waiting
     # this long is claimed from the owner and fetched from the origin here (None: never).
     steal_after_s: float | None = 1.0
+    # A node joining late waits this long at most (per chunk) for a chunk that it owns in
+    # its own view, before it fetches it from the origin: the others may count it after
+    # all, and then wait for it (owner_wait_s bounds every other chunk).
+    late_wait_s: float = 30.0
+    late_probes: int = 3  # chunks of its own it asks about at stage start (HEAD, no wait)
 
 
 class PeerHealth:
@@ -192,6 +204,27 @@ def fetch_order(
     return sorted(chunks, key=lambda c: step[c.key])
 
 
+def late_probes(
+    owned: Sequence[str], others: Sequence[str], keys: Sequence[str], count: int
+) -> list[tuple[str, list[str]]]:
+    """What a node asks at stage start to find out whether it joined late.
+
+    For each of the first ``count`` chunks it owns (``owned``, in fetch order), the
+    chunk's ranking in the view of ``others`` (the node set without it) over the
+    manifest's ``keys``: first the node that owns it there, and so fetches it from the
+    origin, then the nodes it falls to when that one is dead. This node never appears.
+    Only the manifest's keys up to the last probed chunk are walked.
+    """
+    probed = owned[:count]
+    if not probed or not others:
+        return []
+    unique = list(dict.fromkeys(keys))
+    where = {k: i for i, k in enumerate(unique)}
+    upto = max((where[k] for k in probed if k in where), default=-1) + 1
+    owners = rendezvous.balanced_owners(unique, others, first=upto)
+    return [(k, rendezvous.rank_with_owner(others, k, owners.get(k))) for k in probed]
+
+
 class ChunkFetcher:
     def __init__(
         self,
@@ -218,7 +251,12 @@ class ChunkFetcher:
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
-        self.owners = rendezvous.balanced_owners((c.key for c in chunks), self.nodes)
+        self._keys = [c.key for c in chunks]
+        self.owners = rendezvous.balanced_owners(self._keys, self.nodes)
+        # The owners in this node's view, kept when it joins late (``join_late``).
+        self.planned = self.owners
+        self.late = False
+        self._ranked = self.nodes  # who the rankings rank: the view without it, once late
         self.holders = sorted(set(holders) & set(self.address))
         self.origin = origin
         self.sink = sink
@@ -242,15 +280,73 @@ class ChunkFetcher:
         self._bad_at_origin: set[str] = set()
         self._entries = {c.key: c for c in reversed(chunks)}  # first position wins
         self._queues: dict[str, list[str]] = {}  # owner -> its chunks, in fetch order
+        self._queue_owners()
+
+    def _queue_owners(self) -> None:
+        self._queues = {}
         for sha, owner in self.owners.items():
             self._queues.setdefault(owner, []).append(sha)
 
     def ranking(self, key: str) -> list[str]:
-        """Every node, this one included: the chunk's owner first, then its rendezvous
-        ranking, which a dead owner's chunk falls through. A chunk this node gave away
-        (claims) has its claimant first."""
+        """Every node, this one included (unless it joined late): the chunk's owner first,
+        then its rendezvous ranking, which a dead owner's chunk falls through. A chunk
+        this node gave away (claims) has its claimant first."""
         owner = self.claims.claimant(key) or self.owners.get(key)
-        return rendezvous.rank_with_owner(self.nodes, key, owner)
+        return rendezvous.rank_with_owner(self._ranked, key, owner)
+
+    def join_late(self, owned: Sequence[ChunkEntry]) -> bool:
+        """Called before the stage plans, with this node's own chunks in fetch order:
+        whether it joined late, and if so, take the others' view.
+
+        Asks (HEAD, no wait) the node that owns each of its first ``late_probes`` chunks in
+        the view without it (the next ones of that ranking if it is dead). At stage start
+        nobody holds a chunk this node owns unless they did not count it: they fetched
+        it, or are fetching it, from the origin themselves. Then this node owns nothing:
+        each chunk comes from the node that fetches it in their view (its rankings
+        without this node), and from the origin only when none of them is alive, or after
+        ``owner_wait_s`` (``late_wait_s`` for the chunks it owns in its own view).
+        Costs at most ``late_probes`` answered HEADs when it is not late."""
+        if self.late or not self.address or not owned:
+            return self.late
+        others = [n for n in self.nodes if n != self.node]
+        owned_keys = [c.key for c in owned]
+        limit = self.policy.peers_per_round
+        probes = late_probes(owned_keys, others, self._keys, self.policy.late_probes)
+        for key, ranked in probes:
+            asked = 0
+            for peer in ranked:
+                if asked >= limit:
+                    break
+                if peer in self.health.avoided():
+                    continue
+                asked += 1
+                answer = self._probe(peer, key)
+                if answer is None:
+                    continue  # dead: the next node of its ranking would fetch it
+                if answer:
+                    log.info(
+                        "%s holds chunk %s, which this node owns in its view: joining late, "
+                        "taking the view of the %d nodes without it",
+                        peer,
+                        key,
+                        len(others),
+                    )
+                    self.late, self._ranked = True, others
+                    self.owners = rendezvous.balanced_owners(self._keys, others)
+                    self._queue_owners()
+                    return True
+                break
+        return False
+
+    def _probe(self, peer: str, key: str) -> bool | None:
+        """Whether ``peer`` holds the whole chunk; None when it did not answer."""
+        try:
+            return self.client.has(self.address[peer], key)
+        except PeerUnavailableError as exc:
+            self._peer_failed(peer, exc, key)
+            return None
+        except PeerError:
+            return False  # busy, or found it bad at the origin: not evidence of lateness
 
     def owner_of(self, key: str) -> str:
         """``ranking(key)[0]``, without ranking every node when the owner is known: the
@@ -270,7 +366,10 @@ class ChunkFetcher:
 
     def _fetch(self, chunk: ChunkEntry) -> Source:
         started = time.monotonic()
-        deadline = started + self.policy.owner_wait_s
+        wait_s = self.policy.owner_wait_s
+        if self.late and self.planned.get(chunk.key) == self.node:
+            wait_s = min(wait_s, self.policy.late_wait_s)
+        deadline = started + wait_s
         while True:
             if self.sink.has(chunk.key):  # another worker of this node got it meanwhile
                 return "origin" if chunk.key in self._claimed_here else "local"
@@ -326,6 +425,7 @@ class ChunkFetcher:
             and waited_s >= after
             and self.origin_idle.is_set()
             and self.owners.get(chunk.key) != self.node  # its own, given away: wait
+            and not self.late  # nobody counts it: its claims would be refused (403)
         )
 
     def claim_tails(self) -> None:
@@ -333,7 +433,7 @@ class ChunkFetcher:
         tail of the owner it misses the most chunks of, again and again, until no owner
         is behind. The origin link then stays full to the end, instead of idling while
         the slowest owners finish their queues alone."""
-        if self.policy.steal_after_s is None:
+        if self.policy.steal_after_s is None or self.late:
             return
         while not self.cancel.is_set() and (owner := self._most_behind()) is not None:
             self._claim_tail(owner, blocking=True)
@@ -424,6 +524,11 @@ class ChunkFetcher:
         verified: the next attempt, at any source, starts there."""
         address = self.address[node]
         start = sink.resume_point(chunk.key)
+        if start >= chunk.size:
+            # Every piece verified in an attempt that ended before its commit (the source
+            # gone while ending its answer): a range from the end is a 416 at every
+            # peer, asked again until owner_wait_s. Nothing is left to fetch: commit it.
+            return self._commit_verified(chunk, sink)
         try:
             body = self.client.open(address, chunk.key, start=start, wait_s=wait_s)
         except PeerError as exc:
@@ -456,6 +561,17 @@ class ChunkFetcher:
             body.close()
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
+
+    def _commit_verified(self, chunk: ChunkEntry, sink: InPlaceSink) -> bool:
+        """Commit a chunk whose every piece is verified in place (no bytes to fetch)."""
+
+        def nothing(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+            return begin  # never called: the sink sees the prefix is whole
+
+        try:
+            return sink.receive(chunk.key, nothing, start=chunk.size) > 0
+        except (ChunkIncompleteError, ResumeMovedError):
+            return False  # moved meanwhile (another worker): ask again
 
     def _peer_failed(self, node: str, exc: PeerError, key: str | None = None) -> None:
         if isinstance(exc, ChunkBadAtOriginError) and key is not None:

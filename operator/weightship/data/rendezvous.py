@@ -20,7 +20,9 @@ def rank(peers: Iterable[str], key: str) -> list[str]:
     return sorted(set(peers), key=lambda p: (-weight(p, key), p))
 
 
-def balanced_owners(keys: Iterable[str], nodes: Iterable[str]) -> dict[str, str]:
+def balanced_owners(
+    keys: Iterable[str], nodes: Iterable[str], *, first: int | None = None
+) -> dict[str, str]:
     """An owner for every key, each node owning at most ceil(keys / nodes) of them.
 
     Rendezvous with bounded loads: walk the unique keys in the given order (the
@@ -28,6 +30,9 @@ def balanced_owners(keys: Iterable[str], nodes: Iterable[str]) -> dict[str, str]
     Deterministic: every node that knows the keys and the node set computes the same map,
     with nobody coordinating. Plain rendezvous gives owners ±40 % of the mean at a few
     dozen chunks per node; this gives each exactly the mean, rounded up.
+
+    ``first``: the owners of the first that many unique keys only (the same as in the
+    whole map: the walk is in order), for a caller that needs only those.
     """
     unique = list(dict.fromkeys(keys))
     members = sorted(set(nodes))
@@ -36,7 +41,7 @@ def balanced_owners(keys: Iterable[str], nodes: Iterable[str]) -> dict[str, str]
     cap = -(-len(unique) // len(members))
     load = dict.fromkeys(members, 0)
     owner = {}
-    for key in unique:
+    for key in unique if first is None else unique[:first]:
         node = next(n for n in rank(members, key) if load[n] < cap)
         owner[key] = node
         load[node] += 1

@@ -236,6 +236,9 @@ def _stage(
         tally.add("local", chunk.size * (n - 1))
 
     unique = [chunks[ix[0]] for ix in todo.values()]
+    # A node the others did not count (it joined late) takes their view before it plans:
+    # then it owns nothing and fetches nothing from the origin that a live peer gets.
+    fetcher.join_late([c for c in unique if fetcher.owner_of(c.key) == fetcher.node])
     order = fetch_order(unique, fetcher.node, fetcher.owner_of, lag=workers)
     # Two lanes: the chunks this node owns (from the origin, the stream every other node
     # waits for) never queue behind peer fetches that are waiting for a chunk to land.
