@@ -122,6 +122,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--no-claims"] if mode == "p2p-no-claims" else []),
             *(["--no-pacing"] if mode in ("p2p-unpaced", "p2p-round2") else []),
             *(["--per-owner", "0"] if mode == "p2p-round2" else []),
+            *(["--no-late-probes"] if mode == "p2p-no-late" else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="p2p,origin-only",
         help="p2p, p2p-no-claims (tail claims off), p2p-unpaced (peer intake not paced), "
         "p2p-round2 (neither paced nor a per-owner limit: the code before round 3), "
-        "p2p-v1 (a version 1 manifest: sha256 chunks, store-and-forward), origin-only",
+        "p2p-v1 (a version 1 manifest: sha256 chunks, store-and-forward), "
+        "p2p-no-late (nodes never probe whether they joined late), origin-only",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -268,6 +270,7 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-unpaced", 1),
         ("p2p-round2", 1),
         ("p2p-v1", 1),
+        ("p2p-no-late", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -287,7 +290,7 @@ def report(r: dict[str, Any]) -> None:
         )
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
-    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1"):
+    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1", "p2p-no-late"):
         if mode not in r:
             continue
         m = r[mode]

@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightship.loader.load
-from benchlib import WORK, MiB, gbps, sha256_file, table, verify_files
+from benchlib import WORK, MiB, gbps, median_of, sha256_file, table, verify_files
 from weightship.loader.load import READ_PIECE, load_model
 from weightship.weightformat.build import LocalFolder, build_manifest
 from weightship.weightformat.checksum import checksum_bytes
@@ -191,10 +191,8 @@ def path_runners(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
 
 
 def median_run(runs: list[tuple[float, float]]) -> tuple[float, float]:
-    """The (wall, CPU) of the run with the median wall time (the lower one of an even
-    count), so that its CPU figure is a real run's."""
-    ordered = sorted(runs)
-    return ordered[(len(ordered) - 1) // 2]
+    """The (wall, CPU) of the run with the median wall time."""
+    return median_of(runs, lambda r: r[0])
 
 
 def runs_in_fresh_processes(

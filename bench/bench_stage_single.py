@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import resource
@@ -48,6 +49,7 @@ from benchlib import (
     local_origin,
     make_model,
     manifest_for,
+    median_of,
     model_location,
     process_cpu_seconds,
     table,
@@ -58,6 +60,7 @@ from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.s3 import S3Origin
 from weightship.data.stage import stage
+from weightship.weightformat.build import DEFAULT_CHUNK_SIZE
 from weightship.weightformat.manifest import Manifest
 
 OUT = WORK / "single-out"
@@ -126,6 +129,14 @@ def run_s5cmd(endpoint: str, model: Path, manifest: Manifest) -> tuple[Run, Run]
     hashing = measured(lambda: bad.extend(verify_files(out, manifest)), server)
     assert not bad, f"s5cmd wrote files that do not match the manifest: {bad}"
     return download, hashing
+
+
+DEFAULT_WORKERS: int = inspect.signature(stage).parameters["workers"].default
+
+
+def spread(runs: list[Run]) -> tuple[float, float]:
+    """The fastest and the slowest of the repeats, seconds."""
+    return min(r.seconds for r in runs), max(r.seconds for r in runs)
 
 
 PATHS = ("mapped", "pwrite")
@@ -243,18 +254,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--versions", default="2", help="manifest versions: 2 (blake3 pieces), 1 (sha256)"
     )
     p.add_argument(
-        "--repeats", type=int, default=3, help="rounds (s5cmd, then every config); best counts"
+        "--repeats", type=int, default=3, help="rounds (s5cmd, then every config); median counts"
+    )
+    p.add_argument(
+        "--headline",
+        default=f"{DEFAULT_CHUNK_SIZE // MiB},{DEFAULT_WORKERS},mapped",
+        help="chunk MiB,workers,path: the config the summary line is of (default: stage()'s "
+        "own defaults), chosen before the run, never the fastest of the sweep",
     )
     p.add_argument("--quick", action="store_true", help="128 MiB, 3 workers, 16 MiB, 1 repeat")
     p.add_argument("--no-profile", action="store_true", help="skip the breakdown runs")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.workers, args.chunk_mib, args.repeats = 128, "3", "16", 1
+        args.headline = "16,3,mapped"
     size = args.size_mib * MiB
     workers = [int(w) for w in args.workers.split(",")]
     chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]
     paths = args.paths.split(",")
     versions = [int(v) for v in args.versions.split(",")]
+    chunk_mib, headline_workers, headline_path = args.headline.split(",")
+    headline = (int(chunk_mib) * MiB, int(headline_workers), headline_path, versions[0])
+    if headline[:3] not in {(c, w, path) for c in chunks for w in workers for path in paths}:
+        p.error(f"--headline {args.headline} is not among --chunk-mib, --workers and --paths")
     version = subprocess.run(
         [str(s5cmd_path()), "version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout.strip()
@@ -269,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with local_origin(model) as (endpoint, client):
             origin = S3Origin(client, model_location(model))
             # Rounds interleave the baseline with every config, so a change in the shared
-            # machine's load hits both sides alike; the best of the rounds counts.
+            # machine's load hits both sides alike; each one's median round counts.
             configs = [
                 (c, w, path, v) for v in versions for c in chunks for w in workers for path in paths
             ]
@@ -279,28 +301,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs.append(run_s5cmd(endpoint, model, manifests[(chunks[0], versions[0])]))
                 for c, w, path, v in configs:
                     mine[(c, w, path, v)].append(run_ours(origin, manifests[(c, v)], w, path))
-            s5_dl, s5_hash = min(runs, key=lambda r: r[0].seconds)
+            s5_dl, s5_hash = median_of(runs, lambda r: r[0].seconds)
+            result["s5cmd_spread"] = spread([dl for dl, _ in runs])
             ours: list[dict[str, Any]] = []
             for (c, w, path, v), tries in mine.items():
-                fastest = min(tries, key=lambda r: r.seconds)
                 ours.append(
                     {"chunk_mib": c // MiB, "workers": w, "path": path, "version": v}
-                    | asdict(fastest)
+                    | asdict(median_of(tries, lambda r: r.seconds))
+                    | {"spread": spread(tries), "headline": (c, w, path, v) == headline}
                 )
-            # The headline is the first version asked for (2 by default).
-            best = min((o for o in ours if o["version"] == versions[0]), key=lambda r: r["seconds"])
+            chosen = next(o for o in ours if o["headline"])
             if not args.no_profile:
-                m = manifests[(best["chunk_mib"] * MiB, best["version"])]
-                result["profile"] = profile_ours(origin, m, best["workers"], best["path"])
-                result["ceilings"] = ceilings(origin, m, best["workers"])
+                m = manifests[(chosen["chunk_mib"] * MiB, chosen["version"])]
+                result["profile"] = profile_ours(origin, m, chosen["workers"], chosen["path"])
+                result["ceilings"] = ceilings(origin, m, chosen["workers"])
     finally:
         shutil.rmtree(OUT, ignore_errors=True)
     result["loadavg_after"] = os.getloadavg()
 
-    result.update(s5cmd=s5_dl.seconds, s5cmd_sha256=s5_hash.seconds, ours=ours, best=best)
+    result.update(s5cmd=s5_dl.seconds, s5cmd_sha256=s5_hash.seconds, ours=ours, chosen=chosen)
     result.update(s5cmd_run=asdict(s5_dl), s5cmd_sha256_run=asdict(s5_hash))
-    result["ratio"] = s5_dl.seconds / best["seconds"]  # ours/s5cmd in throughput
-    result["ratio_verified"] = (s5_dl.seconds + s5_hash.seconds) / best["seconds"]
+    result.update(repeats=args.repeats)
+    result["ratio"] = s5_dl.seconds / chosen["seconds"]  # ours/s5cmd in throughput
+    result["ratio_verified"] = (s5_dl.seconds + s5_hash.seconds) / chosen["seconds"]
     (WORK / "single-results.json").write_text(json.dumps(result, indent=1))
     report(result)
     return result
@@ -310,11 +333,12 @@ def report(r: dict[str, Any]) -> None:
     size = r["size_bytes"]
     gib = size / 2**30
 
-    def row(name: str, run: dict[str, float]) -> list[str]:
+    def row(name: str, run: dict[str, float], spread: tuple[float, float] | None) -> list[str]:
         cpu = run["client_cpu"] + run["server_cpu"]
         return [
             name,
             f"{run['seconds']:.2f}",
+            f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "",
             f"{gbps(size, run['seconds']):.3f}",
             f"{run['client_cpu']:.2f}",
             f"{run['server_cpu']:.2f}",
@@ -324,22 +348,31 @@ def report(r: dict[str, Any]) -> None:
     dl, sha = r["s5cmd_run"], r["s5cmd_sha256_run"]
     both = {k: dl[k] + sha[k] for k in dl}
     rows = [
-        row(f"s5cmd {r['s5cmd_version']} (download only)", dl),
-        row("s5cmd + sha256 pass (2 threads)", both),
+        row(f"s5cmd {r['s5cmd_version']} (download only)", dl, r["s5cmd_spread"]),
+        row("s5cmd + sha256 pass (2 threads)", both, None),
     ]
     for o in r["ours"]:
         verify = "blake3 pieces" if o["version"] == 2 else "sha256 chunks"
         name = f"stage() {o['path']}, {o['workers']} workers, {o['chunk_mib']} MiB chunks, {verify}"
-        rows.append(row(name, o))
+        rows.append(row(f"{name}{' (headline)' if o['headline'] else ''}", o, o["spread"]))
     before, after = r["loadavg_before"][0], r["loadavg_after"][0]
     print(f"\n## One node, {size / MiB:.0f} MiB, versitygw on loopback")
-    print(f"(load average {before:.2f} before, {after:.2f} after)\n")
-    header = ["path", "seconds", "GB/s", "client CPU s", "server CPU s", "core-s / GiB"]
-    print(table(header, rows))
-    b = r["best"]
     print(
-        f"\nbest ours (v{b['version']}, {b['path']}, {b['workers']} workers, "
-        f"{b['chunk_mib']} MiB): "
+        f"(load average {before:.2f} before, {after:.2f} after; each row the run with the "
+        f"median time of {r['repeats']}, its spread the fastest-slowest)\n"
+    )
+    header = ["path", "median s", "spread s", "GB/s", "client CPU s", "server CPU s"]
+    print(table([*header, "core-s / GiB"], rows))
+    fastest = min(r["ours"], key=lambda o: o["seconds"])
+    print(
+        f"\nfastest by median: v{fastest['version']}, {fastest['path']}, "
+        f"{fastest['workers']} workers, {fastest['chunk_mib']} MiB, "
+        f"ours/s5cmd {r['s5cmd'] / fastest['seconds']:.2f}x (picked after the run)"
+    )
+    b = r["chosen"]
+    print(
+        f"ours (v{b['version']}, {b['path']}, {b['workers']} workers, "
+        f"{b['chunk_mib']} MiB; median of {r['repeats']}): "
         f"ours/s5cmd = {r['ratio']:.2f}x, verified vs verified = {r['ratio_verified']:.2f}x "
         "(target >= 1.0x)"
     )

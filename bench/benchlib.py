@@ -13,11 +13,11 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from botocore.exceptions import ClientError
 
@@ -208,6 +208,15 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+T = TypeVar("T")
+
+
+def median_of(runs: list[T], seconds: Callable[[T], float]) -> T:
+    """The run with the median time (the lower one of an even count): a real run, so its
+    other figures (CPU) are that run's, not a mix."""
+    return sorted(runs, key=seconds)[(len(runs) - 1) // 2]
 
 
 def gbps(nbytes: float, seconds: float) -> float:

@@ -76,6 +76,16 @@ def write_json(path: Path, doc: object) -> None:
     tmp.replace(path)
 
 
+def policy(args: argparse.Namespace) -> FetchPolicy | None:
+    """The fetch policy the flags ask for; None: stage()'s default."""
+    if not (args.no_claims or args.no_late_probes):
+        return None
+    return FetchPolicy(
+        **({"steal_after_s": None} if args.no_claims else {}),
+        **({"late_probes": 0} if args.no_late_probes else {}),
+    )
+
+
 def run(args: argparse.Namespace, run_dir: Path) -> None:
     manifest = Manifest.parse(Path(args.manifest).read_bytes())
     store = ChunkStore(Path(args.cache))
@@ -110,7 +120,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             workers=args.workers,
             client=client,
             progress=progress,
-            policy=FetchPolicy(steal_after_s=None) if args.no_claims else None,
+            policy=policy(args),
             per_owner=args.per_owner or None,
             pace_intake=False if args.no_pacing else None,
         )
@@ -160,6 +170,9 @@ def main() -> None:
         "--per-owner", type=int, default=PER_OWNER, help="peer fetches per owner (0: FIFO lane)"
     )
     p.add_argument("--no-pacing", action="store_true", help="peer intake not paced")
+    p.add_argument(
+        "--no-late-probes", action="store_true", help="never asks whether it joined late"
+    )
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     try:

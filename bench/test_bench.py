@@ -25,7 +25,7 @@ pytestmark = [
 
 def test_stage_single_quick() -> None:
     r = bench_stage_single.main(["--quick"])
-    assert r["s5cmd"] > 0 and r["best"]["seconds"] > 0  # run_ours asserts STAGED + digest
+    assert r["s5cmd"] > 0 and r["chosen"]["seconds"] > 0  # run_ours asserts STAGED + digest
     print(f"\nours/s5cmd {r['ratio']:.2f}x, verified vs verified {r['ratio_verified']:.2f}x")
 
 
