@@ -116,8 +116,10 @@ def test_a_corrupt_piece_from_a_peer_is_caught_and_the_chunk_fetched_elsewhere(
         "nodeSelector": {**PROCESS, wave: "early"},
         "minStagedPercent": 100,
     }
-    # Chunks the late node will ask the liar for first: those it owns among all three.
-    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], nodes)
+    # Chunks the late node will ask the liar for first: the liar's own in the view of the
+    # two early nodes, which the late node takes once it finds they hold the chunks it
+    # owns among all three (it joined late: fetcher.join_late).
+    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest])
     target = next(c for c in manifest.chunks if owners[c.key] == liar)
     piece = 1
     try:
