@@ -6,13 +6,12 @@ import hashlib
 
 import pytest
 from prometheus_client import CollectorRegistry
+from tests.unit.test_data_stage import MemorySink
 
 from weightship.data import rendezvous
-from weightship.data.chunkstore import Buffer
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer, late_probes
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import ChunkNotOnPeerError, PeerClient, PeerUnavailableError
-from weightship.weightformat.chunkhash import ChunkVerificationError
 from weightship.weightformat.entries import ChunkEntry
 
 SIZE = 64
@@ -73,20 +72,6 @@ class FakeClient(PeerClient):
         if key not in self.held.get(node, {}):
             raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
         return self.held[node][key]
-
-
-class MemorySink:
-    def __init__(self) -> None:
-        self.chunks: dict[str, bytes] = {}
-
-    def has(self, key: str) -> bool:
-        return key in self.chunks
-
-    def put(self, key: str, data: Buffer, *, verified_digest: str | None = None) -> int:
-        if "sha256:" + hashlib.sha256(data).hexdigest() != key:
-            raise ChunkVerificationError(key)
-        self.chunks[key] = bytes(data)
-        return 1
 
 
 class Origin:
