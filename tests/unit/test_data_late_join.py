@@ -240,6 +240,46 @@ def test_a_late_node_goes_to_the_origin_when_no_live_peer_gets_the_chunk(dead: b
     assert origin.reads == [chunk.offset] and sink.has(chunk.key)
 
 
+def test_a_late_node_waits_for_the_peer_it_granted_its_chunk_to() -> None:
+    """The others count a late node as the owner of its chunks in its own view, so a peer
+    may claim one from it (its board grants what it has not started). After late_wait_s it
+    then waits for that claimant rather than fetch the chunk from the origin too."""
+    chunks = make_chunks()
+    held = everything_fetched_by_its_owner(chunks)
+    probe_fetcher, _, _ = fetcher_for(chunks, FakeClient(held))
+    mine = owned_here(probe_fetcher, chunks)
+    chunk = mine[-1]
+    for n in EARLY:
+        held[n].pop(chunk.key, None)  # nobody has it yet: the claimant is fetching it
+    policy = FetchPolicy(
+        owner_wait_s=5, poll_interval_s=0, long_poll_s=0, steal_after_s=None, late_wait_s=0
+    )
+    client = FakeClient(held)
+    fetcher, origin, sink = fetcher_for(chunks, client, policy=policy)
+    assert fetcher.join_late(mine)
+    claimant = next(n for n in EARLY if n != as_the_others_see_it(chunks)[chunk.key])
+    fetcher.claims.open([c.key for c in chunks], [(n, f"{n}:1") for n in EARLY])
+    assert fetcher.claims.grant(chunk.key, claimant) == claimant
+    asked = []
+
+    def fetch(address: str, key: str, **kw: object) -> bytes:
+        asked.append(address)
+        if len(asked) == 5:  # the claimant's origin fetch lands a few rounds later
+            held[claimant][chunk.key] = data(chunk.index)
+        return FakeClient.fetch(client, address, key, **kw)  # type: ignore[arg-type]
+
+    client.fetch = fetch  # type: ignore[method-assign]
+    assert fetcher.fetch(chunk) == "peer"
+    assert origin.reads == [] and sink.has(chunk.key)
+    assert f"{claimant}:1" in asked
+    # Once no claim is live, its own chunk is marked started: no claim is granted after.
+    other = mine[-2]
+    for n in EARLY:
+        held[n].pop(other.key, None)
+    assert fetcher.fetch(other) == "origin"
+    assert fetcher.claims.grant(other.key, claimant) is None
+
+
 def test_a_late_node_claims_nothing() -> None:
     chunks = make_chunks()
     client = FakeClient(everything_fetched_by_its_owner(chunks))

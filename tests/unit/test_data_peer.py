@@ -347,6 +347,33 @@ def test_a_claim_between_stages_binds_the_next_stage_so_the_chunk_leaves_once() 
     assert board2.start(late) is None
 
 
+def test_a_grant_made_during_a_stage_that_failed_binds_its_retry() -> None:
+    """A peer claimed a chunk while this node's stage ran; the stage then failed (an S3
+    error storm). The retry takes the chunk from the claimant, for the rest of the grant's
+    TTL, rather than fetch it from the origin a second time (found by e2e/test_faults: 4
+    chunks left the origin twice, for the claimant and for the owner's retry)."""
+    from weightship.data import claims
+
+    now = [0.0]
+    board = claims.ClaimBoard(clock=lambda: now[0])
+    peers = [("node-b", "127.0.0.1:7001"), ("node-c", "127.0.0.2:7001")]
+    claimed, other = "1" * 64, "2" * 64
+    board.open([claimed, other], peers)
+    assert board.grant(claimed, "node-b") == "node-b"
+    board.forget([claimed, other])  # the stage failed
+    assert board.remembered() == 1  # only the grant: the rest of the stage is gone
+    assert board.grant_unstaged(claimed, "node-c", "127.0.0.2") == "node-b"  # b has it
+    now[0] += claims.GRANT_TTL_S - 10  # past the between-stages hold, within the grant's TTL
+    board.open([claimed, other], peers)  # the retry
+    assert board.start(claimed) == "node-b"  # taken from node-b, not fetched here
+    assert board.start(other) is None
+    now[0] += 11  # node-b never made good on it: the owner fetches it itself now
+    assert board.start(claimed) is None
+    # A grant that ran out before the stage failed is not kept.
+    board.forget([claimed, other])
+    assert board.remembered() == 0
+
+
 def test_a_grant_expires_so_the_owner_fetches_it_itself(store: ChunkStore) -> None:
     from weightship.data import claims
 

@@ -15,7 +15,8 @@ in an S3 error storm, and waits to be retried): it is granted, since that owner 
 nothing then. When it comes from a node that was a peer of this node's stages, asking
 from that peer's address, it is also remembered for a short while (bounded): another
 claimant of that chunk is told who has it, and the owner's next stage takes the chunk
-from the claimant; either way it leaves the origin once, not two or three times.
+from the claimant; either way it leaves the origin once, not two or three times. A grant
+made during a stage that then failed is kept the same way, for the rest of its TTL.
 """
 
 from __future__ import annotations
@@ -182,16 +183,28 @@ class ClaimBoard:
 
     def forget(self, digests: Iterable[str]) -> None:
         """Drop a finished stage's entries (the peer server refuses claims on chunks this
-        node holds, so nothing is granted twice)."""
+        node holds, so nothing is granted twice). A live grant of a stage that failed
+        (an S3 error storm, say) outlives it: it is kept as a grant between stages for
+        the rest of its TTL, so the next stage takes the chunk from its claimant instead
+        of fetching it from the origin again."""
         with self._lock:
+            now = self._clock()
             for sha in {chunk_key(d) for d in digests}:
                 self._started.discard(sha)
-                self._granted.pop(sha, None)
+                granted = self._granted.pop(sha, None)
+                host = self._known.get(granted[0]) if granted else None
+                if granted and host and now - granted[1] <= GRANT_TTL_S:
+                    claimant, at = granted
+                    # Held between stages until at + GRANT_TTL_S (open binds it again).
+                    self._unstaged[sha] = (claimant, host, at + GRANT_TTL_S - UNSTAGED_GRANT_HOLD_S)
+                    self._unstaged.move_to_end(sha)
                 self._wanted[sha] -= 1
                 if self._wanted[sha] <= 0:
                     del self._wanted[sha]
             if not self._wanted:
                 self._peers.clear()
+            while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
+                self._unstaged.popitem(last=False)
 
     def entries(self) -> int:
         """Entries held (started, granted and wanted chunks). Not ``__len__``: an empty

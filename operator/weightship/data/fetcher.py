@@ -409,14 +409,27 @@ class ChunkFetcher:
                 self._from_origin(chunk)
                 return "origin"
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline and self._granted_from_here(chunk.key) is None:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
                 self._from_origin(chunk)
                 return "origin"
-            if self._may_claim(chunk, now - started):
+            if now < deadline and self._may_claim(chunk, now - started):
                 self._claim_tail(live[0])
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
+
+    def _granted_from_here(self, key: str) -> str | None:
+        """The live peer this node granted ``key`` to, when it joined late and owns the
+        chunk in its own view: the others count it as the owner there, so they may have
+        claimed it from here. Then this node waits for that peer (the grant's TTL bounds
+        it) instead of fetching the chunk from the origin a second time. Otherwise None,
+        and the chunk is marked started here, so no claim on it is granted from now on."""
+        if not (self.late and self.planned.get(key) == self.node):
+            return None
+        claimant = self.claims.start(key)
+        if claimant in self.address and claimant not in self.health.avoided():
+            return claimant
+        return None
 
     def _may_claim(self, chunk: ChunkEntry, waited_s: float) -> bool:
         after = self.policy.steal_after_s
