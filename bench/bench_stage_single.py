@@ -5,9 +5,10 @@ BLAKE3 of each 1 MiB piece as it lands, against the manifest's piece layer; vers
 the chunk's sha256 once it is in), writes it once at its offset into the preallocated
 file (starting its writeback at once), and fsyncs each file once; s5cmd only downloads,
 so it is shown alone and with a separate sha256 pass over what it wrote (verified
-against verified). Ours runs two ways, rounds interleaved: "mapped" (the default: the
-socket's bytes land in the file's shared mapping) and "pwrite" (into a buffer, then
-``pwrite``), to A/B the copy the mapping saves; ``--versions 2,1`` adds the sha256
+against verified). Ours runs two ways, rounds interleaved: "pwrite" (the default: into
+a buffer reused from chunk to chunk, then ``pwrite``) and "mapped" (the socket's bytes
+land in the file's shared mapping), to A/B the copy the mapping saves against the fresh
+pages it faults in; ``--versions 2,1`` adds the sha256
 manifest to the same rounds.
 
     sudo .venv/bin/python bench/bench_stage_single.py            # 512 MiB
@@ -142,10 +143,13 @@ def spread(runs: list[Run]) -> tuple[float, float]:
 PATHS = ("mapped", "pwrite")
 
 
-def run_ours(origin: S3Origin, manifest: Manifest, workers: int, path: str = "mapped") -> Run:
-    if path == "pwrite":
-        with patched(ModelStaging, "map_partial_files", False):
-            return run_ours(origin, manifest, workers)
+DEFAULT_PATH = "mapped" if ModelStaging.map_partial_files else "pwrite"
+
+
+def run_ours(origin: S3Origin, manifest: Manifest, workers: int, path: str = DEFAULT_PATH) -> Run:
+    if path != DEFAULT_PATH:
+        with patched(ModelStaging, "map_partial_files", path == "mapped"):
+            return run_ours(origin, manifest, workers, DEFAULT_PATH)
     store = ChunkStore(fresh_out())
     metrics = DataPlaneMetrics.create(CollectorRegistry())
     results = []
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument(
         "--headline",
-        default=f"{DEFAULT_CHUNK_SIZE // MiB},{DEFAULT_WORKERS},mapped",
+        default=f"{DEFAULT_CHUNK_SIZE // MiB},{DEFAULT_WORKERS},{DEFAULT_PATH}",
         help="chunk MiB,workers,path: the config the summary line is of (default: stage()'s "
         "own defaults), chosen before the run, never the fastest of the sweep",
     )
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib, args.workers, args.chunk_mib, args.repeats = 128, "3", "16", 1
-        args.headline = "16,3,mapped"
+        args.headline = f"16,3,{DEFAULT_PATH}"
     size = args.size_mib * MiB
     workers = [int(w) for w in args.workers.split(",")]
     chunks = [int(c) * MiB for c in args.chunk_mib.split(",")]

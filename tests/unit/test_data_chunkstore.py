@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weightship.data.chunkstore import CACHE_FORMAT, ChunkStore, StageBusyError
-from weightship.data.modelstaging import Fill, ModelStaging
+from weightship.data.modelstaging import ChunkIncompleteError, Fill, ModelStaging
 from weightship.weightformat.build import LocalFolder, build_manifest
 from weightship.weightformat.chunkhash import ChunkVerificationError, chunk_key
 from weightship.weightformat.manifest import Manifest
@@ -121,6 +121,42 @@ def test_receive_lands_bytes_in_place_and_journals_only_verified_ones(
         assert (staging.dir / "files" / "w").read_bytes() == (tmp_path / "m" / "w").read_bytes()
         staging.mark_staged()
     assert store.is_staged(m.digest)
+
+
+def test_the_buffer_path_reuses_one_buffer_and_never_writes_its_stale_bytes(
+    tmp_path: Path,
+) -> None:
+    """A fresh 16 MiB buffer per chunk faults in every page (docs/benchmarks.md, P1), so
+    receives reuse the last one's; what a short fill leaves in it is never written."""
+    assert ModelStaging.map_partial_files is False  # the default path
+    m = _manifest(tmp_path / "m", {"w": b"s" * 1024 + b"a" * 1024})
+    store = ChunkStore(tmp_path / "cache")
+    s_sha, a_sha = sha(b"s" * 1024), sha(b"a" * 1024)
+    holders: list[object] = []  # kept alive, so identity means the same buffer
+
+    def short(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+        holders.append(view.obj)
+        view[:512] = b"a" * 512  # the rest of the buffer still holds the "s" chunk
+        return 512
+
+    def whole(data: bytes) -> Fill:
+        def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+            holders.append(view.obj)
+            view[start:] = data[start:]
+            return len(view)
+
+        return fill
+
+    with ModelStaging(store, m) as staging:
+        staging.prepare()
+        assert staging.receive(s_sha, whole(b"s" * 1024)) == 1
+        with pytest.raises(ChunkIncompleteError):
+            staging.receive(a_sha, short)
+        assert not store.has_chunk(a_sha)
+        assert staging.receive(a_sha, whole(b"a" * 1024)) == 1
+        assert len(holders) == 3 and all(h is holders[0] for h in holders)  # one buffer
+        staging.mark_staged()
+    assert (store.files_dir(m.digest) / "w").read_bytes() == b"s" * 1024 + b"a" * 1024
 
 
 def test_a_fill_that_fails_leaves_the_chunk_to_fetch_again(tmp_path: Path) -> None:

@@ -76,8 +76,11 @@ class ModelStaging:
 
     Thread-safe: workers call ``put`` and ``receive`` concurrently (distinct offsets)."""
 
-    # False: ``receive`` fills a buffer and writes it with ``pwrite`` (the benchmark's A/B).
-    map_partial_files = True
+    # False (the default): ``receive`` fills a buffer, reused from chunk to chunk, and
+    # writes it with ``pwrite``. True: the bytes land in the file's shared mapping, which
+    # saves that copy but faults in and zeroes 16 MiB of fresh page cache per chunk first:
+    # slower on a quiet 2-core machine (docs/benchmarks.md, P1). The benchmark A/Bs both.
+    map_partial_files = False
 
     def __init__(
         self,
@@ -96,6 +99,9 @@ class ModelStaging:
         self.pieces = pieces
         self.hash_threads = hash_threads
         self._receiving: dict[str, Receiving] = {}  # chunks landing piece by piece
+        # Slot buffers of finished receives, reused: a fresh one faults in every page.
+        # At most one per receive in flight (the stage's workers); freed with the stage.
+        self._buffers: list[bytearray] = []
         self.dir = store.model_dir(manifest.digest)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = ModelLock(self.dir)
@@ -233,7 +239,7 @@ class ModelStaging:
             if start is not None and start != begin:
                 raise ResumeMovedError(f"chunk {key}: verified to {begin}, not {start}")
             mapped = self.map_partial_files and first.file in self._reserved and first.size
-            with _slot(fd, first, mapped=bool(mapped), prefix=begin) as view:
+            with self._slot(fd, first, mapped=bool(mapped), prefix=begin) as view:
 
                 def landed(end: int) -> None:
                     if checker is None or receiving is None:
@@ -267,10 +273,9 @@ class ModelStaging:
                     if not mapped:
                         _pwrite_all(fd, view, first.offset)
                 self._write_at(todo[1:], view)
-            if mapped:
-                # Unmapped first: starting the writeback of mapped pages write-protects
-                # them, a TLB shootdown per folio (4 % of the client's CPU in a profile).
-                start_writeback(fd, first.offset, first.size)
+            # After the unmap: starting the writeback of mapped pages write-protects them,
+            # a TLB shootdown per folio (4 % of the client's CPU in a profile).
+            start_writeback(fd, first.offset, first.size)
         except BaseException:
             self._unclaim(todo)
             raise
@@ -280,6 +285,32 @@ class ModelStaging:
                 self._receiving.pop(key, None)
             self.store.index.stop_receiving(key, receiving)
         return n
+
+    @contextlib.contextmanager
+    def _slot(
+        self, fd: int, chunk: ChunkEntry, *, mapped: bool, prefix: int
+    ) -> Iterator[memoryview]:
+        """Where a chunk lands: its mapped slot in the partial file, or a buffer holding
+        the ``prefix`` bytes already in the file (so the whole chunk can be copied
+        elsewhere). Only the bytes the receive writes are ever read from a reused buffer:
+        the prefix is read back, the rest is filled, and a short fill is never written."""
+        if mapped:
+            with _mapped(fd, chunk.offset, chunk.size) as view:
+                yield view
+            return
+        with self._mutex:
+            fits = next((b for b in self._buffers if len(b) >= chunk.size), None)
+            if fits is not None:
+                self._buffers.remove(fits)
+        buf = fits if fits is not None else bytearray(chunk.size)
+        try:
+            with memoryview(buf)[: chunk.size] as view:
+                if prefix:
+                    os.preadv(fd, [view[:prefix]], chunk.offset)
+                yield view
+        finally:
+            with self._mutex:
+                self._buffers.append(buf)
 
     def _receiving_for(self, key: str, chunk: ChunkEntry) -> Receiving:
         """The chunk's published verified prefix, kept across attempts."""
@@ -452,20 +483,6 @@ def _mapped(fd: int, offset: int, size: int) -> Iterator[memoryview]:
             yield view
     finally:
         _unmap(mapping)
-
-
-@contextlib.contextmanager
-def _slot(fd: int, chunk: ChunkEntry, *, mapped: bool, prefix: int) -> Iterator[memoryview]:
-    """Where a chunk lands: its mapped slot in the partial file, or a buffer holding the
-    ``prefix`` bytes already in the file (so the whole chunk can be copied elsewhere)."""
-    if mapped:
-        with _mapped(fd, chunk.offset, chunk.size) as view:
-            yield view
-        return
-    buf = bytearray(chunk.size)
-    if prefix:
-        os.preadv(fd, [memoryview(buf)[:prefix]], chunk.offset)
-    yield memoryview(buf)
 
 
 def _unmap(mapping: mmap.mmap) -> None:
