@@ -165,10 +165,7 @@ class ClaimBoard:
             host = self._known.get(node)
             if host is None or host != peer_host(f"{source}:0"):
                 return node
-            self._unstaged[sha256] = (node, host, now)
-            self._unstaged.move_to_end(sha256)
-            while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
-                self._unstaged.popitem(last=False)
+            self._hold_unstaged(sha256, node, host, now)
             return node
 
     def remembered(self) -> int:
@@ -188,29 +185,35 @@ class ClaimBoard:
         the rest of its TTL, so the next stage takes the chunk from its claimant instead
         of fetching it from the origin again."""
         with self._lock:
-            now = self._clock()
             for sha in {chunk_key(d) for d in digests}:
                 self._started.discard(sha)
+                claimant = self._live_claimant(sha)  # an expired grant is dropped here
                 granted = self._granted.pop(sha, None)
-                host = self._known.get(granted[0]) if granted else None
-                if granted and host and now - granted[1] <= GRANT_TTL_S:
-                    claimant, at = granted
-                    # Held between stages until at + GRANT_TTL_S (open binds it again).
-                    self._unstaged[sha] = (claimant, host, at + GRANT_TTL_S - UNSTAGED_GRANT_HOLD_S)
-                    self._unstaged.move_to_end(sha)
+                host = self._known.get(claimant) if claimant else None
+                if claimant and host and granted:
+                    # Held between stages until it expires (open binds it again).
+                    self._hold_unstaged(
+                        sha, claimant, host, granted[1] + GRANT_TTL_S - UNSTAGED_GRANT_HOLD_S
+                    )
                 self._wanted[sha] -= 1
                 if self._wanted[sha] <= 0:
                     del self._wanted[sha]
             if not self._wanted:
                 self._peers.clear()
-            while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
-                self._unstaged.popitem(last=False)
 
     def entries(self) -> int:
         """Entries held (started, granted and wanted chunks). Not ``__len__``: an empty
         board must stay truthy (``claims or ClaimBoard()``)."""
         with self._lock:
             return len(self._started) + len(self._granted) + len(self._wanted)
+
+    def _hold_unstaged(self, sha256: str, claimant: str, host: str, at: float) -> None:
+        """Remember a grant between stages, live until ``at + UNSTAGED_GRANT_HOLD_S``; the
+        oldest goes first beyond MAX_UNSTAGED_GRANTS. Called with the lock held."""
+        self._unstaged[sha256] = (claimant, host, at)
+        self._unstaged.move_to_end(sha256)
+        while len(self._unstaged) > MAX_UNSTAGED_GRANTS:
+            self._unstaged.popitem(last=False)
 
     def _live_claimant(self, sha256: str) -> str | None:
         granted = self._granted.get(sha256)
