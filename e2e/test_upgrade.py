@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,13 @@ from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY, bin_dir
 
 NAMESPACE_PREFIX = "up-"
 KiB, MiB = 1 << 10, 1 << 20
-# The staging model: 12 MiB in 256 KiB chunks at 256 KiB/s per node (about 48 s for the
-# old agents), so every node is part-way when the upgrade starts; the cap is lifted
-# before it, which the old agents' running stages never see (a stage keeps the cap it
+# The staging model: 12 MiB in 256 KiB chunks at 64 KiB/s per node (about 190 s for the
+# old agents), so every node is still part-way when they are replaced, however slowly the
+# canary before it gets to its pause (in CI 256 KiB/s let the old agents finish first,
+# and then the new agents' counters were the old ones'); the cap is lifted before the
+# upgrade, which the old agents' running stages never see (a stage keeps the cap it
 # began with) and the new agents' do.
-STAGING_SIZE, STAGING_CHUNK, STAGING_CAP = 12 * MiB, 256 * KiB, "256Ki"
+STAGING_SIZE, STAGING_CHUNK, STAGING_CAP = 12 * MiB, 256 * KiB, "64Ki"
 OPERATOR_METRICS_PORT = 9100  # the chart's operator.metricsPort
 CANARY_STEPS: list[dict[str, Any]] = [{"setWeight": 50}, {"pause": {}}, {"setWeight": 100}]
 
@@ -334,6 +337,7 @@ def test_helm_upgrade_with_rollouts_mid_canary_and_mid_staging(
         drop_namespace_lister(client.RbacAuthorizationV1Api(cluster.api), namespace)
         apply_crds_as_users_do(cluster, CRDS)
         mark("new CRDs")
+        upgrade_began = datetime.now(UTC).replace(microsecond=0)
         install_chart(cluster.paths, old_release, namespace, [namespace],
                       *agent_sets(namespace), agent=True)  # fmt: skip
         mark("upgraded")
@@ -373,6 +377,13 @@ def test_helm_upgrade_with_rollouts_mid_canary_and_mid_staging(
         )
         for node, entry in entries.items():
             assert entry["bytesDone"] == big.total_size, node
+            # The counters are the new agent's only if it ran the stage (an entry staged
+            # before the upgrade keeps the old agent's counters).
+            began = datetime.fromisoformat(entry["startedAt"])
+            assert began >= upgrade_began, (
+                f"{node}: the old agent finished staging before the upgrade "
+                f"(started {began}, upgrade at {upgrade_began}): lower STAGING_CAP"
+            )
             assert fetched[node] <= big.total_size - done_before[node], (
                 f"{node}: verified chunks were fetched again"
             )
