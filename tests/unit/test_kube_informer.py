@@ -3,9 +3,12 @@ listed once from the watch cache, then watched; `on_change` after the list and e
 
 from __future__ import annotations
 
+import http.server
 import json
 import threading
 from typing import Any
+
+import urllib3
 
 from weightship.agent.kube import rollout_informer
 from weightship.kube.informer import Informer
@@ -81,3 +84,57 @@ def test_the_agents_informer_lists_from_the_watch_cache_then_watches() -> None:
     assert seen == [["1", "2"], ["2", "8"], ["8"]]
     assert informer.synced.is_set()
     assert [o["metadata"]["namespace"] for o in informer.snapshot()] == ["a"]
+
+
+class _QuietWatchServer(http.server.BaseHTTPRequestHandler):
+    """A listing, then a watch that sends its headers and one event and goes quiet, as a
+    watch of a cluster where nothing changes does."""
+
+    quiet = threading.Event()  # set once the watch has sent its event
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if "watch=true" not in self.path:
+            body = json.dumps({"metadata": {"resourceVersion": "1"}, "items": []}).encode()
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        line = json.dumps({"type": "ADDED", "object": rollout("a", "llm", "2")}).encode() + b"\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+        self.wfile.flush()
+        _QuietWatchServer.quiet.set()
+        self.rfile.read(1)  # until the client goes away
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_stop_ends_a_watch_that_receives_nothing() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietWatchServer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    http_pool = urllib3.PoolManager()
+    base = f"http://127.0.0.1:{server.server_address[1]}/nodes"
+
+    def list_fn(**kwargs: Any) -> Any:
+        query = "?watch=true" if kwargs.get("watch") else ""
+        return http_pool.request("GET", base + query, preload_content=False, timeout=60)
+
+    informer = Informer("nodes", list_fn, lambda obj: {}, page_size=None)
+    informer.start()
+    try:
+        assert _QuietWatchServer.quiet.wait(10), "the watch never started"
+        stopping = threading.Thread(target=informer.stop, kwargs={"timeout_s": 30})
+        stopping.start()
+        # Bounded: the server sends nothing more for 60 s, so a stop that waited for the
+        # next event (close() blocked behind the read) would still be running.
+        stopping.join(20)
+        assert not stopping.is_alive(), "stop() waited for the quiet watch"
+        assert not informer._thread.is_alive()
+    finally:
+        server.shutdown()
+        server.server_close()
