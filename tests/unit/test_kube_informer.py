@@ -130,8 +130,9 @@ def test_stop_ends_a_watch_that_receives_nothing() -> None:
         assert _QuietWatchServer.quiet.wait(10), "the watch never started"
         stopping = threading.Thread(target=informer.stop, kwargs={"timeout_s": 30})
         stopping.start()
-        # Bounded: the server sends nothing more for 60 s, so a stop that waited for the
-        # next event (close() blocked behind the read) would still be running.
+        # Bounded: the server sends nothing more and the client's read timeout is 60 s,
+        # so a stop that waited for the next event (close() blocked behind the read)
+        # would still be running.
         stopping.join(20)
         assert not stopping.is_alive(), "stop() waited for the quiet watch"
         assert not informer._thread.is_alive()
