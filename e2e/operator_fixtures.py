@@ -11,6 +11,7 @@ from typing import Any
 
 from kubernetes import client
 
+from e2e import lanes
 from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
 from weightship.data.s3 import S3Location, S3Origin, publish
 from weightship_dev import testkit
@@ -21,7 +22,7 @@ from weightship_testing.tinyllm import Variant
 from weightship_testing.tinyllm import deploy as tinyllm
 from weightship_testing.tinyllm.build import publish_versions
 
-PROCESS_NODES = {"weightship.io/node-kind": "process"}
+PROCESS_NODES = lanes.process_node_selector()  # this worker's (e2e/lanes.py)
 
 
 def publish_models(
@@ -220,9 +221,10 @@ def operator_process(
 ) -> Iterator[OperatorProcess]:
     """One operator per test module, watching only that module's namespaces (globs), so
     modules never fight over each other's rollouts."""
-    op = OperatorProcess(
-        kubeconfig, state / "operator-e2e.log", namespaces, metrics_port=free_port()
-    )
+    # One log per xdist worker: two lanes run operators at the same time.
+    worker = lanes.xdist_worker()
+    log = state / (f"operator-e2e-{worker}.log" if worker else "operator-e2e.log")
+    op = OperatorProcess(kubeconfig, log, namespaces, metrics_port=free_port())
     op.start()
     try:
         yield op

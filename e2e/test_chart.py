@@ -63,7 +63,9 @@ def test_chart_installs_and_its_operator_runs_a_rollout(
 def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
     apply_crds(cluster.api)
     forget_staging(cluster)
-    prepare_cache_dirs(cluster.paths)  # docs/helm.md: a cache directory the agent owns
+    prepare_cache_dirs(
+        cluster.paths, nodes=cluster.process_nodes
+    )  # docs/helm.md: a cache directory the agent owns
     cluster.core.create_namespaced_secret(
         namespace,
         {
@@ -80,7 +82,7 @@ def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
         "agent.s3.existingSecret=agent-s3",
         "agent.extraEnv[0].name=WEIGHTSHIP_WATCH_NAMESPACES",
         f"agent.extraEnv[0].value={namespace}",
-        agent=True,
+        agent=True, node_selector=PROCESS,
     )  # fmt: skip
     try:
         yield name

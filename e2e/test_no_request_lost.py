@@ -139,6 +139,7 @@ def test_no_request_fails_through_a_promotion_an_abort_and_a_rollback(
         wait_drained(cluster, rollouts, canary, "the reverted v1 canary drained and deleted")
         assert len(pods_of(cluster, ns, v2)) == REPLICAS
     answers = load.answers
+    t0 = answers[0].started if answers else 0.0
     failed = [a for a in answers if not a.ok]
     print(
         f"no request lost: {len(failed)} failed of {len(answers)} requests "
@@ -146,4 +147,4 @@ def test_no_request_fails_through_a_promotion_an_abort_and_a_rollback(
         f"abort and a rollback; {load.no_endpoint_waits} waits for an endpoint"
     )
     assert len(answers) >= 50, "the load never ran"
-    assert not failed, [(a.endpoint, a.status, a.error) for a in failed[:10]]
+    assert not failed, [(a.endpoint, a.status, a.error, a.started - t0) for a in failed[:10]]

@@ -190,7 +190,7 @@ def old_release(cluster: Any, namespace: str, previous: releases.Release) -> Ite
     """The previous release's chart with its agents, installed with its own CRDs; the
     working tree's CRDs are back when the test ends, whatever happened."""
     forget_staging(cluster)
-    prepare_cache_dirs(cluster.paths)
+    prepare_cache_dirs(cluster.paths, nodes=cluster.process_nodes)
     cluster.core.create_namespaced_secret(
         namespace,
         {
@@ -212,7 +212,7 @@ def old_release(cluster: Any, namespace: str, previous: releases.Release) -> Ite
         install_chart(
             cluster.paths, name, namespace, [namespace],
             *agent_sets(namespace), f"image.tag={previous.tag}",
-            agent=True, chart=previous.chart,
+            agent=True, chart=previous.chart, node_selector=PROCESS,
         )  # fmt: skip
         print(f"\n{previous.tag} installed in {time.monotonic() - began:.1f} s")
         yield name
@@ -339,7 +339,7 @@ def test_helm_upgrade_with_rollouts_mid_canary_and_mid_staging(
         mark("new CRDs")
         upgrade_began = datetime.now(UTC).replace(microsecond=0)
         install_chart(cluster.paths, old_release, namespace, [namespace],
-                      *agent_sets(namespace), agent=True)  # fmt: skip
+                      *agent_sets(namespace), agent=True, node_selector=PROCESS)  # fmt: skip
         mark("upgraded")
         assert not release_processes(previous), "a pod of the old release still runs"
         for pod in cluster.core.list_namespaced_pod(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import yaml
@@ -61,14 +62,16 @@ def install_chart(
     *extra_sets: str,
     agent: bool = False,
     chart: Path = CHART,
+    node_selector: Mapping[str, str] | None = None,
 ) -> None:
     """`helm upgrade --install` the chart (the working tree's, or `chart`: an earlier
     release's, weightship_dev.release), with the operator (and the agents) on process
-    nodes."""
+    nodes (those `node_selector` picks, when given)."""
+    selector = node_selector or {"weightship.io/node-kind": "process"}
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
-        "operator.nodeSelector.weightship\\.io/node-kind=process",
-        "agent.nodeSelector.weightship\\.io/node-kind=process",
+        *(f"operator.nodeSelector.{_helm_key(k)}={v}" for k, v in selector.items()),
+        *(f"agent.nodeSelector.{_helm_key(k)}={v}" for k, v in selector.items()),
         f"agent.enabled={'true' if agent else 'false'}",
         "image.tag=local",
         *extra_sets,
@@ -90,13 +93,24 @@ def install_chart(
     helm(paths, *args)
 
 
+def _helm_key(label: str) -> str:
+    """A label key as one `--set` path segment: its dots escaped."""
+    return label.replace(".", "\\.")
+
+
 def prepare_cache_dirs(
-    paths: ClusterPaths, cache_dir: str = "/var/cache/weightship", uid: int = 65532
+    paths: ClusterPaths,
+    cache_dir: str = "/var/cache/weightship",
+    uid: int = 65532,
+    nodes: Iterable[str] | None = None,
 ) -> None:
-    """What docs/helm.md asks of each node once: a cache directory the non-root agent owns."""
+    """What docs/helm.md asks of each node once (of `nodes`, or all): a cache directory the
+    non-root agent owns."""
     import os
 
-    for node_dir in sorted(paths.nodes.iterdir()) if paths.nodes.exists() else []:
+    every = sorted(paths.nodes.iterdir()) if paths.nodes.exists() else []
+    wanted = None if nodes is None else set(nodes)
+    for node_dir in (d for d in every if wanted is None or d.name in wanted):
         target = node_dir / "root" / cache_dir.lstrip("/")
         target.mkdir(parents=True, exist_ok=True)
         for path in (target, *target.rglob("*")):

@@ -167,7 +167,9 @@ class ServiceLoad:
                 timeout=urllib3.Timeout(connect=5.0, read=self.timeout_s),
             )
         except urllib3.exceptions.HTTPError as e:
-            return Answer(started, time.monotonic(), endpoint, None, error=type(e).__name__)
+            # The cause too (reset, refused, timed out): a failure must say what happened.
+            why = f"{type(e).__name__}: {e}"[:300]
+            return Answer(started, time.monotonic(), endpoint, None, error=why)
         text = None
         try:
             doc = json.loads(response.data)

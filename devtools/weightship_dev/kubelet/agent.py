@@ -93,6 +93,7 @@ class Kubelet(PodHost):
         self.objects = ApiObjects(self.core, paths.pki / "ca.crt")
         self.workers: dict[str, PodWorker] = {}
         self.ips: set[str] = set()
+        self.last_ip_host = 1  # the first pod gets .2
         self.ip_lock = threading.Lock()
         self.stopping = threading.Event()
 
@@ -275,10 +276,15 @@ class Kubelet(PodHost):
             if wanted and wanted.startswith(prefix + ".") and wanted not in self.ips:
                 self.ips.add(wanted)
                 return str(wanted)
-            for host in range(2, 255):
+            # Round robin from the last address given, as CNI's host-local IPAM does: a
+            # freed address is not handed out again at once, so a client still holding a
+            # connection to a deleted pod never reaches a new pod at the same address.
+            for step in range(1, 254):
+                host = 2 + (self.last_ip_host - 2 + step) % 253
                 ip = f"{prefix}.{host}"
                 if ip not in self.ips:
                     self.ips.add(ip)
+                    self.last_ip_host = host
                     return ip
         raise RuntimeError(f"node {self.node_name} has no free pod IPs")
 

@@ -1,0 +1,200 @@
+"""Lanes: how `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup
+--no-loadscope-reorder`) over one local cluster without two tests fighting over what they
+share.
+
+The e2e tests share one control plane, S3 and Prometheus. What must not overlap, and how
+each rule is kept:
+
+- **Process nodes.** Node agents write the one WeightCache of each process node, share
+  its cache directory and wipe both when they go; test_faults restarts a kubelet, killing
+  every pod on its node. So each worker has process nodes of its own: the cluster starts
+  with `NODES_PER_LANE` per worker, each labelled `LANE_LABEL=gw<N>`, and a worker's
+  tests see only theirs (`Cluster.process_nodes`) and place pods, agents and charts with
+  `process_node_selector()`.
+- **vLLM.** A vLLM pod takes ~3 GiB and most of both cores while it starts: the vLLM
+  modules are one group (`VLLM_GROUP`), run one after another on one worker.
+- **Whole-cluster changes.** test_upgrade installs the previous release's CRDs: it holds
+  the cluster alone (`cluster_share`); every other e2e module holds it shared. It runs
+  first, while the other worker runs unit tests, which take no lock.
+- **Extra KWOK nodes.** test_cluster_smoke counts every node a DaemonSet lands on and
+  test_scale adds nodes: one group, `KWOK_NODE_GROUP`.
+- Every other module is a group of its own, so that its module-scoped fixtures (an
+  operator, a model bucket) are set up once, on one worker.
+
+Groups are handed out longest first (`LONGEST_FIRST`), so that no long one starts last;
+unit tests are not grouped and fill the gaps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+VLLM_GROUP = "vllm"
+KWOK_NODE_GROUP = "kwok-nodes"
+VLLM_MODULES = frozenset({"test_vllm", "test_inplace", "test_vllm_swap_engine"})
+KWOK_NODE_MODULES = frozenset({"test_cluster_smoke", "test_scale"})
+EXCLUSIVE_MODULES = frozenset({"test_upgrade"})
+
+# The order groups are handed out in, from a serial run's durations (2026-12-04, 2 cores:
+# the vLLM group ~540 s, test_agent ~180 s, ... test_dashboard ~1 s); a module not named
+# here goes last. test_upgrade goes before everything: it holds the cluster alone.
+LONGEST_FIRST = (
+    "test_upgrade",
+    "unit",
+    VLLM_GROUP,
+    "test_agent",
+    "test_faults",
+    "test_rollout",
+    KWOK_NODE_GROUP,
+    "test_seeding",
+    "test_chart",
+    "test_blake3",
+    "test_gates",
+    "test_pinned_views",
+    "test_workload_ref",
+    "test_staging_selector",
+    "test_no_request_lost",
+    "test_admission",
+    "test_standby",
+    "test_alerts",
+    "test_staging_failure",
+    "test_cli",
+    "test_policies",
+    "test_workload_ref_chart",
+)
+
+NODE_KIND_LABEL = "weightship.io/node-kind"
+LANE_LABEL = "weightship-e2e/lane"
+NODES_PER_LANE = int(os.environ.get("WEIGHTSHIP_PROCESS_NODES", "3"))
+
+LOCK_DIR = Path(tempfile.gettempdir()) / "weightship-e2e-locks"
+# Set by the xdist controller, inherited by its workers: which run started the cluster.
+RUN_ID_ENV = "WEIGHTSHIP_E2E_RUN_ID"
+
+
+def module_name(item: pytest.Item) -> str:
+    return Path(str(item.fspath)).stem
+
+
+def is_e2e(item: pytest.Item) -> bool:
+    return "/e2e/" in str(item.fspath)
+
+
+def group_of(item: pytest.Item) -> str:
+    module = module_name(item)
+    if module in VLLM_MODULES:
+        return VLLM_GROUP
+    if module in KWOK_NODE_MODULES:
+        return KWOK_NODE_GROUP
+    return module
+
+
+def arrange(items: list[pytest.Item]) -> None:
+    """Group every e2e test and order the groups as `LONGEST_FIRST` says (the unit tests
+    where "unit" stands); xdist hands them out in this order (`--no-loadscope-reorder`)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
+        index, item = indexed
+        group = group_of(item) if is_e2e(item) else "unit"
+        return (rank.get(group, len(rank)), index)
+
+    ordered = [item for _, item in sorted(enumerate(items), key=key)]
+    for item in ordered:
+        if is_e2e(item):
+            item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    items[:] = ordered
+
+
+def worker_count() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) if xdist_worker() else 1
+
+
+def lane() -> str | None:
+    """This worker's lane (its xdist id, gw0, gw1, ...); None without xdist."""
+    return xdist_worker()
+
+
+def process_node_selector() -> dict[str, str]:
+    """Where this worker's pods, agents and charts go: its own process nodes."""
+    selector = {NODE_KIND_LABEL: "process"}
+    if lane():
+        selector[LANE_LABEL] = str(lane())
+    return selector
+
+
+def lane_of_node(index: int) -> str:
+    return f"gw{index // NODES_PER_LANE}"
+
+
+def _lock_file(name: str) -> int:
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    return os.open(LOCK_DIR / name, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+@contextmanager
+def _flock(name: str, mode: int) -> Iterator[None]:
+    fd = _lock_file(name)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextmanager
+def cluster_share(*, exclusive: bool) -> Iterator[None]:
+    """Hold the cluster shared (most modules) or alone (EXCLUSIVE_MODULES) for a module.
+
+    A readers-writer lock on two files: every taker passes the turnstile first, so a
+    module waiting to hold the cluster alone is not starved by shared holders that come
+    and go; a shared holder leaves the turnstile as soon as it holds its share."""
+    fd = _lock_file("cluster")
+    try:
+        with _flock("turnstile", fcntl.LOCK_EX):
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def cluster_startup() -> Iterator[None]:
+    """One worker at a time checks whether the cluster is up and starts it."""
+    with _flock("startup", fcntl.LOCK_EX):
+        yield
+
+
+def xdist_worker() -> str | None:
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def run_id() -> str | None:
+    return os.environ.get(RUN_ID_ENV)
+
+
+def _started_marker(root: Path) -> Path:
+    return root.parent / f"{root.name}.started-by-e2e-run"
+
+
+def mark_started_by_run(root: Path) -> None:
+    """Under xdist the cluster outlives the worker that started it: the controller stops it
+    when the whole run ends (`stop_if_started_by_run`)."""
+    if run_id():
+        _started_marker(root).write_text(str(run_id()))
+
+
+def started_by_this_run(root: Path) -> bool:
+    marker = _started_marker(root)
+    return marker.exists() and marker.read_text() == run_id()
+
+
+def forget_started(root: Path) -> None:
+    _started_marker(root).unlink(missing_ok=True)
