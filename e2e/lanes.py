@@ -1,6 +1,6 @@
-"""Lanes: how `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup
---no-loadscope-reorder`) over one local cluster without two tests fighting over what they
-share.
+"""Lanes: how `make test` runs the suite on pytest-xdist workers (`-n 2
+--no-loadscope-reorder`, scheduled by `LaneScheduling`) over one local cluster, without
+two tests fighting over what they share.
 
 The e2e tests share one control plane, S3 and Prometheus. What must not overlap, and how
 each rule is kept:
@@ -22,7 +22,7 @@ each rule is kept:
   operator, a model bucket) are set up once, on one worker.
 
 Groups are handed out longest first (`LONGEST_FIRST`), so that no long one starts last;
-unit tests are not grouped and fill the gaps.
+each unit test module is a group of its own, and they fill the gaps.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 VLLM_GROUP = "vllm"
 KWOK_NODE_GROUP = "kwok-nodes"
@@ -87,8 +88,12 @@ def is_e2e(item: pytest.Item) -> bool:
     return "/e2e/" in str(item.fspath)
 
 
-def group_of(item: pytest.Item) -> str:
-    module = module_name(item)
+def group_of_module(module: str, *, e2e: bool) -> str:
+    """The group a test module's tests run in: one worker runs a group, one test after
+    another. A unit test module is a group too, so that its module-scoped fixtures
+    (servers, built models) are made once, on one worker."""
+    if not e2e:
+        return f"unit-{module}"
     if module in VLLM_MODULES:
         return VLLM_GROUP
     if module in KWOK_NODE_MODULES:
@@ -96,21 +101,33 @@ def group_of(item: pytest.Item) -> str:
     return module
 
 
+def group_of_nodeid(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return group_of_module(Path(path).stem, e2e=path.startswith("e2e/") or "/e2e/" in path)
+
+
 def arrange(items: list[pytest.Item]) -> None:
-    """Group every e2e test and order the groups as `LONGEST_FIRST` says (the unit tests
-    where "unit" stands); xdist hands them out in this order (`--no-loadscope-reorder`)."""
+    """Order the tests as `LONGEST_FIRST` says (the unit tests where "unit" stands),
+    collection order within. `LaneScheduling` hands groups out in this order."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
         index, item = indexed
-        group = group_of(item) if is_e2e(item) else "unit"
+        group = group_of_module(module_name(item), e2e=True) if is_e2e(item) else "unit"
         return (rank.get(group, len(rank)), index)
 
-    ordered = [item for _, item in sorted(enumerate(items), key=key)]
-    for item in ordered:
-        if is_e2e(item):
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
-    items[:] = ordered
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+class LaneScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with our groups (`group_of_nodeid`) as the scopes: a
+    worker gets a whole group, the next when it is almost done with its last. (xdist's
+    own `loadgroup` marks the node ids of `xdist_group` tests, which pytest 9.2's node
+    ids no longer take.) Run with `--no-loadscope-reorder` so that groups go out in
+    collection order, which `arrange` sets."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of_nodeid(nodeid)
 
 
 def worker_count() -> int:
