@@ -5,24 +5,27 @@ two tests fighting over what they share.
 The e2e tests share one control plane, S3 and Prometheus. What must not overlap, and how
 each rule is kept:
 
-- **Process nodes.** Node agents write the one WeightCache of each process node, share
-  its cache directory and wipe both when they go; test_faults restarts a kubelet, killing
-  every pod on its node. So each worker has process nodes of its own: the cluster starts
-  with `NODES_PER_LANE` per worker, each labelled `LANE_LABEL=gw<N>`, and a worker's
-  tests see only theirs (`Cluster.process_nodes`) and place pods, agents and charts with
-  `process_node_selector()`.
-- **vLLM.** A vLLM pod takes ~3 GiB and most of both cores while it starts: the vLLM
-  modules are one group (`VLLM_GROUP`), run one after another on one worker.
+- **Process nodes.** Pods of one test must not die with another's: test_faults restarts
+  a kubelet, which kills every pod on its node. So each worker has process nodes of its
+  own: the cluster starts with `NODES_PER_LANE` per worker, each labelled
+  `LANE_LABEL=gw<N>`, and a worker's tests see only theirs (`Cluster.process_nodes`) and
+  place pods, agents and charts with `process_node_selector()`.
+- **Node agents.** An agent takes every live agent in the cluster for a peer, whether or
+  not its node is a target of the rollout (`agent.desired.live_peers`): with two lanes'
+  agents up at once, each lane's would count the other's as owners of chunks they never
+  fetch, and fetch those from the origin themselves. The modules that run agents (and
+  the vLLM ones, whose pods are ~3 GiB and most of both cores while they start) are one
+  group, `AGENTS_GROUP`, run one after another on one worker.
 - **Whole-cluster changes.** test_upgrade installs the previous release's CRDs: it holds
   the cluster alone (`cluster_share`); every other e2e module holds it shared. It runs
   first, while the other worker runs unit tests, which take no lock.
 - **Extra KWOK nodes.** test_cluster_smoke counts every node a DaemonSet lands on and
   test_scale adds nodes: one group, `KWOK_NODE_GROUP`.
 - Every other module is a group of its own, so that its module-scoped fixtures (an
-  operator, a model bucket) are set up once, on one worker.
+  operator, a model bucket) are set up once, on one worker; so is each unit test module.
 
-Groups are handed out longest first (`LONGEST_FIRST`), so that no long one starts last;
-each unit test module is a group of its own, and they fill the gaps.
+Groups are handed out in `ORDER` (the longest, the agents group, first), and a worker takes
+the next group when it is almost done with its last.
 """
 
 from __future__ import annotations
@@ -37,38 +40,43 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-VLLM_GROUP = "vllm"
+AGENTS_GROUP = "agents"
 KWOK_NODE_GROUP = "kwok-nodes"
-VLLM_MODULES = frozenset({"test_vllm", "test_inplace", "test_vllm_swap_engine"})
+# In the order they run, test_upgrade first (it holds the cluster alone while the other
+# worker runs unit tests); serial durations on 2 cores (2026-12-04) in the comments.
+AGENT_MODULES = (
+    "test_upgrade",  # 98 s
+    "test_vllm",  # 280-370 s
+    "test_inplace",  # 185 s
+    "test_faults",  # 145-160 s
+    "test_seeding",  # 115-125 s
+    "test_agent",  # 115-185 s
+    "test_blake3",  # 65-80 s
+    "test_alerts",  # 30-65 s
+    "test_staging_selector",  # 50 s
+    "test_pinned_views",  # 25-50 s
+    "test_staging_failure",  # 26-29 s
+    "test_chart",  # 20-68 s
+)
 KWOK_NODE_MODULES = frozenset({"test_cluster_smoke", "test_scale"})
 EXCLUSIVE_MODULES = frozenset({"test_upgrade"})
 
-# The order groups are handed out in, from a serial run's durations (2026-12-04, 2 cores:
-# the vLLM group ~540 s, test_agent ~180 s, ... test_dashboard ~1 s); a module not named
-# here goes last. test_upgrade goes before everything: it holds the cluster alone.
-LONGEST_FIRST = (
-    "test_upgrade",
+# The order groups are handed out in; a module not named here goes last.
+ORDER = (
+    *AGENT_MODULES,
     "unit",
-    VLLM_GROUP,
-    "test_agent",
-    "test_faults",
-    "test_rollout",
-    KWOK_NODE_GROUP,
-    "test_seeding",
-    "test_chart",
-    "test_blake3",
-    "test_gates",
-    "test_pinned_views",
-    "test_workload_ref",
-    "test_staging_selector",
-    "test_no_request_lost",
-    "test_admission",
-    "test_standby",
-    "test_alerts",
-    "test_staging_failure",
-    "test_cli",
-    "test_policies",
-    "test_workload_ref_chart",
+    "test_vllm_swap_engine",  # 80-100 s, vLLM on the host (no agents)
+    "test_cluster_smoke",  # 60-130 s
+    "test_rollout",  # 125 s
+    "test_scale",  # 60-77 s
+    "test_gates",  # 57-66 s
+    "test_workload_ref",  # 48 s
+    "test_no_request_lost",  # 35-41 s
+    "test_standby",  # 36 s
+    "test_admission",  # 20-40 s
+    "test_cli",  # 15 s
+    "test_policies",  # 13 s
+    "test_workload_ref_chart",  # 10 s
 )
 
 NODE_KIND_LABEL = "weightship.io/node-kind"
@@ -94,8 +102,8 @@ def group_of_module(module: str, *, e2e: bool) -> str:
     (servers, built models) are made once, on one worker."""
     if not e2e:
         return f"unit-{module}"
-    if module in VLLM_MODULES:
-        return VLLM_GROUP
+    if module in AGENT_MODULES:
+        return AGENTS_GROUP
     if module in KWOK_NODE_MODULES:
         return KWOK_NODE_GROUP
     return module
@@ -107,14 +115,14 @@ def group_of_nodeid(nodeid: str) -> str:
 
 
 def arrange(items: list[pytest.Item]) -> None:
-    """Order the tests as `LONGEST_FIRST` says (the unit tests where "unit" stands),
-    collection order within. `LaneScheduling` hands groups out in this order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    """Order the tests as `ORDER` says (the unit tests where "unit" stands), collection
+    order within a module. `LaneScheduling` hands groups out in this order."""
+    rank = {name: i for i, name in enumerate(ORDER)}
 
     def key(indexed: tuple[int, pytest.Item]) -> tuple[int, int]:
         index, item = indexed
-        group = group_of_module(module_name(item), e2e=True) if is_e2e(item) else "unit"
-        return (rank.get(group, len(rank)), index)
+        name = module_name(item) if is_e2e(item) else "unit"
+        return (rank.get(name, len(rank)), index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 

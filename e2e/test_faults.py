@@ -299,7 +299,7 @@ class LostNode:
         self.cluster = cluster
         self.node = node
         self.name = f"kubelet-{node}"
-        self.index = nodes.process_node_names(len(cluster.process_nodes)).index(node)
+        self.index = nodes.process_node_index(node)
 
     def kill(self) -> None:
         pid = processes.running(self.cluster.paths.pids / f"{self.name}.pid")

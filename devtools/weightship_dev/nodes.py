@@ -23,6 +23,14 @@ def process_node_names(count: int) -> list[str]:
     return [f"proc-{i}" for i in range(count)]
 
 
+def process_node_index(name: str) -> int:
+    """proc-N -> N: which addresses (layout.process_node_ip) and kubelet the node has."""
+    prefix, _, index = name.rpartition("-")
+    if prefix != "proc" or not index.isdigit():
+        raise ValueError(f"{name!r} is not a process node name")
+    return int(index)
+
+
 def kwok_node_name(index: int) -> str:
     return f"kwok-gpu-{index:04d}"
 
