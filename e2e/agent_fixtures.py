@@ -119,6 +119,7 @@ def agent_objects(namespace: str) -> dict[str, Any]:
                                     },
                                     # Only this test's rollouts: other modules share the cluster.
                                     {"name": "WEIGHTSHIP_WATCH_NAMESPACES", "value": namespace},
+                                    {"name": "WEIGHTSHIP_PEER_GROUP", "value": lanes.peer_group()},
                                 ],
                                 "ports": [
                                     {"name": "peer", "containerPort": 8479},

@@ -10,12 +10,13 @@ each rule is kept:
   own: the cluster starts with `NODES_PER_LANE` per worker, each labelled
   `LANE_LABEL=gw<N>`, and a worker's tests see only theirs (`Cluster.process_nodes`) and
   place pods, agents and charts with `process_node_selector()`.
-- **Node agents.** An agent takes every live agent in the cluster for a peer, whether or
-  not its node is a target of the rollout (`agent.desired.live_peers`): with two lanes'
-  agents up at once, each lane's would count the other's as owners of chunks they never
-  fetch, and fetch those from the origin themselves. The modules that run agents (and
-  the vLLM ones, whose pods are ~3 GiB and most of both cores while they start) are one
-  group, `AGENTS_GROUP`, run one after another on one worker.
+- **Node agents.** An agent takes every live agent of its peer group for a peer
+  (`WEIGHTSHIP_PEER_GROUP`, chart `agent.peerGroup`): each worker's agents are a group of
+  their own, named after its lane, so they never plan with another test's agents (which
+  would own chunks they never fetch).
+- **vLLM.** A vLLM pod takes ~3 GiB and most of both cores while it starts: the two
+  modules that run vLLM pods on the cluster are one group (`VLLM_GROUP`), run one after
+  another on one worker.
 - **Whole-cluster changes.** test_upgrade installs the previous release's CRDs: it holds
   the cluster alone (`cluster_share`); every other e2e module holds it shared. It runs
   first, while the other worker runs unit tests, which take no lock.
@@ -24,8 +25,8 @@ each rule is kept:
 - Every other module is a group of its own, so that its module-scoped fixtures (an
   operator, a model bucket) are set up once, on one worker; so is each unit test module.
 
-Groups are handed out in `ORDER` (the longest, the agents group, first), and a worker takes
-the next group when it is almost done with its last.
+Groups are handed out in `ORDER`, and a worker takes the next group when it is almost done
+with its last.
 """
 
 from __future__ import annotations
@@ -40,40 +41,38 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-AGENTS_GROUP = "agents"
+VLLM_GROUP = "vllm"
 KWOK_NODE_GROUP = "kwok-nodes"
-# In the order they run, test_upgrade first (it holds the cluster alone while the other
-# worker runs unit tests); serial durations on 2 cores (2026-12-04) in the comments.
-AGENT_MODULES = (
-    "test_upgrade",  # 98 s
-    "test_vllm",  # 280-370 s
-    "test_inplace",  # 185 s
-    "test_faults",  # 145-160 s
-    "test_seeding",  # 115-125 s
-    "test_agent",  # 115-185 s
-    "test_blake3",  # 65-80 s
-    "test_alerts",  # 30-65 s
-    "test_staging_selector",  # 50 s
-    "test_pinned_views",  # 25-50 s
-    "test_staging_failure",  # 26-29 s
-    "test_chart",  # 20-68 s
-)
+VLLM_MODULES = frozenset({"test_vllm", "test_inplace"})
 KWOK_NODE_MODULES = frozenset({"test_cluster_smoke", "test_scale"})
 EXCLUSIVE_MODULES = frozenset({"test_upgrade"})
 
-# The order groups are handed out in; a module not named here goes last.
+# The order groups are handed out in, longest first but test_upgrade (it holds the cluster
+# alone while the other worker runs unit tests); a module not named here goes last.
+# Durations: serial, or in two lanes, on 2 cores (2026-12-04).
 ORDER = (
-    *AGENT_MODULES,
-    "unit",
-    "test_vllm_swap_engine",  # 80-100 s, vLLM on the host (no agents)
-    "test_cluster_smoke",  # 60-130 s
+    "test_upgrade",  # 80-98 s
+    "unit",  # 113 s in all
+    "test_vllm",  # 280-370 s, with test_inplace (VLLM_GROUP)
+    "test_inplace",  # 185 s
+    "test_faults",  # 145-160 s
+    "test_agent",  # 115-185 s
+    "test_seeding",  # 115-125 s
     "test_rollout",  # 125 s
+    "test_cluster_smoke",  # 60-130 s, with test_scale (KWOK_NODE_GROUP)
     "test_scale",  # 60-77 s
+    "test_vllm_swap_engine",  # 80-100 s, vLLM on the host
+    "test_blake3",  # 65-80 s
     "test_gates",  # 57-66 s
+    "test_alerts",  # 30-65 s
+    "test_staging_selector",  # 50 s
     "test_workload_ref",  # 48 s
+    "test_pinned_views",  # 25-50 s
     "test_no_request_lost",  # 35-41 s
     "test_standby",  # 36 s
     "test_admission",  # 20-40 s
+    "test_staging_failure",  # 26-29 s
+    "test_chart",  # 20-68 s
     "test_cli",  # 15 s
     "test_policies",  # 13 s
     "test_workload_ref_chart",  # 10 s
@@ -102,8 +101,8 @@ def group_of_module(module: str, *, e2e: bool) -> str:
     (servers, built models) are made once, on one worker."""
     if not e2e:
         return f"unit-{module}"
-    if module in AGENT_MODULES:
-        return AGENTS_GROUP
+    if module in VLLM_MODULES:
+        return VLLM_GROUP
     if module in KWOK_NODE_MODULES:
         return KWOK_NODE_GROUP
     return module
@@ -153,6 +152,11 @@ def process_node_selector() -> dict[str, str]:
     if lane():
         selector[LANE_LABEL] = str(lane())
     return selector
+
+
+def peer_group() -> str:
+    """This worker's agents' peer group: its lane ("" without xdist: every agent)."""
+    return lane() or ""
 
 
 def lane_of_node(index: int) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from e2e import lanes
 from e2e.agent_fixtures import PROCESS, forget_staging
 from e2e.operator_fixtures import (
     Rollouts,
@@ -82,7 +83,7 @@ def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
         "agent.s3.existingSecret=agent-s3",
         "agent.extraEnv[0].name=WEIGHTSHIP_WATCH_NAMESPACES",
         f"agent.extraEnv[0].value={namespace}",
-        agent=True, node_selector=PROCESS,
+        agent=True, node_selector=PROCESS, peer_group=lanes.peer_group(),
     )  # fmt: skip
     try:
         yield name

@@ -63,16 +63,18 @@ def install_chart(
     agent: bool = False,
     chart: Path = CHART,
     node_selector: Mapping[str, str] | None = None,
+    peer_group: str = "",
 ) -> None:
     """`helm upgrade --install` the chart (the working tree's, or `chart`: an earlier
     release's, weightship_dev.release), with the operator (and the agents) on process
-    nodes (those `node_selector` picks, when given)."""
+    nodes (those `node_selector` picks, when given), the agents in `peer_group`."""
     selector = node_selector or {"weightship.io/node-kind": "process"}
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
         *(f"operator.nodeSelector.{_helm_key(k)}={v}" for k, v in selector.items()),
         *(f"agent.nodeSelector.{_helm_key(k)}={v}" for k, v in selector.items()),
         f"agent.enabled={'true' if agent else 'false'}",
+        *([f"agent.peerGroup={peer_group}"] if peer_group else []),
         "image.tag=local",
         *extra_sets,
     ]

@@ -131,3 +131,14 @@ def test_config_from_env() -> None:
         AgentConfig.from_env({"POD_IP": "10.0.0.7"})
     with pytest.raises(ConfigError, match="WEIGHTSHIP_PEER_PORT"):
         AgentConfig.from_env({"NODE_NAME": "n", "POD_IP": "i", "WEIGHTSHIP_PEER_PORT": "x"})
+
+
+def test_peer_group_is_a_label_value_or_nothing() -> None:
+    base = {"NODE_NAME": "gpu-1", "POD_IP": "10.0.0.7"}
+    assert AgentConfig.from_env(base).peer_group == ""
+    assert AgentConfig.from_env({**base, "WEIGHTSHIP_PEER_GROUP": " zone-a "}).peer_group == (
+        "zone-a"
+    )
+    for bad in ("-a", "a b", "x" * 64, "a/b"):
+        with pytest.raises(ConfigError, match="WEIGHTSHIP_PEER_GROUP"):
+            AgentConfig.from_env({**base, "WEIGHTSHIP_PEER_GROUP": bad})

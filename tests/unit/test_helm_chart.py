@@ -270,14 +270,19 @@ def test_agent_daemonset() -> None:
     assert mounts["cache"] == "/var/cache/weightship"
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == 65532
     assert pod["serviceAccountName"] == "ws-weightship-agent"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "WEIGHTSHIP_PEER_GROUP" not in env  # every agent of the cluster is a peer
     custom = render(
         (
             "agent.cacheDir=/mnt/nvme/ws",
             "agent.nodeSelector.gpu=h100",
             "agent.tolerations[0].operator=Exists",
+            "agent.peerGroup=zone-a",
         )
     )
     pod = one(custom, "DaemonSet")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["WEIGHTSHIP_PEER_GROUP"] == "zone-a"
     assert pod["nodeSelector"] == {"gpu": "h100"}
     assert pod["tolerations"] == [{"operator": "Exists"}]
     assert (

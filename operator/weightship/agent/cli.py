@@ -83,7 +83,7 @@ def agent_command(
     metrics = AgentMetrics.create(registry)
     if config.metrics_port:
         start_http_server(config.metrics_port, addr="0.0.0.0", registry=registry)  # noqa: S104
-    agent = Agent(config, AgentKube(load_client()), metrics)
+    agent = Agent(config, AgentKube(load_client(), config.peer_group), metrics)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         logging.getLogger(__name__).info("signal %d: stopping", signum)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,9 @@ DEFAULT_CACHE_DIR = Path("/var/cache/weightship")
 DEFAULT_PEER_PORT = 8479
 DEFAULT_METRICS_PORT = 9101
 CREDENTIALS_ENV = "WEIGHTSHIP_S3_CREDENTIALS_DIR"
+PEER_GROUP_ENV = "WEIGHTSHIP_PEER_GROUP"
+# A label value: the group is the value of PEER_GROUP_LABEL on the agent's WeightCache.
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
 
 class ConfigError(ValueError):
@@ -27,6 +31,9 @@ class AgentConfig:
     metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no metrics server
     # Only rollouts in namespaces matching these globs count; empty = the whole cluster.
     namespaces: tuple[str, ...] = ()
+    # Agents trade chunks only with agents of the same group (a zone, a node pool); "" =
+    # every agent in the cluster (weightship.agent.kube, PEER_GROUP_LABEL).
+    peer_group: str = ""
     capacity_bytes: int | None = None  # cap on what the cache may use; None = the disk
     reserve_bytes: int = 1 << 30  # always left free on the node's disk
     workers: int = 4  # parallel chunk fetches while staging
@@ -59,6 +66,12 @@ class AgentConfig:
             n.strip() for n in env.get("WEIGHTSHIP_WATCH_NAMESPACES", "").split(",") if n.strip()
         )
         capacity = env.get("WEIGHTSHIP_CACHE_CAPACITY_BYTES", "").strip()
+        peer_group = env.get(PEER_GROUP_ENV, "").strip()
+        if len(peer_group) > 63 or not _LABEL_VALUE.fullmatch(peer_group):
+            raise ConfigError(
+                f"{PEER_GROUP_ENV}={peer_group[:80]!r} is not a label value: at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+            )
         return cls(
             node_name=node,
             pod_ip=pod_ip,
@@ -70,6 +83,7 @@ class AgentConfig:
             capacity_bytes=int(capacity) if capacity else None,
             reserve_bytes=_int(env, "WEIGHTSHIP_CACHE_RESERVE_BYTES", 1 << 30),
             workers=_int(env, "WEIGHTSHIP_STAGE_WORKERS", 4),
+            peer_group=peer_group,
         )
 
 

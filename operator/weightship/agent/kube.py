@@ -26,12 +26,16 @@ from weightship.api.names import (
 from weightship.kube.client import api_retry
 from weightship.kube.informer import Informer
 
+# The label on a WeightCache that names its agent's peer group (AgentConfig.peer_group).
+PEER_GROUP_LABEL = f"{GROUP}/peer-group"
+
 
 class AgentKube:
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, peer_group: str = "") -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.peer_group = peer_group
 
     @api_retry
     def node(self, name: str) -> dict[str, Any]:
@@ -39,8 +43,10 @@ class AgentKube:
 
     @api_retry
     def weight_caches(self) -> list[dict[str, Any]]:
+        """The WeightCaches of this agent's peer group (every one without a group)."""
+        selector = f"{PEER_GROUP_LABEL}={self.peer_group}" if self.peer_group else ""
         listing = self.custom.list_cluster_custom_object(
-            GROUP, VERSION, CACHE_PLURAL, resource_version="0"
+            GROUP, VERSION, CACHE_PLURAL, resource_version="0", label_selector=selector
         )
         return list(listing.get("items", []))
 
@@ -58,15 +64,27 @@ class AgentKube:
         """This node's WeightCache, created when missing. The Node owns it, so it goes
         when the node is deleted."""
         name = node["metadata"]["name"]
+        group = {PEER_GROUP_LABEL: self.peer_group or None}
         found = self.get_weight_cache(name)
         if found is not None:
+            labels = (found.get("metadata") or {}).get("labels") or {}
+            if labels.get(PEER_GROUP_LABEL) != group[PEER_GROUP_LABEL]:
+                # This node's agent changed groups: its peers find it in the new one only.
+                found = dict(
+                    self.custom.patch_cluster_custom_object(
+                        GROUP, VERSION, CACHE_PLURAL, name, {"metadata": {"labels": group}}
+                    )
+                )
             return found
         body = {
             "apiVersion": API_VERSION,
             "kind": CACHE_KIND,
             "metadata": {
                 "name": name,
-                "labels": {"app.kubernetes.io/managed-by": "weightship-agent"},
+                "labels": {
+                    "app.kubernetes.io/managed-by": "weightship-agent",
+                    **({PEER_GROUP_LABEL: self.peer_group} if self.peer_group else {}),
+                },
                 "ownerReferences": [
                     {
                         "apiVersion": "v1",
