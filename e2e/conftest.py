@@ -60,6 +60,7 @@ def connect(paths: ClusterPaths) -> Cluster:
         n.metadata.name: (n.metadata.labels or {}).get(nodes.NODE_KIND_LABEL) for n in node_list
     }
     lane_of = {n.metadata.name: (n.metadata.labels or {}).get(lanes.LANE_LABEL) for n in node_list}
+    own_kwok = {nodes.kwok_node_name(i) for i in range(KWOK_NODES)}
     return Cluster(
         paths=paths,
         api=api,
@@ -71,11 +72,7 @@ def connect(paths: ClusterPaths) -> Cluster:
         ),
         # The cluster's own: test_scale and test_cluster_smoke add KWOK nodes for a while,
         # and under xdist the other lane may connect meanwhile.
-        kwok_nodes=sorted(
-            n
-            for n, k in kinds.items()
-            if k == "kwok" and n in {nodes.kwok_node_name(i) for i in range(KWOK_NODES)}
-        ),
+        kwok_nodes=sorted(n for n, k in kinds.items() if k == "kwok" and n in own_kwok),
     )
 
 

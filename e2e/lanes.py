@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
+from weightship_dev.nodes import NODE_KIND_LABEL
+
 VLLM_GROUP = "vllm"
 KWOK_NODE_GROUP = "kwok-nodes"
 VLLM_MODULES = frozenset({"test_vllm", "test_inplace"})
@@ -78,7 +80,6 @@ ORDER = (
     "test_workload_ref_chart",  # 10 s
 )
 
-NODE_KIND_LABEL = "weightship.io/node-kind"
 LANE_LABEL = "weightship-e2e/lane"
 NODES_PER_LANE = int(os.environ.get("WEIGHTSHIP_PROCESS_NODES", "3"))
 
@@ -215,7 +216,7 @@ def _started_marker(root: Path) -> Path:
 
 def mark_started_by_run(root: Path) -> None:
     """Under xdist the cluster outlives the worker that started it: the controller stops it
-    when the whole run ends (`stop_if_started_by_run`)."""
+    when the whole run ends (e2e/conftest.py, `pytest_sessionfinish`)."""
     if run_id():
         _started_marker(root).write_text(str(run_id()))
 

@@ -64,9 +64,8 @@ def test_chart_installs_and_its_operator_runs_a_rollout(
 def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
     apply_crds(cluster.api)
     forget_staging(cluster)
-    prepare_cache_dirs(
-        cluster.paths, nodes=cluster.process_nodes
-    )  # docs/helm.md: a cache directory the agent owns
+    # docs/helm.md: a cache directory the agent owns (on this lane's nodes)
+    prepare_cache_dirs(cluster.paths, nodes=cluster.process_nodes)
     cluster.core.create_namespaced_secret(
         namespace,
         {

@@ -11,6 +11,7 @@ from kubernetes import client
 
 from weightship_dev import testkit
 from weightship_dev.layout import ClusterPaths, bin_dir
+from weightship_dev.nodes import NODE_KIND_LABEL
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "crds"
@@ -68,7 +69,7 @@ def install_chart(
     """`helm upgrade --install` the chart (the working tree's, or `chart`: an earlier
     release's, weightship_dev.release), with the operator (and the agents) on process
     nodes (those `node_selector` picks, when given), the agents in `peer_group`."""
-    selector = node_selector or {"weightship.io/node-kind": "process"}
+    selector = node_selector or {NODE_KIND_LABEL: "process"}
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
         *(f"operator.nodeSelector.{_helm_key(k)}={v}" for k, v in selector.items()),

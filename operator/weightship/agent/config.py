@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from weightship.api.base import LABEL_VALUE_PATTERN, matches
 
 DEFAULT_CACHE_DIR = Path("/var/cache/weightship")
 DEFAULT_PEER_PORT = 8479
 DEFAULT_METRICS_PORT = 9101
 CREDENTIALS_ENV = "WEIGHTSHIP_S3_CREDENTIALS_DIR"
-PEER_GROUP_ENV = "WEIGHTSHIP_PEER_GROUP"
-# A label value: the group is the value of PEER_GROUP_LABEL on the agent's WeightCache.
-_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+PEER_GROUP_ENV = "WEIGHTSHIP_PEER_GROUP"  # a label value: the WeightCache carries it
 
 
 class ConfigError(ValueError):
@@ -67,7 +66,7 @@ class AgentConfig:
         )
         capacity = env.get("WEIGHTSHIP_CACHE_CAPACITY_BYTES", "").strip()
         peer_group = env.get(PEER_GROUP_ENV, "").strip()
-        if len(peer_group) > 63 or not _LABEL_VALUE.fullmatch(peer_group):
+        if not matches(LABEL_VALUE_PATTERN, peer_group):
             raise ConfigError(
                 f"{PEER_GROUP_ENV}={peer_group[:80]!r} is not a label value: at most 63 "
                 "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
