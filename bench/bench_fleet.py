@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -93,6 +94,47 @@ def origin_tx_bytes() -> int:
     return int(link[0]["stats64"]["tx"]["bytes"])
 
 
+class LinkSampler:
+    """Byte counters of every switch port, sampled every ``period_s`` while a run stages.
+
+    Reads ``/proc/<pid>/net/dev`` of a sleeper inside the switch namespace (no process
+    started per sample). On a port, rx is what its host sent (v-origin rx: the origin's
+    uplink) and tx what its host received (v-nI tx: node I's downlink)."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, dict[str, tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._sleeper = subprocess.Popen(["ip", "netns", "exec", SWITCH, "sleep", "3600"])
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> dict[str, tuple[int, int]]:
+        ports = {}
+        for line in Path(f"/proc/{self._sleeper.pid}/net/dev").read_text().splitlines()[2:]:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            if name.strip().startswith("v-"):
+                ports[name.strip()] = (int(fields[0]), int(fields[8]))  # rx, tx bytes
+        return ports
+
+    def start(self, at: float) -> None:
+        self._at = at
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time() - self._at, self._read()))
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> list[tuple[float, dict[str, tuple[int, int]]]]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sleeper.kill()
+        self._sleeper.wait()
+        return self.samples
+
+
 def cpu_times() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs, from /proc/stat."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
@@ -110,6 +152,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
     peers = ",".join(f"{n}={node_ip(i)}:{PEER_PORT}" for i, n in enumerate(names, 1))
     location = model_location(Path(args.model))
     procs = []
+    sampler = LinkSampler()
     for i, name in enumerate(names, 1):
         cmd = [
             *("ip", "netns", "exec", PREFIX + name, sys.executable, str(NODE_SCRIPT)),
@@ -123,6 +166,10 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--no-pacing"] if mode in ("p2p-unpaced", "p2p-round2") else []),
             *(["--per-owner", "0"] if mode == "p2p-round2" else []),
             *(["--no-late-probes"] if mode == "p2p-no-late" else []),
+            *(["--no-holder-probes"] if mode in ("p2p-no-holders", "p2p-round4") else []),
+            *(["--no-uplink-hold"] if mode in ("p2p-no-hold", "p2p-round4") else []),
+            *(["--whole-uploads", "0"] if mode in ("p2p-no-cap", "p2p-round4") else []),
+            *(["--no-redirect"] if mode in ("p2p-no-redirect", "p2p-round4") else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -130,15 +177,18 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
         wait_all(procs, [RUN_DIR / f"{n}.ready" for n in names], 60)
         tx0, cpu0 = origin_tx_bytes(), cpu_times()
         start_at = time.time() + 0.5
+        sampler.start(start_at)
         (RUN_DIR / "go.tmp").write_text(repr(start_at))
         (RUN_DIR / "go.tmp").replace(RUN_DIR / "go")
         wait_all(procs, [RUN_DIR / f"{n}.json" for n in names], args.timeout)
         tx1, cpu1 = origin_tx_bytes(), cpu_times()
+        links = sampler.stop()
         (RUN_DIR / "done").touch()
         wait_all(procs, [RUN_DIR / f"{n}.verified.json" for n in names], args.timeout)
         for p in procs:
             p.wait(timeout=30)
     finally:
+        sampler.stop()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -157,6 +207,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
         "origin_payload_bytes": sum(n["from_origin"] for n in nodes),
         "peer_bytes": sum(n["from_peers"] for n in nodes),
         "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
+        "links": links,
     }
 
 
@@ -195,7 +246,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="p2p, p2p-no-claims (tail claims off), p2p-unpaced (peer intake not paced), "
         "p2p-round2 (neither paced nor a per-owner limit: the code before round 3), "
         "p2p-v1 (a version 1 manifest: sha256 chunks, store-and-forward), "
-        "p2p-no-late (nodes never probe whether they joined late), origin-only",
+        "p2p-no-late (nodes never probe whether they joined late), "
+        "p2p-no-holders (a late node asks the owner first, no holder), "
+        "p2p-no-hold (origin intake never waits for a busy uplink), "
+        "p2p-no-cap (no limit on whole chunks a node sends at once), "
+        "p2p-no-redirect (an owner holds requests for the chunks a peer claimed), "
+        "p2p-round4 (none of those four: the code before them), origin-only",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -248,6 +304,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def link_use(
+    links: list[tuple[float, dict[str, tuple[int, int]]]], port: str, way: int, rate: float
+) -> list[float]:
+    """The share of B a port carried in each whole second of the run (way 0: what its host
+    sent, 1: what it received)."""
+    points = [(t, ports[port][way]) for t, ports in links if port in ports]
+    if len(points) < 2:
+        return []
+    shares = []
+    for second in range(int(points[-1][0])):
+        inside = [b for t, b in points if second <= t <= second + 1]
+        if len(inside) >= 2:
+            before = [b for t, b in points if t <= second]
+            first = before[-1] if before else inside[0]
+            shares.append((inside[-1] - first) / rate)
+    return shares
+
+
 def summary(run: dict[str, Any], size: int, rate: float) -> dict[str, Any]:
     return {
         "mode": run["mode"],
@@ -271,6 +345,11 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-round2", 1),
         ("p2p-v1", 1),
         ("p2p-no-late", 1),
+        ("p2p-no-holders", 1),
+        ("p2p-no-hold", 1),
+        ("p2p-no-cap", 1),
+        ("p2p-no-redirect", 1),
+        ("p2p-round4", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -290,12 +369,14 @@ def report(r: dict[str, Any]) -> None:
         )
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
-    for mode in ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1", "p2p-no-late"):
+    p2p_modes = ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1", "p2p-no-late")
+    ablations = ("p2p-no-holders", "p2p-no-hold", "p2p-no-cap", "p2p-no-redirect", "p2p-round4")
+    for mode in (*p2p_modes, *ablations):
         if mode not in r:
             continue
         m = r[mode]
         print(
-            f"\n{mode}: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.15), origin egress "
+            f"\n{mode}: {m['seconds'] / bound:.2f}x S/B (target ≤ 1.10), origin egress "
             f"{m['origin_tx_bytes'] / size:.3f}x S on the wire (target ≤ 1.02), "
             f"slowest/p50 {m['seconds'] / m['p50_seconds']:.2f}"
         )
@@ -320,6 +401,21 @@ def report(r: dict[str, Any]) -> None:
         ]
         header = ["node", "done s", "origin done s", "claimed", "origin MiB", "peer not-yet"]
         print(table(header, rows))
+        links = m.get("links") or []
+        if links:
+            rate = r["rate_mbit"] * 1e6 / 8
+            up = link_use(links, "v-origin", 0, rate)
+            print(
+                "\norigin uplink, % of B in each second: "
+                + " ".join(f"{x:.0%}".rstrip("%") for x in up)
+            )
+            for node in m["nodes"]:
+                for way, name in ((1, "downlink"), (0, "uplink")):
+                    use = link_use(links, f"v-{node['node']}", way, rate)
+                    print(
+                        f"{node['node']} {name}, % of B: "
+                        + " ".join(f"{x:.0%}".rstrip("%") for x in use[: int(node["seconds"])])
+                    )
     if len(r["rounds"]) > len({x["mode"] for x in r["rounds"]}):
         print("\nevery round (x S/B; origin wire x S; load average after the run):\n")
         modes = list(dict.fromkeys(x["mode"] for x in r["rounds"]))

@@ -19,7 +19,13 @@ from benchlib import settings, verify_files
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import FetchPolicy, Peer
 from weightship.data.metrics import DataPlaneMetrics
-from weightship.data.peer import ChunkNotOnPeerError, PeerBusyError, PeerClient, PeerServer
+from weightship.data.peer import (
+    WHOLE_UPLOADS,
+    ChunkNotOnPeerError,
+    PeerBusyError,
+    PeerClient,
+    PeerServer,
+)
 from weightship.data.s3 import S3Location, S3Origin, make_client
 from weightship.data.stage import PER_OWNER, StageProgress, stage
 from weightship.weightformat.manifest import Manifest
@@ -78,11 +84,13 @@ def write_json(path: Path, doc: object) -> None:
 
 def policy(args: argparse.Namespace) -> FetchPolicy | None:
     """The fetch policy the flags ask for; None: stage()'s default."""
-    if not (args.no_claims or args.no_late_probes):
+    if not (args.no_claims or args.no_late_probes or args.no_holder_probes or args.no_uplink_hold):
         return None
     return FetchPolicy(
         **({"steal_after_s": None} if args.no_claims else {}),
         **({"late_probes": 0} if args.no_late_probes else {}),
+        **({"holder_probes": 0} if args.no_holder_probes else {}),
+        **({"uplink_hold_s": 0.0} if args.no_uplink_hold else {}),
     )
 
 
@@ -93,7 +101,11 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
     origin = S3Origin(client, S3Location(args.bucket, args.prefix))
     peers = [Peer(n, a) for n, _, a in (p.partition("=") for p in args.peers.split(",") if p)]
     host, _, port = args.listen.rpartition(":")
-    with PeerServer(store, host, int(port)):
+    whole_uploads = args.whole_uploads or 32  # 0: only the server's transfer limit (32)
+    server = PeerServer(
+        store, host, int(port), whole_uploads=whole_uploads, redirect_claimed=not args.no_redirect
+    )
+    with server:
         (run_dir / f"{args.node}.ready").touch()
         start_at = float(wait_for(run_dir / "go", args.timeout))
         time.sleep(max(0.0, start_at - time.time()))
@@ -172,6 +184,21 @@ def main() -> None:
     p.add_argument("--no-pacing", action="store_true", help="peer intake not paced")
     p.add_argument(
         "--no-late-probes", action="store_true", help="never asks whether it joined late"
+    )
+    p.add_argument(
+        "--no-holder-probes", action="store_true", help="asks the owner first, never a holder"
+    )
+    p.add_argument(
+        "--no-uplink-hold", action="store_true", help="origin intake never waits for the uplink"
+    )
+    p.add_argument(
+        "--no-redirect", action="store_true", help="holds requests for chunks a peer claimed"
+    )
+    p.add_argument(
+        "--whole-uploads",
+        type=int,
+        default=WHOLE_UPLOADS,
+        help="whole chunks its peer server sends at once (0: no limit of its own)",
     )
     args = p.parse_args()
     run_dir = Path(args.run_dir)

@@ -102,6 +102,7 @@ def test_receive_lands_bytes_in_place_and_journals_only_verified_ones(
     seen: list[type] = []
     with ModelStaging(store, m) as staging:
         staging.prepare()
+        staging.wait_reserved()  # mapped only once its blocks are allocated
         with pytest.raises(ChunkVerificationError):
             staging.receive(a_sha, _filler(b"y" * 1024, seen))  # bad bytes from the origin
         assert (seen[0] is mmap.mmap) == mapped  # in the file's mapping, or a buffer
@@ -234,6 +235,7 @@ def test_preallocated_space_counts_as_used(tmp_path: Path) -> None:
     assert store.missing_bytes(m) == 4096
     with ModelStaging(store, m) as staging:
         staging.prepare()
+        staging.wait_reserved()  # allocated by a thread of its own
         assert staging.missing_bytes() == 0  # the partial file holds its space already
 
 

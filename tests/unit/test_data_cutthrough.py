@@ -203,7 +203,10 @@ def test_a_corrupt_piece_from_a_peer_is_caught_at_that_piece_and_the_rest_fetche
             sink=staging,
             metrics=DataPlaneMetrics.create(registry),
             chunks=m.chunks,
-            policy=FetchPolicy(peer_timeout_s=2, owner_wait_s=10, poll_interval_s=0.01),
+            # The owner (the liar) asked first: no holder asked before it.
+            policy=FetchPolicy(
+                peer_timeout_s=2, owner_wait_s=10, poll_interval_s=0.01, holder_probes=0
+            ),
         )
         assert fetcher.fetch(chunk) == "peer"
         assert store.read_chunk(chunk.key) == good

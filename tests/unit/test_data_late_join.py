@@ -64,6 +64,7 @@ class FakeClient(PeerClient):
         start: int = 0,
         end: int | None = None,
         wait_s: float = 0.0,
+        spare_only: bool = False,  # every fake peer has room
     ) -> bytes:
         node = self._node(address)
         self.calls.append(("GET", node, key))

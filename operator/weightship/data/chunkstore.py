@@ -31,6 +31,7 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Collection
 from pathlib import Path
@@ -112,6 +113,10 @@ class ChunkStore:
             (root / sub).mkdir(exist_ok=True)
         self.index = ChunkIndex()
         self.claims = ClaimBoard()  # this node's chunks handed to peers (claims.py)
+        # Whole chunks the peer server is sending right now: peers that fell behind
+        # (a stream of a chunk still landing is not counted). stage() reads it to hold
+        # back its origin intake while this node's uplink is the bottleneck.
+        self.uploads = InFlight()
         for digest in self.models():
             self._index_finished_files(digest)
 
@@ -360,6 +365,27 @@ def _saved_manifest(model_dir: Path) -> Manifest | None:
     except FileNotFoundError:
         return None
     return Manifest.parse(data, source=str(model_dir))
+
+
+class InFlight:
+    """How many of something are under way (``with gauge:`` around each); thread-safe."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def __enter__(self) -> InFlight:
+        with self._lock:
+            self._count += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._count -= 1
 
 
 def allocated(path: Path) -> int:

@@ -121,6 +121,13 @@ class FetchPolicy:
     poll_interval_s: float = 0.2  # between rounds that did not long-poll
     long_poll_s: float = 2.0  # how long the owner may hold a request for a missing chunk
     peers_per_round: int = 3  # the owner plus the next peers asked each round
+    # Peers asked, before the owner, whether they hold the chunk whole (no wait): a node
+    # that fell behind on an owner takes those chunks from the nodes that already have
+    # them, so the owner's uplink is not the one source of every late node (0: never).
+    holder_probes: int = 2
+    # A node holds back its next own origin chunk, this long at most, while its uplink is
+    # busy sending whole chunks to peers that fell behind (stage.hold_for_uplink; 0: never).
+    uplink_hold_s: float = 2.0
     dead_cooldown_s: float = 30.0
     demote_cooldown_s: float = 600.0
     origin_attempts: int = 2  # verification failures tolerated from origin
@@ -393,10 +400,17 @@ class ChunkFetcher:
                     return "origin"
                 continue  # granted to a peer meanwhile: the ranking now starts with it
             round_started = time.monotonic()
+            if any(
+                self._from_peer(n, chunk, spare_only=True)
+                for n in self._holder_candidates(chunk.key, live)
+            ):
+                return "peer"
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
             hint = self._holder_hint.get(chunk.key)
-            if hint in live and hint not in asked and hint != self.node:
-                asked.insert(1, hint)  # the node that claimed it from the owner
+            if hint in live and hint != self.node:
+                # The node that claimed it from the owner fetches it from the origin: the
+                # owner gets it from there too, so that node is asked first (long-poll).
+                asked = [hint, *(n for n in asked if n != hint)]
             # The owner (asked first) may hold the request until the chunk lands; the
             # others answer at once.
             wait = min(self.policy.long_poll_s, max(0.0, deadline - round_started))
@@ -417,6 +431,14 @@ class ChunkFetcher:
                 self._claim_tail(live[0])
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
+
+    def _holder_candidates(self, key: str, live: Sequence[str]) -> list[str]:
+        """The peers asked whether they hold ``key`` whole before its owner (``live[0]``):
+        ranked by this node and the key, so the nodes behind on one owner ask different
+        peers."""
+        count = self.policy.holder_probes
+        others = [n for n in live[1:] if n != self.node]
+        return rendezvous.rank(others, f"{self.node}\0{key}")[:count] if count else []
 
     def _granted_from_here(self, key: str) -> str | None:
         """The live peer this node granted ``key`` to, when it joined late and owns the
@@ -510,12 +532,18 @@ class ChunkFetcher:
         ranked = [n for n in rendezvous.rank(self.holders, chunk.key) if n not in avoided]
         return any(self._from_peer(n, chunk) for n in ranked[: self.policy.peers_per_round])
 
-    def _from_peer(self, node: str, chunk: ChunkEntry, wait_s: float = 0.0) -> bool:
+    def _from_peer(
+        self, node: str, chunk: ChunkEntry, wait_s: float = 0.0, *, spare_only: bool = False
+    ) -> bool:
+        """Get the chunk from ``node``; ``spare_only``: only if it holds it whole and its
+        uplink has room (a holder asked before the owner)."""
         sink = self.sink
         if isinstance(sink, InPlaceSink):
-            return self._stream_from_peer(node, chunk, sink, wait_s)
+            return self._stream_from_peer(node, chunk, sink, wait_s, spare_only)
         try:
-            data = self.client.fetch(self.address[node], chunk.key, wait_s=wait_s)
+            data = self.client.fetch(
+                self.address[node], chunk.key, wait_s=wait_s, spare_only=spare_only
+            )
         except PeerError as exc:
             self._peer_failed(node, exc, chunk.key)
             return False
@@ -528,7 +556,7 @@ class ChunkFetcher:
         return True
 
     def _stream_from_peer(
-        self, node: str, chunk: ChunkEntry, sink: InPlaceSink, wait_s: float
+        self, node: str, chunk: ChunkEntry, sink: InPlaceSink, wait_s: float, spare_only: bool
     ) -> bool:
         """Receive the chunk from ``node`` into its place, from this node's verified
         prefix on. A peer still receiving the chunk streams its verified pieces as they
@@ -543,7 +571,9 @@ class ChunkFetcher:
             # peer, asked again until owner_wait_s. Nothing is left to fetch: commit it.
             return self._commit_verified(chunk, sink)
         try:
-            body = self.client.open(address, chunk.key, start=start, wait_s=wait_s)
+            body = self.client.open(
+                address, chunk.key, start=start, wait_s=wait_s, spare_only=spare_only
+            )
         except PeerError as exc:
             self._peer_failed(node, exc, chunk.key)
             return False
@@ -589,6 +619,8 @@ class ChunkFetcher:
     def _peer_failed(self, node: str, exc: PeerError, key: str | None = None) -> None:
         if isinstance(exc, ChunkBadAtOriginError) and key is not None:
             self._bad_at_origin.add(key)
+        if isinstance(exc, ChunkNotOnPeerError) and exc.claimant and key is not None:
+            self._holder_hint[key] = exc.claimant  # asked first from the next round on
         if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
             return
         if isinstance(exc, PeerUnavailableError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import shutil
@@ -50,6 +51,8 @@ from weightship.weightformat.chunkhash import (
 from weightship.weightformat.entries import ChunkEntry
 from weightship.weightformat.manifest import Manifest
 from weightship.weightformat.paths import validate_relative_path
+
+log = logging.getLogger(__name__)
 
 Landed = Callable[[int], None]
 # fill(view, start, landed): write the chunk's bytes [start, end) into view[start:end] in
@@ -115,6 +118,8 @@ class ModelStaging:
         self._mutex = threading.Lock()
         self._fds: dict[str, int] = {}  # open partial files
         self._reserved: set[str] = set()  # partial files whose every block is allocated
+        self._reserver: threading.Thread | None = None  # allocating them (prepare)
+        self._closing = threading.Event()
         self._claimed: set[int] = set()  # chunk indexes being written right now
         self._indexes_of: dict[str, list[int]] = {}
         for i, c in enumerate(manifest.chunks):
@@ -127,6 +132,8 @@ class ModelStaging:
                 self._remaining[c.file] += 1
 
     def close(self) -> None:
+        self._closing.set()
+        self.wait_reserved()
         with self._mutex:
             fds, self._fds = list(self._fds.values()), {}
             receiving, self._receiving = dict(self._receiving), {}
@@ -175,14 +182,52 @@ class ModelStaging:
         return self.store.missing_bytes(self.manifest)
 
     def prepare(self) -> None:
-        """Preallocate the partial file of every unfinished file, and finish the files
-        that need no chunk (empty ones, or all chunks in place before a crash)."""
-        for f in self.manifest.files:
-            if not self.is_materialized(f.path):
-                self._open_partial(f.path)
+        """Size the partial file of every unfinished file and start allocating their
+        blocks in the background, and finish the files that need no chunk (empty ones, or
+        all chunks in place before a crash).
+
+        The blocks are allocated by a thread of their own (``wait_reserved``), so the
+        first chunks do not wait for it: on tmpfs, allocating is zeroing, and 512 MiB took
+        0.5 s before the first byte was asked for (docs/benchmarks.md). Chunks land in a
+        file's mapping only once its blocks are allocated (``receive``); before that,
+        with ``pwrite``, which allocates what it writes."""
+        paths = [f.path for f in self.manifest.files if not self.is_materialized(f.path)]
+        for path in paths:
+            self._open_partial(path)
+        self._reserver = threading.Thread(
+            target=self._reserve, args=(paths,), name="weightship-reserve", daemon=True
+        )
+        self._reserver.start()
         for path in [p for p, n in self._remaining.items() if n == 0]:
             if not self.is_materialized(path):
                 self._finish_file(path)
+
+    def wait_reserved(self) -> None:
+        """Wait until the blocks of every partial file ``prepare`` sized are allocated
+        (or found not allocatable)."""
+        if self._reserver is not None:
+            self._reserver.join()
+
+    def _reserve(self, paths: list[str]) -> None:
+        for path in paths:
+            if self._closing.is_set():
+                return
+            with self._mutex:
+                fd = self._fds.get(path)
+                if fd is None or path in self._reserved:
+                    continue
+                # Its own descriptor: a file finished meanwhile closes the stage's.
+                fd = os.dup(fd)
+            try:
+                reserved = _preallocate(fd, self._sizes[path])
+            except OSError as exc:  # a full disk: the writes that need the space say so
+                log.warning("could not reserve the space of %s: %s", path, exc)
+                reserved = False
+            finally:
+                os.close(fd)
+            if reserved:
+                with self._mutex:
+                    self._reserved.add(path)
 
     def put(self, key: str, data: Buffer, *, verified_digest: str | None = None) -> int:
         """Verify ``data`` and write it at every not-yet-written chunk with this key;
@@ -405,10 +450,9 @@ class ModelStaging:
             partial.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
             size = self._sizes[path]
-            reserved = os.fstat(fd).st_size == size and allocated(partial) >= size
-            if not reserved:
-                reserved = _preallocate(fd, size)
-            if reserved:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # its blocks are allocated by prepare's thread
+            elif allocated(partial) >= size:
                 self._reserved.add(path)
             self._fds[path] = fd
             return fd
@@ -457,8 +501,7 @@ class ModelStaging:
 
 
 def _preallocate(fd: int, size: int) -> bool:
-    """Size the file and allocate its blocks; False where the filesystem cannot."""
-    os.ftruncate(fd, size)
+    """Allocate the blocks of the file (sized already); False where the filesystem cannot."""
     if size:
         try:
             os.posix_fallocate(fd, 0, size)

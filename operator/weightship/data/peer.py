@@ -32,6 +32,14 @@ from weightship.weightformat.chunkhash import chunk_key
 
 WAIT_HEADER = "X-Weightship-Wait"
 STREAM_HEADER = "X-Weightship-Stream"  # "1": stream a chunk still arriving (cut-through)
+# "1": answer only from spare uplink: 503 while another whole chunk is being sent. A node
+# asking a holder (not the owner) for a chunk it fell behind on sends it, so late nodes
+# spread over the holders with idle uplinks instead of queueing at a busy one.
+SPARE_HEADER = "X-Weightship-Spare"
+SPARE_UPLOADS = 1  # whole chunks in flight at which a spare-only request is refused
+# Whole chunks sent at once at most: a late peer asked for more is answered 503 and asks
+# a holder with room, or again; those in flight get a fair share of the uplink each.
+WHOLE_UPLOADS = 3
 # A stream whose verified prefix has not grown for this long ends; the client asks again.
 STREAM_STALL_S = 5.0
 READ_STEP = 256 * 1024  # bytes a client reads before saying they landed
@@ -64,7 +72,12 @@ class PeerBusyError(PeerError):
 
 
 class ChunkNotOnPeerError(PeerError):
-    """The peer is alive but has no verified copy of the chunk (404)."""
+    """The peer is alive but has no verified copy of the chunk (404). ``claimant``: the
+    node it let fetch the chunk from the origin (a tail claim), where to ask instead."""
+
+    def __init__(self, message: str, claimant: str | None = None) -> None:
+        super().__init__(message)
+        self.claimant = claimant
 
 
 class ChunkBadAtOriginError(ChunkNotOnPeerError):
@@ -96,10 +109,18 @@ class _Server(Server):
     allow_reuse_address = True
 
     def __init__(
-        self, address: tuple[str, int], store: ChunkStore, max_concurrent: int, max_connections: int
+        self,
+        address: tuple[str, int],
+        store: ChunkStore,
+        max_concurrent: int,
+        max_connections: int,
+        whole_uploads: int,
+        redirect_claimed: bool,
     ) -> None:
         self.store = store
         self.transfers = threading.BoundedSemaphore(max_concurrent)
+        self.whole_uploads = whole_uploads
+        self.redirect_claimed = redirect_claimed
         super().__init__(
             address,
             _ChunkHandler,
@@ -180,6 +201,16 @@ class _ChunkHandler(BoundedHandler):
             return
         wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
         stream = send_body and self.headers.get(STREAM_HEADER) == "1"
+        claimant = store.claims.claimant(key)
+        if (
+            self.server.redirect_claimed
+            and claimant is not None
+            and store.index.wait_any(key, 0) is None  # nothing of it here yet
+        ):
+            # A peer fetches it from the origin (a tail claim it was granted): this node
+            # gets it from there too, so send the asker there rather than hold it here.
+            self._reply(404, b"chunk not here; ask its claimant\n", {CLAIMANT_HEADER: claimant})
+            return
         if stream:
             where = store.index.wait_any(key, wait_s)
             if isinstance(where, Receiving):
@@ -259,11 +290,17 @@ class _ChunkHandler(BoundedHandler):
         if not send_body:
             self._send_head(200, size, size, None)
             return
+        uploads = self.server.store.uploads
+        spare_only = self.headers.get(SPARE_HEADER) == "1"
+        if uploads.count >= (SPARE_UPLOADS if spare_only else self.server.whole_uploads):
+            self._reply(503, b"uplink busy\n", {"Retry-After": "1"})
+            return
         if not self.server.transfers.acquire(blocking=False):
             self._reply(503, b"busy\n", {"Retry-After": "1"})
             return
         try:
-            self._send_chunk(f, offset, size, span)
+            with uploads:
+                self._send_chunk(f, offset, size, span)
         finally:
             self.server.transfers.release()
 
@@ -299,6 +336,10 @@ class PeerServer:
 
     ``max_concurrent`` bounds the transfers in flight (a request held by the long-poll
     takes no slot until its chunk lands); 32 covers every worker of a few dozen peers.
+    ``whole_uploads`` bounds those of whole chunks (peers that fell behind; a stream of a
+    chunk still landing is not one). ``redirect_claimed``: a request for a chunk a peer
+    claimed (nothing of which is here yet) is sent to that peer (404 naming it) rather
+    than held here; off only for the benchmark's baseline.
     ``max_connections`` bounds the connections (so the threads) held at once."""
 
     def __init__(
@@ -308,8 +349,12 @@ class PeerServer:
         port: int = 0,
         max_concurrent: int = 32,
         max_connections: int = MAX_CONNECTIONS,
+        whole_uploads: int = WHOLE_UPLOADS,
+        redirect_claimed: bool = True,
     ) -> None:
-        self._server = _Server((host, port), store, max_concurrent, max_connections)
+        self._server = _Server(
+            (host, port), store, max_concurrent, max_connections, whole_uploads, redirect_claimed
+        )
         self._thread: threading.Thread | None = None
 
     @property
@@ -359,10 +404,12 @@ class PeerClient:
         start: int = 0,
         end: int | None = None,
         wait_s: float = 0.0,
+        spare_only: bool = False,
     ) -> bytes:
         """The whole verified chunk's bytes [start, end). ``wait_s`` > 0 lets the peer
-        hold the request that long for a chunk it does not have yet."""
-        headers = {}
+        hold the request that long for a chunk it does not have yet; ``spare_only``: only
+        while its uplink has room (503 otherwise)."""
+        headers = {SPARE_HEADER: "1"} if spare_only else {}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if wait_s > 0:
@@ -372,11 +419,21 @@ class PeerClient:
             raise PeerError(f"{address} answered {status} for chunk {key}")
         return body
 
-    def open(self, address: str, key: str, *, start: int = 0, wait_s: float = 0.0) -> PeerBody:
+    def open(
+        self,
+        address: str,
+        key: str,
+        *,
+        start: int = 0,
+        wait_s: float = 0.0,
+        spare_only: bool = False,
+    ) -> PeerBody:
         """Ask for the chunk's bytes from ``start`` on, streamed if the peer is still
-        receiving it (cut-through). Returns the body to read; raises ChunkNotOnPeerError,
-        PeerBusyError, PeerUnavailableError or PeerError as ``fetch`` does."""
-        headers = {STREAM_HEADER: "1"}
+        receiving it (cut-through), unless ``spare_only``: then only a chunk the peer holds
+        whole, and only while its uplink has room (404, or 503 while it sends another).
+        Returns the body to read; raises ChunkNotOnPeerError, PeerBusyError,
+        PeerUnavailableError or PeerError as ``fetch`` does."""
+        headers = {SPARE_HEADER: "1"} if spare_only else {STREAM_HEADER: "1"}
         if start:
             headers["Range"] = f"bytes={start}-"
         if wait_s > 0:
@@ -402,7 +459,8 @@ class PeerClient:
         if resp.status == 410:
             raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if resp.status == 404:
-            raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
+            claimant = resp.getheader(CLAIMANT_HEADER)
+            raise ChunkNotOnPeerError(f"{address} has no chunk {key}", claimant)
         if resp.status == 503:
             raise PeerBusyError(f"{address} is busy")
         raise PeerError(f"{address} answered {resp.status} for chunk {key}")

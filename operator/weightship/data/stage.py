@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightship.data.chunkstore import ChunkStore
+from weightship.data.chunkstore import ChunkStore, InFlight
 from weightship.data.fetcher import (
     ChunkFetcher,
     ChunkOrigin,
@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 ORIGIN_LANE_WORKERS = 1  # with peers: workers fetching this node's own chunks from origin
 PEER_LANE_MAX = 16  # peer-lane workers at most (PER_OWNER per other owner below that)
 PER_OWNER = 2  # peer-lane fetches in flight from one owner (lanes.py says why two)
+# An own chunk is not asked of the origin while this many whole chunks are going up to
+# peers that fell behind (ChunkStore.uploads), for FetchPolicy.uplink_hold_s at most: the
+# node's uplink, not the origin, then holds the fleet back, and the origin's share is
+# better spent on owners whose peers keep up (at a fair share of the origin an owner's
+# fan-out is (N-1)/N of its uplink, so an owner whose origin flow runs faster than its
+# share saturates its uplink: docs/benchmarks.md).
+UPLINK_HOLD_UPLOADS = 2
 
 
 class StageCancelledError(RuntimeError):
@@ -195,6 +202,16 @@ def load_piece_layer(staging: ModelStaging, origin: ChunkOrigin) -> PieceLayer |
     return pieces
 
 
+def hold_for_uplink(
+    uploads: InFlight, cancel: threading.Event, *, max_s: float, limit: int = UPLINK_HOLD_UPLOADS
+) -> None:
+    """Wait, ``max_s`` at most, while ``limit`` or more whole chunks are going up to
+    peers (see UPLINK_HOLD_UPLOADS)."""
+    deadline = time.monotonic() + max_s
+    while uploads.count >= limit and time.monotonic() < deadline and not cancel.is_set():
+        cancel.wait(0.02)
+
+
 def _stage(
     staging: ModelStaging,
     fetcher: ChunkFetcher,
@@ -270,6 +287,7 @@ def _stage(
                 claimant = fetcher.owner_of(chunk.key)
                 deferred.append(peer_lane.submit(claimant, functools.partial(fetch_one, chunk)))
             else:
+                hold_for_uplink(store.uploads, cancel, max_s=fetcher.policy.uplink_hold_s)
                 fetch_one(chunk)
         finally:
             if pacer.own_progress(chunk.size):  # chunks are never empty: bytes count them
