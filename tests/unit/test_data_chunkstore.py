@@ -2,12 +2,20 @@ import hashlib
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from weightship.data.chunkstore import CACHE_FORMAT, ChunkStore, StageBusyError
+from weightship.data import modelstaging
+from weightship.data.chunkstore import (
+    CACHE_FORMAT,
+    ChunkStore,
+    StageBusyError,
+    allocated,
+    partial_path,
+)
 from weightship.data.modelstaging import ChunkIncompleteError, Fill, ModelStaging
 from weightship.weightformat.build import LocalFolder, build_manifest
 from weightship.weightformat.chunkhash import ChunkVerificationError, chunk_key
@@ -257,3 +265,66 @@ def test_old_cache_format_is_discarded_with_a_log_line(
     caplog.clear()
     ChunkStore(root)
     assert "discarding" not in caplog.text
+
+
+def test_prepare_allocates_the_partial_files_in_the_background(tmp_path: Path) -> None:
+    """prepare() sizes the partial files; wait_reserved() returns once their blocks are
+    allocated; the model then stages as ever."""
+    files = {"w": b"s" * 1024 + b"a" * 1024, "d/x": b"b" * 1024}
+    m = _manifest(tmp_path / "m", files)
+    store = ChunkStore(tmp_path / "cache")
+    with ModelStaging(store, m) as staging:
+        staging.prepare()
+        staging.wait_reserved()
+        for f in m.files:
+            partial = partial_path(staging.dir, f.path)
+            assert partial.stat().st_size == f.size
+            assert allocated(partial) >= f.size  # every block allocated, not a sparse file
+        for c in m.chunks:
+            staging.put(c.key, _bytes_of(c.key))
+        staging.mark_staged()
+    assert store.is_staged(m.digest)
+    assert all((store.files_dir(m.digest) / p).read_bytes() == d for p, d in files.items())
+
+
+def test_close_right_after_prepare_stops_and_joins_the_reserving_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() while prepare's thread still allocates: no error, no thread left behind,
+    and no file allocated after the close began."""
+    gate, sizes = threading.Event(), []
+    real = modelstaging._preallocate
+
+    def slow(fd: int, size: int, stop: threading.Event) -> bool:  # held until the gate opens
+        sizes.append(size)
+        gate.wait(5)
+        return real(fd, size, stop)
+
+    monkeypatch.setattr(modelstaging, "_preallocate", slow)
+    m = _manifest(tmp_path / "m", {"a": b"s" * 1024, "b": b"a" * 1024, "c": b"b" * 1024})
+    staging = ModelStaging(ChunkStore(tmp_path / "cache"), m)
+    staging.prepare()
+    threading.Timer(0.2, gate.set).start()  # a close that did not wait returns before this
+    staging.close()
+    assert not [t for t in threading.enumerate() if t.name == "weightship-reserve"]
+    assert len(sizes) <= 1  # the file being allocated at most: the others were skipped
+
+
+def test_a_file_is_allocated_a_step_at_a_time_and_a_stop_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits for one step of the allocation at most, not a whole (large) file."""
+    monkeypatch.setattr(modelstaging, "RESERVE_STEP", 64 * 1024)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        size = 3 * modelstaging.RESERVE_STEP // 2
+        os.ftruncate(fd, size)
+        stop = threading.Event()
+        stop.set()
+        assert not modelstaging._preallocate(fd, size, stop)  # stopped before the first step
+        assert allocated(path) == 0
+        assert modelstaging._preallocate(fd, size, threading.Event())
+        assert allocated(path) >= size
+    finally:
+        os.close(fd)

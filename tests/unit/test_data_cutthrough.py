@@ -20,7 +20,7 @@ from weightship.data.cli import verify_files_command
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
-from weightship.data.peer import PeerClient, PeerServer
+from weightship.data.peer import ChunkNotOnPeerError, PeerClient, PeerServer
 from weightship.data.stage import stage
 from weightship.httpserver import Server
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
@@ -291,3 +291,43 @@ def test_a_staged_piece_layer_is_kept_and_nothing_stays_listed_as_arriving(
     stage(m, store, origin, [], node="n1", metrics=DataPlaneMetrics.create(CollectorRegistry()))
     assert (store.model_dir(m.digest) / "pieces").read_bytes() == pieces.raw
     assert all(store.index.receiving(c.key) is None for c in m.chunks)
+
+
+def test_a_spare_only_request_is_never_streamed_a_chunk_still_arriving(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    """X-Weightship-Spare: a chunk the peer is still receiving is a 404 (a plain request
+    is streamed it); once whole, it is sent."""
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    store = ChunkStore(tmp_path / "holder")
+    first_piece, rest = threading.Event(), threading.Event()
+
+    def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+        view[:PIECE] = good[:PIECE]
+        landed(PIECE)  # verified and published: the chunk is arriving here
+        first_piece.set()
+        rest.wait(5)
+        view[PIECE:] = good[PIECE:]
+        landed(CHUNK)
+        return CHUNK
+
+    with ModelStaging(store, m) as staging, PeerServer(store, "127.0.0.1") as server:
+        staging.pieces = pieces
+        staging.prepare()
+        receiving = threading.Thread(target=staging.receive, args=(chunk.key, fill))
+        receiving.start()
+        assert first_piece.wait(5)
+        client = PeerClient(timeout_s=5)
+        with pytest.raises(ChunkNotOnPeerError):
+            client.open(server.address, chunk.key, spare_only=True)
+        with pytest.raises(ChunkNotOnPeerError):
+            client.fetch(server.address, chunk.key, spare_only=True)
+        stream = client.open(server.address, chunk.key)  # a plain request: streamed
+        rest.set()
+        got = bytearray(CHUNK)
+        assert stream.read_into(memoryview(got), 0, lambda n: None) == CHUNK
+        stream.close()
+        receiving.join(5)
+        assert bytes(got) == good
+        assert client.fetch(server.address, chunk.key, spare_only=True) == good

@@ -1,9 +1,11 @@
 import hashlib
 import http.client
+import random
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from weightship.data.chunkstore import ChunkStore
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import (
     ChunkNotOnPeerError,
+    PeerBody,
     PeerBusyError,
     PeerClient,
     PeerServer,
@@ -444,3 +447,132 @@ def test_connections_over_the_cap_are_refused_not_given_a_thread(
             s.close()
         time.sleep(0.3)
         assert PeerClient(timeout_s=5).fetch(server.address, DIGEST) == DATA
+
+
+def hold_uploads(stack: ExitStack, store: ChunkStore, n: int) -> None:
+    """Count ``n`` more whole chunks as going up from ``store`` until ``stack`` closes."""
+    for _ in range(n):
+        stack.enter_context(store.uploads)
+
+
+def read_body(body: PeerBody, size: int) -> bytes:
+    got = bytearray(size)
+    end = body.read_into(memoryview(got), 0, lambda n: None)
+    body.close()
+    return bytes(got[:end])
+
+
+def test_a_spare_only_request_is_served_only_while_the_uplink_has_room(
+    server: PeerServer, store: ChunkStore
+) -> None:
+    """X-Weightship-Spare: a whole chunk held here is sent; 503 while SPARE_UPLOADS whole
+    chunks go up (a plain request is still served); 404 for a chunk not here."""
+    client = PeerClient(timeout_s=5)
+    assert client.fetch(server.address, DIGEST, spare_only=True) == DATA
+    assert read_body(client.open(server.address, DIGEST, spare_only=True), len(DATA)) == DATA
+    with pytest.raises(ChunkNotOnPeerError):
+        client.open(server.address, "0" * 64, spare_only=True)
+    with ExitStack() as uploading:
+        hold_uploads(uploading, store, peer.SPARE_UPLOADS)
+        with pytest.raises(PeerBusyError):
+            client.fetch(server.address, DIGEST, spare_only=True)
+        with pytest.raises(PeerBusyError):
+            client.open(server.address, DIGEST, spare_only=True)
+        assert client.fetch(server.address, DIGEST) == DATA
+    assert client.fetch(server.address, DIGEST, spare_only=True) == DATA
+    assert store.uploads.count == 0  # every chunk sent was counted only while it went up
+
+
+def test_whole_chunks_going_up_at_once_are_capped(
+    tmp_path: Path, store: ChunkStore, model: Manifest
+) -> None:
+    """whole_uploads=N: a plain GET of a whole chunk is 503 while N go up, 200 below."""
+    put_all(store, model, tmp_path / "src")
+    client = PeerClient(timeout_s=5)
+    with PeerServer(store, "127.0.0.1", whole_uploads=2) as server, ExitStack() as uploading:
+        hold_uploads(uploading, store, 1)
+        assert client.fetch(server.address, DIGEST) == DATA
+        assert read_body(client.open(server.address, DIGEST), len(DATA)) == DATA
+        hold_uploads(uploading, store, 1)
+        with pytest.raises(PeerBusyError):
+            client.fetch(server.address, DIGEST)
+        with pytest.raises(PeerBusyError):
+            client.open(server.address, DIGEST)
+        assert raw_get(server.address, f"/chunks/sha256/{DIGEST}")[0] == 503
+        uploading.close()
+        assert client.fetch(server.address, DIGEST) == DATA
+
+
+def get_claimant(address: str, sha: str) -> tuple[int, str | None]:
+    """A plain GET of the chunk: its status and X-Weightship-Claimant header."""
+    conn = http.client.HTTPConnection(address, timeout=5)
+    conn.request("GET", f"/chunks/sha256/{sha}")
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, resp.getheader(peer.CLAIMANT_HEADER)
+
+
+def test_a_request_for_a_chunk_a_peer_claimed_is_sent_to_the_claimant(
+    server: PeerServer, store: ChunkStore
+) -> None:
+    """An owner with nothing of a chunk it granted answers 404 naming the claimant (not
+    with redirect_claimed=False); a granted chunk it holds is served."""
+    claimed = "1" * 64
+    store.claims.open([claimed, DIGEST], PEERS)
+    assert store.claims.grant(claimed, "node-b") == "node-b"
+    assert store.claims.grant(DIGEST, "node-b") == "node-b"
+    client = PeerClient(timeout_s=5)
+    assert get_claimant(server.address, claimed) == (404, "node-b")
+    started = time.monotonic()
+    with pytest.raises(ChunkNotOnPeerError) as refused:
+        client.open(server.address, claimed, wait_s=5)
+    assert refused.value.claimant == "node-b"
+    assert time.monotonic() - started < 4  # sent on at once, not held for the long poll
+    assert client.fetch(server.address, DIGEST) == DATA  # held here: served
+    with PeerServer(store, "127.0.0.1", redirect_claimed=False) as plain:
+        assert get_claimant(plain.address, claimed) == (404, None)
+        with pytest.raises(ChunkNotOnPeerError) as missing:
+            client.open(plain.address, claimed)
+        assert missing.value.claimant is None
+
+
+def test_a_whole_chunk_counts_as_going_up_until_it_is_sent(tmp_path: Path) -> None:
+    """The server counts each whole chunk it sends (store.uploads) while it sends it, so
+    with whole_uploads=1 a second is refused meanwhile."""
+    # More than the socket buffers hold (a send buffer grows to tcp_wmem, 4 MiB by default).
+    data = random.Random(3).randbytes(16 * 1024 * 1024)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "w.bin").write_bytes(data)
+    m = build_manifest(LocalFolder(tmp_path / "big"), chunk_size=len(data), version=1)
+    store = ChunkStore(tmp_path / "cache")
+    put_all(store, m, tmp_path / "big")
+    chunk, client = m.chunks[0], PeerClient(timeout_s=5)
+    with PeerServer(store, "127.0.0.1", whole_uploads=1) as server:
+        host, port = server.address.rsplit(":", 1)
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader far behind
+        slow.settimeout(5)
+        slow.connect((host, int(port)))
+        slow.sendall(f"GET /chunks/sha256/{chunk.hexdigest} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
+        assert store.uploads.count == 1  # going up, stuck behind the reader
+        with pytest.raises(PeerBusyError):
+            client.fetch(server.address, chunk.key)
+        slow.close()  # the reader gives up: that upload ends
+        deadline = time.monotonic() + 5
+        while store.uploads.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.fetch(server.address, chunk.key) == data
+    assert store.uploads.count == 0
+
+
+def test_a_plain_fetch_keeps_the_claimant_named_by_the_owner(
+    server: PeerServer, store: ChunkStore
+) -> None:
+    """Not only the streamed path: ``fetch`` (a sink that is not in place) learns it too."""
+    store.claims.open(["1" * 64], PEERS)
+    store.claims.grant("1" * 64, "node-b")
+    with pytest.raises(ChunkNotOnPeerError) as refused:
+        PeerClient(timeout_s=5).fetch(server.address, "1" * 64)
+    assert refused.value.claimant == "node-b"

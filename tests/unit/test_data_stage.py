@@ -1,5 +1,6 @@
 import dataclasses
 import hashlib
+import math
 import random
 import shutil
 import socket
@@ -7,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from weightship.data import rendezvous
-from weightship.data.chunkstore import Buffer, ChunkStore, InsufficientSpaceError
+from weightship.data.chunkstore import Buffer, ChunkStore, InFlight, InsufficientSpaceError
 from weightship.data.claims import ClaimBoard
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -28,7 +29,7 @@ from weightship.data.fetcher import (
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient, PeerServer
-from weightship.data.stage import StageProgress, load_piece_layer, stage
+from weightship.data.stage import StageProgress, hold_for_uplink, load_piece_layer, stage
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
 from weightship.weightformat.chunkhash import ChunkVerificationError
 from weightship.weightformat.manifest import Manifest
@@ -732,3 +733,143 @@ def test_cancel_stops_a_fetch_waiting_on_an_owner_that_never_gets_the_chunk(
         assert not waiting.is_alive(), "cancel must not wait out owner_wait_s"
     assert [type(e) for e in raised] == [FetchCancelledError]
     assert origin.reads == 0
+
+
+@pytest.mark.parametrize("manifest_version", [2], ids=["no-model"], indirect=True)
+def test_hold_for_uplink_waits_while_whole_chunks_go_up_and_no_longer(
+    manifest_version: int,
+) -> None:
+    """hold_for_uplink: at once below the limit or when cancelled; else until the count
+    drops, max_s at most."""
+
+    def held(uploads: InFlight, cancel: threading.Event, max_s: float) -> float:
+        """Seconds it held its caller (inf: still holding after 5 s, so a regression
+        fails here rather than hanging)."""
+        started = time.monotonic()
+        kwargs = {"max_s": max_s, "limit": 2}
+        holding = threading.Thread(
+            target=hold_for_uplink, args=(uploads, cancel), kwargs=kwargs, daemon=True
+        )
+        holding.start()
+        holding.join(5)
+        return math.inf if holding.is_alive() else time.monotonic() - started
+
+    uploads, cancel = InFlight(), threading.Event()
+    with uploads:
+        assert held(uploads, cancel, 30) < 1  # one going up: below the limit
+        with uploads:
+            assert 0.3 <= held(uploads, cancel, 0.3) < 1.3  # still two: max_s, then on
+            threading.Timer(0.2, uploads.__exit__).start()  # one ends meanwhile
+            assert 0.2 <= held(uploads, cancel, 30) < 3
+            uploads.__enter__()  # two again
+            cancel.set()
+            assert held(uploads, cancel, 30) < 1
+
+
+def spy_lookups(
+    monkeypatch: pytest.MonkeyPatch, store: ChunkStore, node: str, seen: list[tuple[str, float]]
+) -> None:
+    """Note (node, seconds it may wait) whenever ``store``'s peer server looks a chunk up:
+    ``wait_any`` for a stream (cut-through) request, ``open_chunk`` for any other."""
+    wait_any, open_chunk = store.index.wait_any, store.open_chunk
+
+    def spied_wait_any(key: str, timeout_s: float) -> Any:
+        seen.append((node, timeout_s))
+        return wait_any(key, timeout_s)
+
+    def spied_open_chunk(key: str, wait_s: float = 0.0) -> Any:
+        seen.append((node, wait_s))
+        return open_chunk(key, wait_s)
+
+    monkeypatch.setattr(store.index, "wait_any", spied_wait_any)
+    monkeypatch.setattr(store, "open_chunk", spied_open_chunk)
+
+
+def test_an_asker_sent_to_the_claimant_long_polls_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner let a peer claim the chunk (404 naming it): from the next round on, the
+    claimant is asked first, with the long poll, and the chunk comes from it."""
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 12)})
+    chunk = m.chunks[0]
+    owner, claimant = two_names_ranked(chunk.key, "owner", "claimant", "me")
+    owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
+    put_model(claimant_store, m, src)
+    seen: list[tuple[str, float]] = []
+    spy_lookups(monkeypatch, claimant_store, claimant, seen)
+    origin = CountingOrigin(src)
+    with (
+        PeerServer(owner_store, "127.0.0.1") as owner_server,
+        PeerServer(claimant_store, "127.0.0.1") as claimant_server,
+        ModelStaging(ChunkStore(tmp_path / "me"), m) as staging,
+    ):
+        owner_store.claims.open([chunk.key], [(claimant, claimant_server.address)])
+        assert owner_store.claims.grant(chunk.key, claimant) == claimant
+        staging.prepare()
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(owner, owner_server.address), Peer(claimant, claimant_server.address)],
+            origin=origin,
+            sink=staging,
+            metrics=metrics()[0],
+            chunks=m.chunks,
+            # Only the owner asked in a round, and no holder before it: the claimant is
+            # asked only because the owner named it.
+            policy=dataclasses.replace(
+                NO_CLAIMS, owner_wait_s=5, long_poll_s=0.5, peers_per_round=1, holder_probes=0
+            ),
+        )
+        assert fetcher.fetch(chunk) == "peer"
+        assert staging.has(chunk.key)
+    assert origin.reads == 0
+    assert seen == [(claimant, 0.5)]  # asked once, first in its round: the long poll
+
+
+@pytest.mark.parametrize(
+    ("probes", "busy"), [(2, False), (2, True), (0, False)], ids=["probed", "busy", "no-probes"]
+)
+def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probes: int, busy: bool
+) -> None:
+    """holder_probes: a peer holding the chunk whole is asked before the owner (which
+    never gets it), spare uplink only, so nothing waits on the owner; a holder whose
+    uplink is busy, or holder_probes=0, and the owner is asked first."""
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(CHUNK, 13)})
+    chunk = m.chunks[0]
+    owner, holder = two_names_ranked(chunk.key, "owner", "holder", "me")
+    owner_store, holder_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "holder")
+    put_model(holder_store, m, src)
+    seen: list[tuple[str, float]] = []
+    spy_lookups(monkeypatch, owner_store, owner, seen)
+    spy_lookups(monkeypatch, holder_store, holder, seen)
+    origin = CountingOrigin(src)
+    with (
+        PeerServer(owner_store, "127.0.0.1") as owner_server,
+        PeerServer(holder_store, "127.0.0.1") as holder_server,
+        ModelStaging(ChunkStore(tmp_path / "me"), m) as staging,
+        holder_store.uploads if busy else nullcontext(),  # a whole chunk going up there
+    ):
+        staging.prepare()
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(owner, owner_server.address), Peer(holder, holder_server.address)],
+            origin=origin,
+            sink=staging,
+            metrics=metrics()[0],
+            chunks=m.chunks,
+            policy=dataclasses.replace(NO_CLAIMS, long_poll_s=0.5, holder_probes=probes),
+        )
+        assert fetcher.owner_of(chunk.key) == owner
+        started = time.monotonic()
+        assert fetcher.fetch(chunk) == "peer"
+        took = time.monotonic() - started
+        assert staging.has(chunk.key)
+    assert origin.reads == 0
+    if probes and not busy:
+        assert seen == [(holder, 0.0)]  # the holder alone, at once: the owner never asked
+    else:  # the owner held the request first, then the holder sent the chunk
+        refused = [(holder, 0.0)] if busy else []  # the probe: 503, its uplink is busy
+        assert seen == [*refused, (owner, 0.5), (holder, 0.0)]
+        assert took >= 0.45

@@ -79,6 +79,24 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def allocate_blocks(fd: int, offset: int, length: int) -> bool:
+    """Allocate the file's blocks in [offset, offset + length) (Linux ``fallocate``, mode
+    0: sizes and data are untouched). False where the filesystem cannot. Not
+    ``posix_fallocate``: where the filesystem cannot, glibc emulates it by writing a zero
+    into every block that reads as zero, which races with chunks written meanwhile."""
+    if _fallocate is None:
+        return False
+    if _fallocate(fd, 0, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -383,7 +401,19 @@ class InFlight:
             self._count += 1
         return self
 
+    def enter_below(self, limit: int) -> bool:
+        """Count one more, if fewer than ``limit`` are under way (one step: concurrent
+        callers never overshoot it); ``leave`` when done."""
+        with self._lock:
+            if self._count >= limit:
+                return False
+            self._count += 1
+            return True
+
     def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def leave(self) -> None:
         with self._lock:
             self._count -= 1
 

@@ -19,7 +19,6 @@ name before every one of its chunks verified. See ``chunkstore`` for the layout.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -33,6 +32,7 @@ from weightship.data.chunkstore import (
     Buffer,
     ChunkStore,
     ModelLock,
+    allocate_blocks,
     allocated,
     final_path,
     fsync_dir,
@@ -194,6 +194,7 @@ class ModelStaging:
         paths = [f.path for f in self.manifest.files if not self.is_materialized(f.path)]
         for path in paths:
             self._open_partial(path)
+        self.wait_reserved()  # prepared before: one thread at a time
         self._reserver = threading.Thread(
             target=self._reserve, args=(paths,), name="weightship-reserve", daemon=True
         )
@@ -219,7 +220,7 @@ class ModelStaging:
                 # Its own descriptor: a file finished meanwhile closes the stage's.
                 fd = os.dup(fd)
             try:
-                reserved = _preallocate(fd, self._sizes[path])
+                reserved = _preallocate(fd, self._sizes[path], self._closing)
             except OSError as exc:  # a full disk: the writes that need the space say so
                 log.warning("could not reserve the space of %s: %s", path, exc)
                 reserved = False
@@ -500,14 +501,15 @@ class ModelStaging:
         return done
 
 
-def _preallocate(fd: int, size: int) -> bool:
-    """Allocate the blocks of the file (sized already); False where the filesystem cannot."""
-    if size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:  # no fallocate here: the space is taken as chunks land
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+RESERVE_STEP = 256 * 1024 * 1024  # allocated per call, so closing waits for one step only
+
+
+def _preallocate(fd: int, size: int, stop: threading.Event) -> bool:
+    """Allocate the blocks of the file (sized already), a step at a time until ``stop``;
+    False where the filesystem cannot (the space is then taken as chunks land) or when
+    stopped first."""
+    for offset in range(0, size, RESERVE_STEP):
+        if stop.is_set() or not allocate_blocks(fd, offset, min(RESERVE_STEP, size - offset)):
             return False
     return True
 

@@ -292,17 +292,19 @@ class _ChunkHandler(BoundedHandler):
             return
         uploads = self.server.store.uploads
         spare_only = self.headers.get(SPARE_HEADER) == "1"
-        if uploads.count >= (SPARE_UPLOADS if spare_only else self.server.whole_uploads):
+        if not uploads.enter_below(SPARE_UPLOADS if spare_only else self.server.whole_uploads):
             self._reply(503, b"uplink busy\n", {"Retry-After": "1"})
             return
-        if not self.server.transfers.acquire(blocking=False):
-            self._reply(503, b"busy\n", {"Retry-After": "1"})
-            return
         try:
-            with uploads:
+            if not self.server.transfers.acquire(blocking=False):
+                self._reply(503, b"busy\n", {"Retry-After": "1"})
+                return
+            try:
                 self._send_chunk(f, offset, size, span)
+            finally:
+                self.server.transfers.release()
         finally:
-            self.server.transfers.release()
+            uploads.leave()
 
     def _send_head(self, status: int, length: int, size: int, span: tuple[int, int] | None) -> None:
         self.send_response(status)
@@ -486,11 +488,11 @@ class PeerClient:
     def _request(
         self, method: str, address: str, key: str, headers: dict[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
-        status, body, _ = self._call(method, address, _chunk_target(key), headers, timeout_s)
+        status, body, claimant = self._call(method, address, _chunk_target(key), headers, timeout_s)
         if status == 410:
             raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if status == 404:
-            raise ChunkNotOnPeerError(f"{address} has no chunk {key}")
+            raise ChunkNotOnPeerError(f"{address} has no chunk {key}", claimant)
         if status == 503:
             raise PeerBusyError(f"{address} is busy")
         return status, body
