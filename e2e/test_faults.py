@@ -191,11 +191,12 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
     cluster: Any, agents: Agents, rollouts: Rollouts, tiny: dict[str, str]
 ) -> None:
     """v1 serves on two nodes; v2 is staged on the liar and an honest node, then one piece
-    of the liar's copy is damaged (its agent still lists the chunk as verified and serves
-    it), and v2 goes on to the late node while the canary runs: the late node catches the
-    piece, demotes the liar, takes the chunk elsewhere, and every canary pod loads only
-    verified bytes (the reference server's verified loader and golden prompts). The liar
-    stages and serves chunks but runs no inference pod."""
+    of each chunk the honest node owns is damaged in the liar's copy (its agent still lists
+    them as verified and serves them), and v2 goes on to the late node while the canary
+    runs: the late node, behind on those chunks, asks the liar (a holder) for them before
+    their owner, catches the piece, demotes the liar, takes the chunk elsewhere, and every
+    canary pod loads only verified bytes (the reference server's verified loader and golden
+    prompts). The liar stages and serves chunks but runs no inference pod."""
     only_these_agents(cluster, agents)
     s3 = testkit.local_s3(cluster.s3_endpoint)
     manifest = S3Origin(s3, S3Location.parse(tiny["v2"])).read_manifest()
@@ -205,13 +206,18 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
     liar, honest, late = sorted(cluster.process_nodes)
     owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest, late])
     piece = 1
-    target = next(
+    # The honest node's chunks: the late node asks the liar for them whole first (holder
+    # probes, docs/data-plane.md), one at a time (spare uplink only), so whichever of
+    # them the liar serves first is caught. (The liar's own chunks it asks of the honest
+    # node first.)
+    targets = [
         c
         for c in manifest.chunks
-        if owners[c.key] == liar
+        if owners[c.key] == honest
         and c.key not in in_v1
         and c.size > (piece + 1) * manifest.piece_size
-    )
+    ]
+    assert targets, "no chunk of the honest node's to damage at the liar"
     labels = {
         liar: {WAVE: "early"},
         honest: {WAVE: "early", SERVING: "yes"},
@@ -237,7 +243,8 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: "early"}}})
         rollouts.set_model("llm", tiny["v2"], "v2")
         agents.wait_staged(manifest.digest, nodes=[liar, honest])
-        damage_staged_piece(cluster, liar, manifest, target, piece)
+        for target in targets:
+            damage_staged_piece(cluster, liar, manifest, target, piece)
         # Now every process node: the late node stages v2 from its peers, the liar first
         # for the chunks it owns; the promote sends the second canary pod there.
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {WAVE: None}}})
@@ -256,11 +263,13 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
     log = all_agent_logs(cluster, agents, late)
     print(
         f"\n{late}: {entry['bytesFromPeers']} B from peers, {entry['bytesFromOrigin']} B from "
-        f"the origin; chunk {target.index} of {target.file} corrupted at {liar}; "
+        f"the origin; chunks {[t.index for t in targets]} corrupted at {liar}; "
         f"loads {final.get('verification', {}).get('loads')}"
     )
-    caught = f"peer {liar} served a bad piece ({piece}) for chunk {target.key}: demoted"
-    assert caught in log, log[-2000:]
+    caught = [
+        f"peer {liar} served a bad piece ({piece}) for chunk {t.key}: demoted" for t in targets
+    ]
+    assert any(line in log for line in caught), log[-2000:]
     # Nothing corrupt staged on the late node: its files match their publish-time sha256.
     result = CliRunner().invoke(
         verify_files_command, [str(cache_root(cluster, late)), manifest.digest]
