@@ -21,7 +21,6 @@ from e2e.operator_fixtures import (
     tinyllm_models,
     tinyllm_rollout_body,
 )
-from weightship.data import rendezvous
 from weightship.data.cli import verify_files_command
 from weightship.data.s3 import S3Location, S3Origin
 from weightship.weightformat.manifest import Manifest
@@ -116,12 +115,14 @@ def test_a_corrupt_piece_from_a_peer_is_caught_and_the_chunk_fetched_elsewhere(
         "nodeSelector": {**PROCESS, wave: "early"},
         "minStagedPercent": 100,
     }
-    # Chunks the late node will ask the liar for first: the liar's own in the view of the
-    # two early nodes, which the late node takes once it finds they hold the chunks it
-    # owns among all three (it joined late: fetcher.join_late).
-    owners = rendezvous.balanced_owners([c.key for c in manifest.chunks], [liar, honest])
-    target = next(c for c in manifest.chunks if owners[c.key] == liar)
+    # The late node takes the view of the two early nodes once it finds they hold the
+    # chunks it owns among all three (it joined late: fetcher.join_late). There it asks
+    # the liar for the liar's chunks when the honest node (asked whole first, from spare
+    # uplink: holder probes) is busy, and for the honest node's whole before their owner:
+    # every chunk is damaged at the liar, and whichever the liar serves first is caught.
     piece = 1
+    targets = [c for c in manifest.chunks if c.size > (piece + 1) * manifest.piece_size]
+    assert targets
     try:
         for node in (liar, honest):
             label(node, "early")
@@ -129,7 +130,8 @@ def test_a_corrupt_piece_from_a_peer_is_caught_and_the_chunk_fetched_elsewhere(
         agents.wait_staged(manifest.digest, nodes=[liar, honest])
         # Damage one byte of one piece in the liar's cached copy: its agent still lists
         # the chunk as verified and serves it from there.
-        damage_staged_piece(cluster, liar, manifest, target, piece)
+        for target in targets:
+            damage_staged_piece(cluster, liar, manifest, target, piece)
         rollouts.patch_spec("llm", {"prefetch": {"nodeSelector": {wave: None}}})
         entry = agents.wait_staged(manifest.digest, nodes=[late])[late]
     finally:
@@ -138,10 +140,13 @@ def test_a_corrupt_piece_from_a_peer_is_caught_and_the_chunk_fetched_elsewhere(
     log = agent_log(cluster, agents, late)
     print(
         f"\n{late}: {entry['bytesFromPeers']} B from peers, {entry['bytesFromOrigin']} B "
-        f"from the origin; chunk {target.index} of {target.file} corrupted at {liar}"
+        f"from the origin; chunks {[t.index for t in targets]} corrupted at {liar}"
     )
     # Caught at the piece, on the late node, and the liar demoted.
-    assert f"peer {liar} served a bad piece ({piece}) for chunk {target.key}: demoted" in log
+    caught = [
+        f"peer {liar} served a bad piece ({piece}) for chunk {t.key}: demoted" for t in targets
+    ]
+    assert any(line in log for line in caught), log[-2000:]
     assert metric(agents, late, "weightship_agent_peer_demotions_total") >= 1
     failures = metric(
         agents, late, "weightship_agent_chunk_verification_failures_total", 'source="peer"'
