@@ -436,15 +436,20 @@ def stored_under_the_old_crd(
         ).metadata.resource_version
         ext.replace_custom_resource_definition(name, new)
 
-        def ratcheted() -> bool:
+        def new_schema_served() -> bool:
+            # The API server serves a replaced CRD's schema some time after the write, and
+            # the old schema admits every edit; a copy of the stored object created afresh
+            # is refused only by the new one.
+            copy_of_old = {**stored, "metadata": {"name": "old-copy"}}
             try:
-                custom.patch_namespaced_custom_object(*args, "old", {"spec": {"replicas": 5}})
-            except ApiException:
-                return False
-            return True
+                custom.create_namespaced_custom_object(*args, copy_of_old, dry_run="All")
+            except ApiException as refused:
+                return refused.status == 422
+            return False
 
-        # Edits that leave the old values alone are admitted (once the new schema is served).
-        testkit.wait_until(ratcheted, timeout=30, what="unchanged old values admitted")
+        testkit.wait_until(new_schema_served, timeout=30, what="the new CRD schema served")
+        # Edits that leave the old values alone are admitted (ratcheting).
+        custom.patch_namespaced_custom_object(*args, "old", {"spec": {"replicas": 5}})
         yield custom, args, stored
     finally:
         ext.delete_custom_resource_definition(name)
