@@ -314,11 +314,13 @@ def link_use(
         return []
     shares = []
     for second in range(int(points[-1][0])):
-        inside = [b for t, b in points if second <= t <= second + 1]
-        if len(inside) >= 2:
-            before = [b for t, b in points if t <= second]
-            first = before[-1] if before else inside[0]
-            shares.append((inside[-1] - first) / rate)
+        # The samples nearest each end (they drift off whole seconds): the bytes between
+        # them over the time between them, not over a nominal second.
+        (t0, b0), (t1, b1) = (
+            min(points, key=lambda p: abs(p[0] - at)) for at in (second, second + 1)
+        )
+        if t1 > t0:
+            shares.append((b1 - b0) / (t1 - t0) / rate)
     return shares
 
 

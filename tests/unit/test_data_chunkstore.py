@@ -328,3 +328,29 @@ def test_a_file_is_allocated_a_step_at_a_time_and_a_stop_ends_it(
         assert allocated(path) >= size
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_reserving_thread_runs_idle_until_someone_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Allocating runs only on CPU nothing else wants (SCHED_IDLE), so it never delays the
+    node's peer server or fetches; a caller that waits for it (wait_reserved, close) puts
+    it back at normal priority, so the wait is not starved."""
+    started, gate, seen = threading.Event(), threading.Event(), []
+
+    def held(fd: int, size: int, stop: threading.Event) -> bool:
+        seen.append(os.sched_getscheduler(0))
+        started.set()
+        gate.wait(5)
+        seen.append(os.sched_getscheduler(0))
+        return False
+
+    monkeypatch.setattr(modelstaging, "_preallocate", held)
+    m = _manifest(tmp_path / "m", {"a": b"s" * 1024})
+    with ModelStaging(ChunkStore(tmp_path / "cache"), m) as staging:
+        staging.prepare()
+        assert started.wait(5)
+        threading.Timer(0.2, gate.set).start()
+        staging.wait_reserved()
+    assert seen == [os.SCHED_IDLE, os.SCHED_OTHER]

@@ -422,6 +422,8 @@ class ChunkFetcher:
                 log.info("chunk %s: a peer found it bad at the origin; fetching it", chunk.key)
                 self._from_origin(chunk)
                 return "origin"
+            if self._holder_hint.get(chunk.key) not in (hint, None):
+                continue  # the owner named the node that claimed it: ask that one now
             now = time.monotonic()
             if now >= deadline and self._granted_from_here(chunk.key) is None:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
