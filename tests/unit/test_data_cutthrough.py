@@ -331,3 +331,60 @@ def test_a_spare_only_request_is_never_streamed_a_chunk_still_arriving(
         receiving.join(5)
         assert bytes(got) == good
         assert client.fetch(server.address, chunk.key, spare_only=True) == good
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_a_chunk_from_its_owner_whole_marks_the_node_behind_on_it(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path], streamed: bool
+) -> None:
+    """A chunk its owner sent whole means this node fell behind on that owner (others may
+    hold its next chunks whole: worth asking them first); one streamed as it landed at
+    the owner means it kept up (nobody holds the next one whole yet)."""
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    keys = [c.key for c in m.chunks]
+    owner = next(
+        f"owner-{i}"
+        for i in range(1000)
+        if rendezvous.balanced_owners(keys, ["me", f"owner-{i}"])[chunk.key] == f"owner-{i}"
+    )
+    owner_store = ChunkStore(tmp_path / "owner")
+    landing = threading.Event()
+    with (
+        ModelStaging(owner_store, m) as owner_staging,
+        PeerServer(owner_store, "127.0.0.1") as server,
+        ModelStaging(ChunkStore(tmp_path / "me"), m) as staging,
+    ):
+        owner_staging.pieces = staging.pieces = pieces
+        owner_staging.prepare()
+        staging.prepare()
+
+        def trickle(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+            for p in range(start // PIECE, CHUNK // PIECE):  # a piece each 50 ms
+                view[p * PIECE : (p + 1) * PIECE] = good[p * PIECE : (p + 1) * PIECE]
+                landed((p + 1) * PIECE)
+                landing.set()
+                threading.Event().wait(0.05)
+            return CHUNK
+
+        if streamed:
+            t = threading.Thread(target=lambda: owner_staging.receive(chunk.key, trickle))
+            t.start()
+            assert landing.wait(5)
+        else:
+            owner_staging.put(chunk.key, good)
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer(owner, server.address)],
+            origin=_NoOrigin(),
+            sink=staging,
+            metrics=DataPlaneMetrics.create(CollectorRegistry()),
+            chunks=m.chunks,
+            policy=FetchPolicy(peer_timeout_s=2, owner_wait_s=10, poll_interval_s=0.01),
+        )
+        assert fetcher.owner_of(chunk.key) == owner
+        assert fetcher.fetch(chunk) == "peer"
+        if streamed:
+            t.join(5)
+        assert staging.has(chunk.key)
+    assert fetcher.behind_on == {owner: not streamed}

@@ -827,14 +827,18 @@ def test_an_asker_sent_to_the_claimant_long_polls_it_first(
 
 
 @pytest.mark.parametrize(
-    ("probes", "busy"), [(2, False), (2, True), (0, False)], ids=["probed", "busy", "no-probes"]
+    ("probes", "busy", "behind"),
+    [(2, False, True), (2, True, True), (2, False, False), (0, False, True)],
+    ids=["probed", "busy", "caught-up", "no-probes"],
 )
 def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probes: int, busy: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probes: int, busy: bool, behind: bool
 ) -> None:
-    """holder_probes: a peer holding the chunk whole is asked before the owner (which
-    never gets it), spare uplink only, so nothing waits on the owner; a holder whose
-    uplink is busy, or holder_probes=0, and the owner is asked first."""
+    """holder_probes: when this node is behind on the owner (its last chunk from it came
+    whole), a peer holding the chunk whole is asked before the owner (which never gets
+    it), spare uplink only, so nothing waits on the owner; a holder whose uplink is busy,
+    a node that kept up with the owner (its chunks stream as they land: nobody holds the
+    next one whole yet), or holder_probes=0, and the owner is asked first."""
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(CHUNK, 13)})
     chunk = m.chunks[0]
@@ -862,12 +866,13 @@ def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
             policy=dataclasses.replace(NO_CLAIMS, long_poll_s=0.5, holder_probes=probes),
         )
         assert fetcher.owner_of(chunk.key) == owner
+        fetcher.behind_on[owner] = behind  # as after a chunk from it whole, or streamed
         started = time.monotonic()
         assert fetcher.fetch(chunk) == "peer"
         took = time.monotonic() - started
         assert staging.has(chunk.key)
     assert origin.reads == 0
-    if probes and not busy:
+    if probes and behind and not busy:
         assert seen == [(holder, 0.0)]  # the holder alone, at once: the owner never asked
     else:  # the owner held the request first, then the holder sent the chunk
         refused = [(holder, 0.0)] if busy else []  # the probe: 503, its uplink is busy

@@ -280,6 +280,11 @@ class ChunkFetcher:
         self._steal_slot = threading.Semaphore(1)  # one claimed origin fetch at a time
         self._claim_refused: set[str] = set()  # chunks not to claim again
         self._holder_hint: dict[str, str] = {}  # chunk -> the node a claim went to
+        # Owners whose last chunk came from them whole (this node is behind on them), not
+        # streamed as it landed: only then may another peer hold their next chunk whole
+        # already, so only then are holders asked before the owner in the first round
+        # (a trace: 1,717 of 1,956 such probes were for chunks still landing, all 404).
+        self.behind_on: dict[str, bool] = {}
         # Chunks this node claimed: set once the claimed fetch is over, so the worker
         # that wants the chunk reports it as from the origin (the claimer counts nothing).
         self._claimed_here: dict[str, threading.Event] = {}
@@ -377,6 +382,7 @@ class ChunkFetcher:
         if self.late and self.planned.get(chunk.key) == self.node:
             wait_s = min(wait_s, self.policy.late_wait_s)
         deadline = started + wait_s
+        rounds = 0  # rounds that asked peers
         while True:
             if self.sink.has(chunk.key):  # another worker of this node got it meanwhile
                 return "origin" if chunk.key in self._claimed_here else "local"
@@ -400,11 +406,12 @@ class ChunkFetcher:
                     return "origin"
                 continue  # granted to a peer meanwhile: the ranking now starts with it
             round_started = time.monotonic()
-            if any(
+            if (rounds or self.behind_on.get(live[0], False)) and any(
                 self._from_peer(n, chunk, spare_only=True)
                 for n in self._holder_candidates(chunk.key, live)
             ):
                 return "peer"
+            rounds += 1
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
             hint = self._holder_hint.get(chunk.key)
             if hint in live and hint != self.node:
@@ -604,6 +611,8 @@ class ChunkFetcher:
             return False
         finally:
             body.close()
+        if node == self.owners.get(chunk.key) and written > 0:
+            self.behind_on[node] = body.whole
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
 

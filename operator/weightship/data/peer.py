@@ -524,6 +524,11 @@ class PeerBody:
         self._http, self.address, self._resp, self.start = http, address, resp, start
         self._finished = False
 
+    @property
+    def whole(self) -> bool:
+        """The peer sent the chunk whole (a sized answer, not a stream of it landing)."""
+        return not self._resp.chunked
+
     def read_into(self, view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
         """Read the body into ``view[begin:]``, calling ``landed(n)`` after each step with
         bytes [0, n) in; return the end reached. A stream may end before ``len(view)``
