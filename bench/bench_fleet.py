@@ -170,6 +170,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--no-uplink-hold"] if mode in ("p2p-no-hold", "p2p-round4") else []),
             *(["--whole-uploads", "0"] if mode in ("p2p-no-cap", "p2p-round4") else []),
             *(["--no-redirect"] if mode in ("p2p-no-redirect", "p2p-round4") else []),
+            *(["--no-split"] if mode == "p2p-no-split" else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p2p-no-hold (origin intake never waits for a busy uplink), "
         "p2p-no-cap (no limit on whole chunks a node sends at once), "
         "p2p-no-redirect (an owner holds requests for the chunks a peer claimed), "
-        "p2p-round4 (none of those four: the code before them), origin-only",
+        "p2p-round4 (none of those four: the code before them), "
+        "p2p-no-split (a slow whole transfer is never split across two peers), origin-only",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -352,6 +354,7 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-no-cap", 1),
         ("p2p-no-redirect", 1),
         ("p2p-round4", 1),
+        ("p2p-no-split", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -372,7 +375,14 @@ def report(r: dict[str, Any]) -> None:
     header = ["run", "slowest s", "p50 s", "x S/B", "x own bound", "origin wire xS"]
     print(table([*header, "origin payload xS", "CPU busy"], rows))
     p2p_modes = ("p2p", "p2p-no-claims", "p2p-unpaced", "p2p-round2", "p2p-v1", "p2p-no-late")
-    ablations = ("p2p-no-holders", "p2p-no-hold", "p2p-no-cap", "p2p-no-redirect", "p2p-round4")
+    ablations = (
+        "p2p-no-holders",
+        "p2p-no-hold",
+        "p2p-no-cap",
+        "p2p-no-redirect",
+        "p2p-round4",
+        "p2p-no-split",
+    )
     for mode in (*p2p_modes, *ablations):
         if mode not in r:
             continue

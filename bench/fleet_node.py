@@ -84,9 +84,16 @@ def write_json(path: Path, doc: object) -> None:
 
 def policy(args: argparse.Namespace) -> FetchPolicy | None:
     """The fetch policy the flags ask for; None: stage()'s default."""
-    if not (args.no_claims or args.no_late_probes or args.no_holder_probes or args.no_uplink_hold):
+    if not (
+        args.no_claims
+        or args.no_late_probes
+        or args.no_holder_probes
+        or args.no_uplink_hold
+        or args.no_split
+    ):
         return None
     return FetchPolicy(
+        **({"split_after_s": None} if args.no_split else {}),
         **({"steal_after_s": None} if args.no_claims else {}),
         **({"late_probes": 0} if args.no_late_probes else {}),
         **({"holder_probes": 0} if args.no_holder_probes else {}),
@@ -191,6 +198,7 @@ def main() -> None:
     p.add_argument(
         "--no-uplink-hold", action="store_true", help="origin intake never waits for the uplink"
     )
+    p.add_argument("--no-split", action="store_true", help="a slow whole transfer is never split")
     p.add_argument(
         "--no-redirect", action="store_true", help="holds requests for chunks a peer claimed"
     )

@@ -43,6 +43,7 @@ from weightship.data.peer import (
     PeerError,
     PeerUnavailableError,
 )
+from weightship.data.split import SplitPieceError, SplitTransfer
 from weightship.weightformat.chunkhash import ChunkVerificationError, PieceVerificationError
 from weightship.weightformat.entries import ChunkEntry
 
@@ -78,6 +79,9 @@ class InPlaceSink(Protocol):
     def receive(self, key: str, fill: Fill, *, start: int | None = None) -> int: ...
 
     def resume_point(self, key: str) -> int: ...
+
+    @property
+    def piece_size(self) -> int | None: ...
 
 
 class ChunkSink(Protocol):
@@ -132,6 +136,12 @@ class FetchPolicy:
     # A node holds back its next own origin chunk, this long at most, while its uplink is
     # busy sending whole chunks to peers that fell behind (stage.hold_for_uplink; 0: never).
     uplink_hold_s: float = 2.0
+    # A whole chunk coming from one peer that, after split_after_s, would take more than
+    # split_eta_s more at its rate so far has its last part asked of another peer at the
+    # same time (split.py; the first of split_peers that sends it; None: never split).
+    split_after_s: float | None = 0.5
+    split_eta_s: float = 1.5
+    split_peers: int = 2
     dead_cooldown_s: float = 30.0
     demote_cooldown_s: float = 600.0
     origin_attempts: int = 2  # verification failures tolerated from origin
@@ -550,6 +560,8 @@ class ChunkFetcher:
     ) -> bool:
         """Get the chunk from ``node``; ``spare_only``: only if it holds it whole and its
         uplink has room (a holder asked before the owner)."""
+        if node in self.health.avoided():
+            return False  # found dead or demoted since this round listed it
         sink = self.sink
         if isinstance(sink, InPlaceSink):
             return self._stream_from_peer(node, chunk, sink, wait_s, spare_only)
@@ -591,17 +603,26 @@ class ChunkFetcher:
             self._peer_failed(node, exc, chunk.key)
             return False
         got = [start]
+        split = self._splitter(node, chunk, sink, start) if body.whole else None
 
         def fill(view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
             def counted(end: int) -> None:
                 self._throttle(end - got[0])
                 got[0] = end
                 landed(end)
+                if split is not None:
+                    split.landed(end)
 
-            return body.read_into(view, begin, counted)
+            if split is None:
+                return body.read_into(view, begin, counted)
+            end = body.read_into(view, begin, counted, split.stop_at)
+            return split.finish(view, end, landed)
 
         try:
             written = sink.receive(chunk.key, fill, start=start)
+        except SplitPieceError as exc:
+            self._demote(exc.node, chunk, f"a bad piece ({exc.piece}) of its part")
+            return False
         except PieceVerificationError as exc:
             self._demote(node, chunk, f"a bad piece ({exc.piece})")
             return False
@@ -619,6 +640,41 @@ class ChunkFetcher:
             self.behind_on[node] = body.whole
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
+
+    def _splitter(
+        self, node: str, chunk: ChunkEntry, sink: InPlaceSink, start: int
+    ) -> SplitTransfer | None:
+        """A split for a whole chunk streaming from ``node`` (split.py), when the policy
+        splits and the sink verifies pieces (so a bad one is told from the other's)."""
+        after = self.policy.split_after_s
+        piece = sink.piece_size
+        if after is None or piece is None or not self.policy.split_peers:
+            return None
+
+        def fetch_rest(begin: int, end: int) -> tuple[str, bytes] | None:
+            return self._fetch_part(chunk, node, begin, end)
+
+        return SplitTransfer(
+            chunk.size, piece, start, fetch_rest, after_s=after, eta_s=self.policy.split_eta_s
+        )
+
+    def _fetch_part(
+        self, chunk: ChunkEntry, source: str, begin: int, end: int
+    ) -> tuple[str, bytes] | None:
+        """Bytes [begin, end) of ``chunk``, whole, from a live peer other than ``source``
+        (this node's ranking of them for the chunk, so the nodes behind on one owner ask
+        different peers); None when none of ``split_peers`` has them to send."""
+        avoided = self.health.avoided()
+        others = [n for n in self.address if n != source and n not in avoided]
+        for n in rendezvous.rank(others, f"{self.node}\0{chunk.key}")[: self.policy.split_peers]:
+            try:
+                data = self.client.fetch(self.address[n], chunk.key, start=begin, end=end)
+            except PeerError as exc:
+                self._peer_failed(n, exc, chunk.key)
+                continue
+            self._throttle(len(data))
+            return n, data
+        return None
 
     def _commit_verified(self, chunk: ChunkEntry, sink: InPlaceSink) -> bool:
         """Commit a chunk whose every piece is verified in place (no bytes to fetch)."""

@@ -165,6 +165,11 @@ class ModelStaging:
         with self._mutex:
             return all(i in self._done for i in self._indexes_of.get(key, [-1]))
 
+    @property
+    def piece_size(self) -> int | None:
+        """Pieces are verified as they land, this many bytes each (None: chunks whole)."""
+        return self.pieces.piece_size if self.pieces is not None else None
+
     def resume_point(self, key: str) -> int:
         """Where the next attempt at this chunk starts: its verified prefix when its
         pieces are verified as they land, else 0."""

@@ -529,20 +529,31 @@ class PeerBody:
         """The peer sent the chunk whole (a sized answer, not a stream of it landing)."""
         return not self._resp.chunked
 
-    def read_into(self, view: memoryview, begin: int, landed: Callable[[int], None]) -> int:
+    def read_into(
+        self,
+        view: memoryview,
+        begin: int,
+        landed: Callable[[int], None],
+        stop_at: Callable[[int], int] | None = None,
+    ) -> int:
         """Read the body into ``view[begin:]``, calling ``landed(n)`` after each step with
         bytes [0, n) in; return the end reached. A stream may end before ``len(view)``
-        (cleanly: not an error); a body cut short raises PeerUnavailableError."""
+        (cleanly: not an error); a body cut short raises PeerUnavailableError.
+        ``stop_at(n)``, asked before each step: where to stop reading (the rest of the
+        body is not read, and the connection is dropped)."""
         if begin != self.start:
             raise PeerError(f"asked {self.address} from {self.start}, reading from {begin}")
         resp, pos = self._resp, begin
         try:
-            while pos < len(view):
-                n = resp.readinto(view[pos : min(len(view), pos + READ_STEP)])
+            while pos < (stop := len(view) if stop_at is None else min(len(view), stop_at(pos))):
+                n = resp.readinto(view[pos : min(stop, pos + READ_STEP)])
                 if not n:
                     break
                 pos += n
                 landed(pos)
+            if pos < len(view) and stop_at is not None and pos >= stop_at(pos):
+                self.close()  # stopped on purpose: the rest is not wanted
+                return pos
             if not resp.chunked and resp.length:  # Content-Length not met: cut short
                 raise http.client.IncompleteRead(b"", resp.length)
             if resp.chunked and pos == len(view):

@@ -87,7 +87,7 @@ class PieceVerificationError(ChunkVerificationError):
             f"piece {piece} of chunk {chunk.key} ({chunk.file} chunk {chunk.index}) does not "
             "match the piece layer"
         )
-        self.piece = piece
+        self.chunk, self.piece = chunk, piece
 
 
 class PieceLayer:
