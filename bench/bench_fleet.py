@@ -399,19 +399,24 @@ def report(r: dict[str, Any]) -> None:
             f"the {n} node processes used {cpu:.1f} CPU s while staging "
             f"({cpu / m['seconds']:.2f} cores over the slowest node's time)"
         )
-        print(f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners\n")
+        print(
+            f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners, "
+            "slow whole transfers split\n"
+        )
         rows = [
             [
                 n["node"],
                 f"{n['seconds']:.1f}",
                 f"{n['origin_done_s']:.1f}",
                 f"{n.get('claimed', 0):.0f}",
+                "{used:.0f}/{unused:.0f}".format(**n.get("splits", {"used": 0, "unused": 0})),
                 f"{n['from_origin'] / MiB:.0f}",
                 str(n["peer_answers"]["not_yet"]),
             ]
             for n in m["nodes"]
         ]
-        header = ["node", "done s", "origin done s", "claimed", "origin MiB", "peer not-yet"]
+        header = ["node", "done s", "origin done s", "claimed", "splits used/unused"]
+        header += ["origin MiB", "peer not-yet"]
         print(table(header, rows))
         links = m.get("links") or []
         if links:

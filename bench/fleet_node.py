@@ -157,6 +157,13 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "peer_answers": client.counts,
             "cpu_s": cpu_s,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
+            "splits": {
+                outcome: registry.get_sample_value(
+                    "weightship_agent_chunk_splits_total", {"outcome": outcome}
+                )
+                or 0
+                for outcome in ("used", "unused")
+            },
             "peer_verification_failures": registry.get_sample_value(
                 "weightship_agent_chunk_verification_failures_total", {"source": "peer"}
             )

@@ -636,6 +636,8 @@ class ChunkFetcher:
             return False
         finally:
             body.close()
+            if split is not None and split.cut is not None:
+                self.metrics.chunk_splits.labels("used" if split.used else "unused").inc()
         if node == self.owners.get(chunk.key) and written > 0:
             self.behind_on[node] = body.whole
         # Nothing written: another worker of this node holds it (the loop says where from).

@@ -17,6 +17,7 @@ class DataPlaneMetrics:
     verification_failures: Counter
     peer_demotions: Counter
     chunks_claimed: Counter
+    chunk_splits: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
@@ -49,6 +50,14 @@ class DataPlaneMetrics:
             chunks_claimed=Counter(
                 "weightship_agent_chunks_claimed",
                 "Chunks this node fetched from the origin for a slow owner (tail stealing).",
+                registry=registry,
+            ),
+            chunk_splits=Counter(
+                "weightship_agent_chunk_splits",
+                "Slow whole-chunk transfers whose last part was asked of a second peer, by "
+                "outcome: used (that part finished the chunk) or unused (the first stream "
+                "was done first, or no second peer had it to send).",
+                ["outcome"],
                 registry=registry,
             ),
         )

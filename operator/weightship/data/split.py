@@ -60,6 +60,7 @@ class SplitTransfer:
         self._opened = clock()
         self.cut: int | None = None  # where the second peer's part starts, once split
         self._rest: tuple[str, bytes] | None = None  # set once, by the second fetch
+        self.used = False  # the second part finished the chunk
 
     def landed(self, pos: int) -> None:
         """Bytes up to ``pos`` are in: split once the stream turns out slow."""
@@ -107,6 +108,7 @@ class SplitTransfer:
             if exc.piece * self.piece_size >= pos:
                 raise SplitPieceError(exc, node) from exc
             raise
+        self.used = True
         return self.size
 
     def _piece_end(self, pos: int) -> int:
