@@ -213,6 +213,16 @@ class Rollouts:
             if e.involved_object.kind == "ModelRollout" and e.involved_object.name == name
         ]
 
+    def wait_event(self, name: str, reason: str, timeout: float = 30) -> Any:
+        """The rollout's first Event with this reason: events are posted off the reconcile
+        (controller.events), so one may land after the status that follows it."""
+        return testkit.wait_until(
+            lambda: next((e for e in self.events(name) if e.reason == reason), None),
+            timeout=timeout,
+            what=f"a {reason} event of {name}",
+            detail=lambda: str(sorted({e.reason for e in self.events(name)})),
+        )
+
 
 def operator_process(
     state: Path,

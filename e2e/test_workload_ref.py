@@ -156,7 +156,7 @@ def test_an_adopted_deployment_keeps_its_replicas_until_the_rollout_serves_and_g
     assert adopted["status"]["workload"] == {"name": name, "replicas": REPLICAS}
     assert adopted["status"]["phase"] == "Healthy"
     assert FINALIZER in adopted["metadata"]["finalizers"]
-    assert "WorkloadScaledDown" in [e.reason for e in rollouts.events(name)]
+    rollouts.wait_event(name, "WorkloadScaledDown")
     testkit.wait_until(
         lambda: (deployment(cluster, namespace, name).status.replicas or 0) == 0,
         timeout=60,
@@ -222,7 +222,7 @@ def test_a_rollout_that_stops_naming_the_deployment_gives_it_back(
         timeout=30,
         what="the finalizer dropped",
     )
-    assert "WorkloadReleased" in [e.reason for e in rollouts.events(name)]
+    rollouts.wait_event(name, "WorkloadReleased")
     assert released["status"]["replicas"]["stable"] == REPLICAS
 
 

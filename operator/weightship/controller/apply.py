@@ -46,7 +46,7 @@ def carry_out(
     ``seed_keys`` the operator's record of the seeding keys already made."""
     apply_replica_sets(kube, rollout, decision, cache_dir=cache_dir, seed_keys=seed_keys)
     apply_traffic(kube, rollout, decision)
-    apply_workloads(kube, rollout.metadata.namespace or "default", decision.workloads)
+    apply_workloads(kube, rollout.metadata.namespace or "default", decision.workloads, rollout)
     for label in decision.node_labels:
         kube.label_node(label.node, staged_node_label(label.manifest_digest), "true")
     namespace = rollout.metadata.namespace or "default"
@@ -151,11 +151,22 @@ def apply_traffic(kube: Kube, rollout: ModelRollout, decision: Decision) -> None
     )
 
 
-def apply_workloads(kube: Kube, namespace: str, workloads: Iterable[ScaleWorkload]) -> None:
-    """spec.workloadRef Deployments: scaled down or given back (core.workload)."""
+def apply_workloads(
+    kube: Kube,
+    namespace: str,
+    workloads: Iterable[ScaleWorkload],
+    rollout: ModelRollout | None = None,
+) -> None:
+    """spec.workloadRef Deployments: scaled down or given back (core.workload), each
+    action's event posted once its scale is done (on ``rollout``)."""
     for action in workloads:
         if not kube.scale_deployment(namespace, action.name, action.replicas):
             log.info("Deployment %s/%s is gone: nothing to scale", namespace, action.name)
+        elif action.event is not None and rollout is not None:
+            meta = rollout.metadata
+            body = {"metadata": {"name": meta.name, "namespace": namespace, "uid": meta.uid}}
+            event = action.event
+            kube.event(body, event.type, event.reason, event.message)
 
 
 def apply_events(kube: Kube, body: dict[str, Any], decision: Decision) -> None:

@@ -91,10 +91,14 @@ class RetemplateReplicaSet:
 
 @dataclass(frozen=True)
 class ScaleWorkload:
-    """Set spec.replicas of the spec.workloadRef Deployment (its scale subresource)."""
+    """Set spec.replicas of the spec.workloadRef Deployment (its scale subresource).
+    ``event``: posted once the scale is done, not after the status write as decided
+    events are: a scale-down is not decided again after a failed status write (the
+    Deployment is at zero by then), so its event would be lost with it."""
 
     name: str
     replicas: int
+    event: Event | None = None
 
 
 @dataclass(frozen=True)

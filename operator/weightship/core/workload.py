@@ -57,16 +57,14 @@ def workload_actions(ctx: RolloutContext) -> tuple[ScaleWorkload, ...]:
         ctx.timers.append(FINALIZER_WAIT_SECONDS)
         return tuple(actions)
     if replicas != 0:
-        actions.append(ScaleWorkload(ref.name, 0))
-        ctx.events.append(
-            Event(
-                "Normal",
-                "WorkloadScaledDown",
-                f"Deployment {ref.name} scaled from {replicas} to 0 replicas: the rollout's "
-                f"stable ReplicaSet serves all {ctx.spec.replicas}; deleting the rollout "
-                f"scales it back to {record.replicas}",
-            )
+        scaled = Event(
+            "Normal",
+            "WorkloadScaledDown",
+            f"Deployment {ref.name} scaled from {replicas} to 0 replicas: the rollout's "
+            f"stable ReplicaSet serves all {ctx.spec.replicas}; deleting the rollout "
+            f"scales it back to {record.replicas}",
         )
+        actions.append(ScaleWorkload(ref.name, 0, scaled))
     return tuple(actions)
 
 
