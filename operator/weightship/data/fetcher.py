@@ -139,10 +139,10 @@ class FetchPolicy:
     # A whole chunk coming from one peer that, after split_after_s, would take more than
     # split_eta_s more at its rate so far has its last part asked of another peer at the
     # same time (split.py; the first of split_peers that sends it; None: never split).
-    # For a peer that trickles (a degraded link): the fleet benchmark's slow transfers
-    # are not faster split (docs/benchmarks.md), so only the very slow ones are.
-    split_after_s: float | None = 1.0
-    split_eta_s: float = 3.0
+    # For a peer that trickles (a degraded link): the fleet benchmark was no faster
+    # splitting its slow transfers (docs/benchmarks.md), so only very slow ones are split.
+    split_after_s: float | None = 2.0
+    split_eta_s: float = 5.0
     split_peers: int = 2
     dead_cooldown_s: float = 30.0
     demote_cooldown_s: float = 600.0
