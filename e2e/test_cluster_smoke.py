@@ -100,8 +100,8 @@ def echo_pod_spec(namespace: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+def http_json(url: str, timeout: float = 5) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -384,7 +384,9 @@ def test_pod_reads_the_api_with_its_own_service_account(cluster: Any, namespace:
     cluster.core.create_namespaced_pod(namespace, pod)
     testkit.wait_until(lambda: _ready(cluster, namespace, "api-user"), timeout=60, what="pod Ready")
     live = cluster.core.read_namespaced_pod("api-user", namespace)
-    who = http_json(f"http://{live.status.pod_ip}:8080/whoami")
+    # The handler imports the kubernetes client on its first call: 0.7 s on a quiet
+    # core, over 5 s on the 2-core CI machine under both lanes (it timed out twice there).
+    who = http_json(f"http://{live.status.pod_ip}:8080/whoami", timeout=60)
     assert who == {"uid": live.metadata.uid, "node": live.spec.node_name}
 
 
