@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 Source = Literal["origin", "peer", "local"]
 
 
+SPLITS_IN_FLIGHT = 2  # second parts of split transfers fetched at once, per node
+
+
 class ChunkOrigin(Protocol):
     def read_range(self, path: str, offset: int, size: int) -> Buffer: ...
 
@@ -294,6 +297,9 @@ class ChunkFetcher:
         # origin slot is free for claimed chunks.
         self.origin_idle = threading.Event()
         self._steal_slot = threading.Semaphore(1)  # one claimed origin fetch at a time
+        # Second parts of split transfers being fetched (each read into memory: up to 2/3
+        # of a chunk), so a peer trickling to every worker does not start one per worker.
+        self._split_slots = threading.Semaphore(SPLITS_IN_FLIGHT)
         self._claim_refused: set[str] = set()  # chunks not to claim again
         self._holder_hint: dict[str, str] = {}  # chunk -> the node a claim went to
         # Owners whose last chunk came from them whole (this node is behind on them), not
@@ -668,17 +674,23 @@ class ChunkFetcher:
         """Bytes [begin, end) of ``chunk``, whole, from a live peer other than ``source``
         (this node's ranking of them for the chunk, so the nodes behind on one owner ask
         different peers); None when none of ``split_peers`` has them to send."""
-        avoided = self.health.avoided()
-        others = [n for n in self.address if n != source and n not in avoided]
-        for n in rendezvous.rank(others, f"{self.node}\0{chunk.key}")[: self.policy.split_peers]:
-            try:
-                data = self.client.fetch(self.address[n], chunk.key, start=begin, end=end)
-            except PeerError as exc:
-                self._peer_failed(n, exc, chunk.key)
-                continue
-            self._throttle(len(data))
-            return n, data
-        return None
+        if not self._split_slots.acquire(blocking=False):
+            return None
+        try:
+            avoided = self.health.avoided()
+            others = [n for n in self.address if n != source and n not in avoided]
+            ranked = rendezvous.rank(others, f"{self.node}\0{chunk.key}")
+            for n in ranked[: self.policy.split_peers]:
+                try:
+                    data = self.client.fetch(self.address[n], chunk.key, start=begin, end=end)
+                except PeerError as exc:
+                    self._peer_failed(n, exc, chunk.key)
+                    continue
+                self._throttle(len(data))
+                return n, data
+            return None
+        finally:
+            self._split_slots.release()
 
     def _commit_verified(self, chunk: ChunkEntry, sink: InPlaceSink) -> bool:
         """Commit a chunk whose every piece is verified in place (no bytes to fetch)."""
