@@ -2,7 +2,8 @@
 
 For one pod it (1) closes the pod's weights-verified gate (reason Swapping), so kubelet
 marks it unready and Services and HTTPRoute backends drop it, and records the swap on the
-pod (builders.SWAP_ANNOTATION); (2) waits for the pod to be unready; (3) asks the pod's
+pod (builders.SWAP_ANNOTATION); (2) waits for the pod to be unready, and then
+ENDPOINTS_GRACE_S for routers to drop it; (3) asks the pod's
 inference server to swap (POST /weightship/v1/swap on the weightship vLLM plugin, with a
 token made from the rollout's seeding key for this pod and digest: seedtoken.join_token);
 (4) follows GET /weightship/v1/swap until the server says Swapped or Failed, or the swap
@@ -60,6 +61,11 @@ SWAP_FAILED = "SwapFailed"
 DEFAULT_WORKERS = 4
 POLL_S = 0.25
 UNREADY_WAIT_S = 10.0  # for kubelet to mark the pod unready once its gate is False
+# Then for the pod to leave the EndpointSlices and the routers that read them: a request
+# a stale router still sends during the swap waits at the server's gate and is served by
+# the new weights before the verifier has checked them (e2e test_inplace saw a v3 answer
+# once, under CI load). The same reason pods sleep in preStop before they stop.
+ENDPOINTS_GRACE_S = 2.0
 REQUEST_TIMEOUT_S = 10.0
 NOT_STAGED_WAIT_S = 30.0
 MAX_ANSWER_BYTES = 64 * 1024
@@ -129,8 +135,10 @@ class Swapper:
         *,
         workers: int = DEFAULT_WORKERS,
         on_done: Callable[[str, str], None] = lambda namespace, name: None,
+        endpoints_grace_s: float = ENDPOINTS_GRACE_S,
     ) -> None:
         self.kube = kube
+        self.endpoints_grace_s = endpoints_grace_s
         self.on_done = on_done  # requeue the rollout when a swap ends
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swap")
         self.http = urllib3.PoolManager(maxsize=workers, retries=False)
@@ -259,6 +267,7 @@ class Swapper:
             if pod is None:
                 raise SwapFailure("PodGone", "the pod was deleted")
             if not is_true(pod, "Ready"):
+                time.sleep(self.endpoints_grace_s)
                 return
             time.sleep(POLL_S)
         log.warning(
