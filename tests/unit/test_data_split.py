@@ -19,6 +19,7 @@ from weightship.data.chunkstore import ChunkStore
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
+from weightship.data.peer import PeerClient, PeerError
 from weightship.data.split import SplitTransfer
 from weightship.httpserver import Server
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
@@ -114,9 +115,12 @@ def model(tmp_path: Path) -> tuple[Manifest, PieceLayer]:
 class _Peer:
     """A peer holding the chunk whole, answering ``Range: bytes=a-`` and ``bytes=a-b``.
     ``trickle``: its first answer sends that many pieces, one each 50 ms, then stalls
-    until ``release`` (an owner whose uplink is full). ``bad_piece``: corrupted."""
+    until ``release`` (an owner whose uplink is full). ``bad_piece``: corrupted.
+    ``oversend``: sends to the chunk's end whatever range end was asked."""
 
-    def __init__(self, trickle: int | None = None, bad_piece: int | None = None) -> None:
+    def __init__(
+        self, trickle: int | None = None, bad_piece: int | None = None, oversend: bool = False
+    ) -> None:
         self.ranges: list[str | None] = []
         self.release = threading.Event()
         body = bytearray(DATA)
@@ -132,7 +136,7 @@ class _Peer:
                 me.ranges.append(rng)
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "bytes=0-")
                 start = int(m[1]) if m else 0
-                end = int(m[2]) + 1 if m and m[2] else CHUNK
+                end = int(m[2]) + 1 if m and m[2] and not oversend else CHUNK
                 self.send_response(206 if rng else 200)
                 self.send_header("Content-Length", str(end - start))
                 self.end_headers()
@@ -289,3 +293,17 @@ def test_a_bad_piece_before_the_cut_is_still_the_first_peers() -> None:
     with pytest.raises(PieceVerificationError) as err:
         split.finish(view, split.cut, bad_before)
     assert type(err.value) is PieceVerificationError
+
+
+def test_a_part_longer_than_the_range_asked_is_refused_unread(
+    peers: Callable[..., _Peer], model: tuple[Manifest, PieceLayer]
+) -> None:
+    """The second part is read into memory: a peer answering more than the range asked
+    is refused before its body is read."""
+    m, _ = model
+    liar, honest = peers(oversend=True), peers()
+    client = PeerClient(timeout_s=5)
+    with pytest.raises(PeerError, match="more than"):
+        client.fetch(liar.address, m.chunks[0].key, start=PIECE, end=2 * PIECE)
+    part = client.fetch(honest.address, m.chunks[0].key, start=PIECE, end=2 * PIECE)
+    assert part == DATA[PIECE : 2 * PIECE]

@@ -28,6 +28,7 @@ from weightship.data.chunkindex import Receiving
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.httpconn import ThreadConnections
 from weightship.httpserver import BoundedHandler, Server
+from weightship.weightformat.bounds import MAX_CHUNK_SIZE
 from weightship.weightformat.chunkhash import chunk_key
 
 WAIT_HEADER = "X-Weightship-Wait"
@@ -416,7 +417,8 @@ class PeerClient:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if wait_s > 0:
             headers[WAIT_HEADER] = f"{wait_s:.3f}"
-        status, body = self._request("GET", address, key, headers, self.timeout_s + wait_s)
+        asked = MAX_CHUNK_SIZE if end is None else end - start
+        status, body = self._request("GET", address, key, headers, self.timeout_s + wait_s, asked)
         if status not in (200, 206):
             raise PeerError(f"{address} answered {status} for chunk {key}")
         return body
@@ -486,9 +488,16 @@ class PeerClient:
         self._http.close()
 
     def _request(
-        self, method: str, address: str, key: str, headers: dict[str, str], timeout_s: float
+        self,
+        method: str,
+        address: str,
+        key: str,
+        headers: dict[str, str],
+        timeout_s: float,
+        max_bytes: int = MAX_CHUNK_SIZE,
     ) -> tuple[int, bytes]:
-        status, body, claimant = self._call(method, address, _chunk_target(key), headers, timeout_s)
+        target = _chunk_target(key)
+        status, body, claimant = self._call(method, address, target, headers, timeout_s, max_bytes)
         if status == 410:
             raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if status == 404:
@@ -498,14 +507,28 @@ class PeerClient:
         return status, body
 
     def _call(
-        self, method: str, address: str, target: str, headers: dict[str, str], timeout_s: float
+        self,
+        method: str,
+        address: str,
+        target: str,
+        headers: dict[str, str],
+        timeout_s: float,
+        max_bytes: int = MAX_CHUNK_SIZE,
     ) -> tuple[int, bytes, str | None]:
+        """One request and its whole answer, of ``max_bytes`` at most (PeerError past it:
+        a peer never sends more than the range or the chunk asked for)."""
         try:
             resp = self._http.request(method, address, target, headers, timeout_s=timeout_s)
-            body = resp.read()  # raises IncompleteRead when the peer closes mid-transfer
+            if resp.length is not None and resp.length > max_bytes:
+                body = b""
+            else:  # raises IncompleteRead when the peer closes mid-transfer
+                body = resp.read(max_bytes + 1) if resp.length is None else resp.read()
         except (OSError, http.client.HTTPException) as exc:
             self._http.drop("http", address)
             raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        if not resp.isclosed() or len(body) > max_bytes:
+            self._http.drop("http", address)
+            raise PeerError(f"{address} answered more than the {max_bytes} bytes asked")
         self._http.done("http", address, resp)
         return resp.status, body, resp.getheader(CLAIMANT_HEADER)
 
