@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from benchlib import settings, verify_files
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.fetcher import FetchPolicy, Peer
+from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.peer import (
     WHOLE_UPLOADS,
@@ -101,6 +103,38 @@ def policy(args: argparse.Namespace) -> FetchPolicy | None:
     )
 
 
+def trace_transfers(start_at: float) -> list[tuple[str, str, str, float, float]]:
+    """With WSBENCH_TRACE=1: every origin fetch and peer stream of this node, as
+    (kind, chunk key, peer, started s, ended s) after the start, for the run's JSON (how a
+    round spent its time, chunk by chunk). Wraps the fetcher's methods in this process."""
+    events: list[tuple[str, str, str, float, float]] = []
+    if os.environ.get("WSBENCH_TRACE") != "1":
+        return events
+    from_origin = ChunkFetcher._from_origin
+    from_peer = ChunkFetcher._stream_from_peer
+
+    def traced_origin(self: ChunkFetcher, chunk: Any) -> None:
+        t0 = time.time() - start_at
+        try:
+            from_origin(self, chunk)
+        finally:
+            events.append(("origin", chunk.key[-8:], "", t0, time.time() - start_at))
+
+    def traced_peer(self: ChunkFetcher, node: str, chunk: Any, *rest: Any) -> bool:
+        t0 = time.time() - start_at
+        ok = False
+        try:
+            ok = from_peer(self, node, chunk, *rest)
+            return ok
+        finally:
+            kind = "peer" if ok else "peer-miss"
+            events.append((kind, chunk.key[-8:], node, t0, time.time() - start_at))
+
+    ChunkFetcher._from_origin = traced_origin  # type: ignore[method-assign]
+    ChunkFetcher._stream_from_peer = traced_peer  # type: ignore[method-assign]
+    return events
+
+
 def run(args: argparse.Namespace, run_dir: Path) -> None:
     manifest = Manifest.parse(Path(args.manifest).read_bytes())
     store = ChunkStore(Path(args.cache))
@@ -116,6 +150,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         (run_dir / f"{args.node}.ready").touch()
         start_at = float(wait_for(run_dir / "go", args.timeout))
         time.sleep(max(0.0, start_at - time.time()))
+        trace = trace_transfers(start_at)
         client = CountingClient()
         registry = CollectorRegistry()
         last_origin = {"bytes": 0, "at": 0.0}  # when this node's last origin chunk came in
@@ -171,6 +206,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "demotions": registry.get_sample_value("weightship_agent_peer_demotions_total") or 0,
             "piece_verified": staged_with_pieces(store, manifest),
             "timeline": timeline,
+            "trace": trace,
         }
         write_json(run_dir / f"{args.node}.json", doc)
         wait_for(run_dir / "done", args.timeout)  # keep serving until everyone is staged

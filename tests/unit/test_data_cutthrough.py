@@ -333,6 +333,64 @@ def test_a_spare_only_request_is_never_streamed_a_chunk_still_arriving(
         assert client.fetch(server.address, chunk.key, spare_only=True) == good
 
 
+def test_an_owner_sends_a_request_it_held_to_the_claimant_once_its_chunk_lands_from_there(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    """A request held at the owner for a chunk that a peer then claimed, and that now lands
+    at the owner from that claimant, is answered 404 naming the claimant: relayed from a
+    slow owner it would share that owner's full uplink (fleet traces: five nodes got a
+    claimed chunk through its owner at the end of a round). Not with redirect_claimed
+    off: then it is streamed."""
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    store = ChunkStore(tmp_path / "owner")
+    store.claims.open([c.key for c in m.chunks], [("node-b", "127.0.0.1:1")])
+    first_piece, rest = threading.Event(), threading.Event()
+
+    def from_claimant(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+        view[:PIECE] = good[:PIECE]
+        landed(PIECE)
+        first_piece.set()
+        rest.wait(5)
+        view[PIECE:] = good[PIECE:]
+        landed(CHUNK)
+        return CHUNK
+
+    with (
+        ModelStaging(store, m) as staging,
+        PeerServer(store, "127.0.0.1") as server,
+        PeerServer(store, "127.0.0.1", redirect_claimed=False) as plain,
+    ):
+        staging.pieces = pieces
+        staging.prepare()
+        client = PeerClient(timeout_s=5)
+        held: list[BaseException | None] = []
+
+        def ask_owner() -> None:
+            try:
+                client.open(server.address, chunk.key, wait_s=5).close()
+                held.append(None)
+            except ChunkNotOnPeerError as exc:
+                held.append(exc)
+
+        asker = threading.Thread(target=ask_owner)
+        asker.start()  # held: nothing of the chunk is here, and nobody claimed it yet
+        assert store.claims.grant(chunk.key, "node-b") == "node-b"
+        receiving = threading.Thread(target=staging.receive, args=(chunk.key, from_claimant))
+        receiving.start()
+        assert first_piece.wait(5)
+        asker.join(5)
+        assert isinstance(held[0], ChunkNotOnPeerError) and held[0].claimant == "node-b"
+        relayed = PeerClient(timeout_s=5).open(plain.address, chunk.key)
+        rest.set()
+        got = bytearray(CHUNK)
+        assert relayed.read_into(memoryview(got), 0, lambda n: None) == CHUNK
+        relayed.close()
+        receiving.join(5)
+        assert bytes(got) == good
+        assert client.fetch(server.address, chunk.key) == good  # whole here: served
+
+
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
 def test_a_chunk_from_its_owner_whole_marks_the_node_behind_on_it(
     tmp_path: Path, model: tuple[Manifest, PieceLayer, Path], streamed: bool

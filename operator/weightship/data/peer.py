@@ -215,6 +215,15 @@ class _ChunkHandler(BoundedHandler):
         if stream:
             where = store.index.wait_any(key, wait_s)
             if isinstance(where, Receiving):
+                claimant = store.claims.claimant(key)
+                if self.server.redirect_claimed and claimant is not None:
+                    # Claimed while this request waited, and now landing here from the
+                    # claimant: the claimant streams it as fast; relayed from here it
+                    # would share this (slow) owner's uplink as well.
+                    self._reply(
+                        404, b"chunk not here; ask its claimant\n", {CLAIMANT_HEADER: claimant}
+                    )
+                    return
                 self._serve_receiving(where)
                 return
             found = store.open_location(where) if where is not None else None
@@ -342,7 +351,8 @@ class PeerServer:
     ``whole_uploads`` bounds those of whole chunks (peers that fell behind; a stream of a
     chunk still landing is not one). ``redirect_claimed``: a request for a chunk a peer
     claimed (nothing of which is here yet) is sent to that peer (404 naming it) rather
-    than held here; off only for the benchmark's baseline.
+    than held here, as is a request held here when the chunk starts landing from that
+    peer (never relayed through this node); off only for the benchmark's baseline.
     ``max_connections`` bounds the connections (so the threads) held at once."""
 
     def __init__(
