@@ -19,8 +19,9 @@ from weightship.controller.builders import (
     SWAP_ANNOTATION,
     VERIFIED_GATE,
 )
+from weightship.controller.seedkey import swap_group
 from weightship.controller.snapshot import pod_swap
-from weightship.controller.swapper import Swapper, swap_group
+from weightship.controller.swapper import Swapper
 from weightship.core.decision import SwapPod
 from weightship.core.seedtoken import check_token
 from weightship.core.testing import make_rollout
@@ -117,6 +118,8 @@ def test_a_swap_takes_the_pod_out_then_moves_it_to_the_new_revision_unverified(p
     swap(plugin, writes)
     ((body, authorization),) = Plugin.posted
     assert body["manifestDigest"] == DIGEST and body["revision"] == "v2"
+    # The rollout verifies pods: the server holds the new weights for the verifier.
+    assert body["holdUntilVerified"] is True
     token = authorization.removeprefix("Bearer ")
     rollout = make_rollout()
     assert (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,22 +21,27 @@ from weightship.api.spec import GoldenPrompt, ValidationSpec
 from weightship.controller.builders import (
     CACHE_VOLUME,
     DIGEST_ANNOTATION,
+    SWAP_ANNOTATION,
     gate_condition,
     staged_model_dir,
     staged_node_label,
 )
+from weightship.controller.seedkey import KEY_FIELD, seed_key_secret_name
 from weightship.controller.snapshot import observed_pods
 from weightship.controller.verifier import (
     LOADED_ANNOTATION,
+    VERIFIED_PATH,
     Verifier,
     completion_request,
     staged_evidence,
     termination_messages,
 )
 from weightship.core.pod_gates import pod_gates
+from weightship.core.seedtoken import check_token
 from weightship.core.verification import LoadReport, StagedEvidence, termination_message
 
 DIGEST = "sha256:" + "cd" * 32
+SEED_KEY = bytes(range(32))
 CACHE = "/var/cache/weightship"
 
 
@@ -149,6 +155,8 @@ class ServerState:
         self.loaded: dict[str, Any] | None = None  # None: no /weightship/v1/loaded (404)
         self.answer = "Paris."
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[tuple[str, dict[str, str]]] = []  # (path, headers) of each POST
+        self.verified_status = 200  # the answer to POST /weightship/v1/swap/verified
 
 
 @pytest.fixture
@@ -175,6 +183,10 @@ def server() -> Iterator[tuple[int, ServerState]]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.headers.append((self.path, dict(self.headers.items())))
+            if self.path == VERIFIED_PATH:
+                self._json(state.verified_status, {"accepted": state.verified_status == 200})
+                return
             state.requests.append(body)
             if self.path != "/v1/chat/completions":
                 self._json(404, {"detail": "Not Found"})
@@ -193,6 +205,7 @@ class NodeKube:
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.labels = labels
+        self.secrets = {("ns", seed_key_secret_name("llm")): {KEY_FIELD: SEED_KEY.hex()}}
         self.done = threading.Event()
         self.core = SimpleNamespace(
             read_node=lambda name: SimpleNamespace(metadata=SimpleNamespace(labels=self.labels))
@@ -200,6 +213,9 @@ class NodeKube:
 
     def on_verdict(self, namespace: str, name: str) -> None:
         self.done.set()
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        return self.secrets[(namespace, name)]
 
 
 def verify(
@@ -284,6 +300,45 @@ def test_a_wrong_chat_answer_fails_with_the_diff(server: tuple[int, ServerState]
     condition, _ = verify(port, "none", vllm_pod())
     assert (condition["status"], condition["reason"]) == ("False", "GoldenPromptFailed")
     assert 'expected equals "Paris.", got "Lyon."' in condition["message"]
+
+
+def swapped_pod() -> dict[str, Any]:
+    pod = vllm_pod()
+    record = {"state": "Swapped", "manifestDigest": DIGEST, "revision": "v2"}
+    pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(record)
+    return pod
+
+
+def test_weights_swapped_in_place_are_reached_with_the_swap_token_then_opened_to_traffic(
+    server: tuple[int, ServerState],
+) -> None:
+    """A pod swapped in place holds the new weights from traffic until they pass: the
+    golden prompt carries the pod's swap token (X-Weightship-Verify), and once it passes
+    the verifier tells the server (POST /weightship/v1/swap/verified) before the gate
+    opens. A pod started with its weights is told nothing."""
+    port, state = server
+    condition, _ = verify(port, "none", swapped_pod())
+    assert condition["status"] == "True", condition
+    (prompt_path, prompt), (told_path, told) = state.headers
+    assert (prompt_path, told_path) == ("/v1/chat/completions", VERIFIED_PATH)
+    uid = ModelRollout.model_validate(VALID_MANIFEST).metadata.uid or ""
+    for value in (prompt["X-Weightship-Verify"], told["Authorization"]):
+        token = value.removeprefix("Bearer ")
+        assert check_token(SEED_KEY, uid, DIGEST, "swap/p1", token, time.time()) is None
+    state.headers.clear()
+    verify(port, "none", vllm_pod())
+    assert [path for path, _ in state.headers] == ["/v1/chat/completions"]
+    assert "X-Weightship-Verify" not in state.headers[0][1]
+
+
+def test_swapped_weights_the_server_was_not_told_of_keep_the_gate_pending(
+    server: tuple[int, ServerState],
+) -> None:
+    port, state = server
+    state.verified_status = 409
+    condition, _ = verify(port, "none", swapped_pod())
+    assert (condition["status"], condition["reason"]) == ("False", "Pending"), condition
+    assert "the server was not told" in condition["message"]
 
 
 def test_a_server_that_exited_refusing_its_weights_fails_the_gate() -> None:

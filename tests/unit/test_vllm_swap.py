@@ -24,6 +24,7 @@ from weightship.integrations.vllm.swap import (
     bearer_token,
     config_changes,
     first_failure,
+    parse_verified,
     ranked,
     read_outcomes,
     refusal_doc,
@@ -52,6 +53,29 @@ def test_a_request_has_a_digest_a_revision_and_bounded_timeouts() -> None:
     req = SwapRequest.parse(body(drainTimeoutSeconds=0, swapTimeoutSeconds=3600))
     assert req == SwapRequest(DIGEST, "v2", 0, 3600)
     assert SwapRequest.parse(body()) == SwapRequest(DIGEST, "v2", 30, 300)
+
+
+def test_a_swap_may_ask_to_hold_its_weights_until_verified() -> None:
+    assert SwapRequest.parse(body(holdUntilVerified=True)).hold_until_verified
+    assert not SwapRequest.parse(body()).hold_until_verified  # an older operator's request
+    with pytest.raises(SwapRequestError):
+        SwapRequest.parse(body(holdUntilVerified="yes"))
+
+
+def test_the_verifiers_word_names_one_digest() -> None:
+    assert parse_verified(json.dumps({"manifestDigest": DIGEST}).encode()) == DIGEST
+    for bad in (b"{}", b"[]", b"nope", json.dumps({"manifestDigest": DIGEST, "x": 1}).encode()):
+        with pytest.raises(SwapRequestError):
+            parse_verified(bad)
+    with pytest.raises(SwapRequestError) as big:
+        parse_verified(b" " * (MAX_SWAP_BODY + 1))
+    assert big.value.status == 413
+
+
+def test_the_swap_token_is_what_lets_the_verifier_reach_the_swapped_weights() -> None:
+    assert auth().check(bearer(), DIGEST, NOW) is None
+    refusal = auth().check(bearer(OTHER), DIGEST, NOW)
+    assert refusal is not None and refusal.status == 403
 
 
 @pytest.mark.parametrize(

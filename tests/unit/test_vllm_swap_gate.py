@@ -56,7 +56,9 @@ class App:
 Sent = list[dict[str, Any]]
 
 
-def request(middleware: StampMiddleware, path: str) -> tuple[asyncio.Task[None], Sent]:
+def request(
+    middleware: StampMiddleware, path: str, verify: str | None = None
+) -> tuple[asyncio.Task[None], Sent]:
     sent: Sent = []
 
     async def receive() -> dict[str, Any]:
@@ -65,7 +67,8 @@ def request(middleware: StampMiddleware, path: str) -> tuple[asyncio.Task[None],
     async def send(message: Any) -> None:
         sent.append(dict(message))
 
-    scope = {"type": "http", "path": path, "method": "POST", "headers": []}
+    sent_headers = [] if verify is None else [(b"X-Weightship-Verify", verify.encode())]
+    scope = {"type": "http", "path": path, "method": "POST", "headers": sent_headers}
     return asyncio.get_running_loop().create_task(middleware(scope, receive, send)), sent
 
 
@@ -129,6 +132,78 @@ def test_requests_arriving_during_a_swap_wait_and_get_the_new_weights() -> None:
         gate.open(V2)
         await held
         assert status(held_sent) == 200 and stamped(held_sent) == ("v2", V2.manifest_digest)
+
+    run(test)
+
+
+def test_swapped_weights_held_for_verification_serve_only_the_verifier_until_they_pass() -> None:
+    """A request a stale router sends during a swap asked to hold until verified waits
+    past the swap, while the verifier's golden prompt (its token in X-Weightship-Verify)
+    reaches the new weights; once they pass the held one gets them too. A request with a
+    wrong token waits like any other."""
+
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate, is_verifier=lambda h: h == "Bearer good")
+        app.release("/v1/completions")
+        gate.close(60)
+        held, held_sent = request(mw, "/v1/completions")
+        await settle()
+        gate.seal()
+        gate.verifying(V2, 60)
+        await settle()
+        assert not held.done() and gate.held == 1  # the swap is over; still held
+        forged, forged_sent = request(mw, "/v1/completions", verify="Bearer forged")
+        golden, golden_sent = request(mw, "/v1/completions", verify="Bearer good")
+        await golden
+        assert status(golden_sent) == 200 and stamped(golden_sent)[0] == "v2"
+        await settle()
+        assert not held.done() and not forged.done() and gate.held == 2
+        assert not gate.verified(V1.manifest_digest or "")  # not the weights it verifies
+        assert gate.verified(V2.manifest_digest or "")
+        await asyncio.gather(held, forged)
+        assert status(held_sent) == 200 and stamped(held_sent)[0] == "v2"
+        assert status(forged_sent) == 200 and stamped(forged_sent)[0] == "v2"
+        assert gate.verified(V2.manifest_digest or "")  # told again: still open
+
+    run(test)
+
+
+def test_weights_that_fail_verification_never_serve_the_held_requests() -> None:
+    """The operator swaps back after a failed golden prompt: what waited during the bad
+    weights' verification is served by the weights swapped back, once verified."""
+
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        mw = StampMiddleware(app, gate, is_verifier=lambda h: h == "Bearer good")
+        app.release("/v1/completions")
+        gate.close(60)
+        gate.seal()
+        gate.verifying(V2, 60)  # V2 turns out bad
+        held, held_sent = request(mw, "/v1/completions")
+        await settle()
+        gate.close(60)  # the swap back
+        gate.seal()
+        await settle()
+        assert not held.done()
+        gate.verifying(V1, 60)
+        assert gate.verified(V1.manifest_digest or "")
+        await held
+        assert status(held_sent) == 200 and stamped(held_sent)[0] == "v1"
+
+    run(test)
+
+
+def test_a_request_held_past_the_verification_bound_is_a_503() -> None:
+    async def test() -> None:
+        gate = WeightsGate(V1)
+        mw = StampMiddleware(App(), gate, is_verifier=lambda h: False)
+        gate.close(60)
+        gate.seal()
+        gate.verifying(V2, 0.05)
+        task, sent = request(mw, "/v1/completions")
+        await task
+        assert status(sent) == 503 and json.loads(body(sent))["reason"] == "Verifying"
 
     run(test)
 

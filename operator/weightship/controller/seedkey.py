@@ -2,10 +2,11 @@
 every pod of the rollout reads (a secretKeyRef) to make or check join tokens
 (weightship.core.seedtoken). Any pod may become a seed root, so every pod gets it.
 
-The operator only creates the Secret (once per rollout: `SeedKeys`) and never reads it
-back, logs it, or puts it in status or events; its failure to create one is no error of
-the rollout's: pods without the key simply load from their node cache (the secretKeyRef
-is optional).
+The operator creates the Secret (once per rollout: `SeedKeys`) and reads it back only to
+sign in-place swap tokens (`swap_token`: the swapper's swap, the verifier's check of the
+swapped weights); it never logs it or puts it in status or events. Its failure to create
+one is no error of the rollout's: pods without the key simply load from their node cache
+(the secretKeyRef is optional).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import base64
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
 from weightship.api.models import ModelRollout
-from weightship.core.seedtoken import KEY_BYTES
+from weightship.core.seedtoken import KEY_BYTES, mint, parse_key
 
 if TYPE_CHECKING:
     from weightship.controller.kube import Kube
@@ -36,6 +38,21 @@ SUFFIX = "-seed-key"
 
 def seed_key_secret_name(rollout_name: str) -> str:
     return rollout_name[: 253 - len(SUFFIX)] + SUFFIX
+
+
+def swap_group(pod: str) -> str:
+    """The token group of a swap of one pod: a token opens that pod's swap only."""
+    return f"swap/{pod}"
+
+
+def swap_token(
+    kube: Kube, namespace: str, rollout: str, rollout_uid: str, digest: str, pod: str
+) -> str:
+    """A token that opens ``pod``'s in-place swap to ``digest``, and lets the verifier
+    reach those weights before they passed (integrations/vllm/swap.py); signed with the
+    rollout's seeding key, read from its Secret (raises when it cannot be read)."""
+    key = parse_key(kube.secret_data(namespace, seed_key_secret_name(rollout))[KEY_FIELD])
+    return mint(key, rollout_uid, digest, swap_group(pod), time.time())
 
 
 def needs_key(rollout: ModelRollout) -> bool:

@@ -9,7 +9,9 @@ token made from the rollout's seeding key for this pod and digest: seedtoken.joi
 (4) follows GET /weightship/v1/swap until the server says Swapped or Failed, or the swap
 times out; (5) on success moves the pod to its new revision (revision-hash label, digest
 annotations) and leaves the gate Pending, so the verifier checks the loaded digest and the
-golden prompts as for a new pod: only that opens the gate again. On failure the pod stays
+golden prompts as for a new pod: only that opens the gate again (when the rollout
+verifies anything, the server serves the new weights to the verifier alone until then:
+holdUntilVerified, and the verifier's POST /weightship/v1/swap/verified). On failure the pod stays
 out of traffic with the reason on it; the core decides what follows (abort, swap back,
 restart).
 
@@ -43,14 +45,14 @@ from weightship.controller.builders import (
 )
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition, is_true
-from weightship.controller.seedkey import KEY_FIELD, seed_key_secret_name
+from weightship.controller.seedkey import swap_token
 from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
     RESTARTS_ANNOTATION,
 )
 from weightship.core.decision import SwapPod
-from weightship.core.seedtoken import TOKEN_LIFETIME_S, join_token, parse_key
+from weightship.core.pod_gates import verifies
 from weightship.core.verification import PENDING
 
 log = logging.getLogger(__name__)
@@ -61,19 +63,13 @@ SWAP_FAILED = "SwapFailed"
 DEFAULT_WORKERS = 4
 POLL_S = 0.25
 UNREADY_WAIT_S = 10.0  # for kubelet to mark the pod unready once its gate is False
-# Then for the pod to leave the EndpointSlices and the routers that read them: a request
-# a stale router still sends during the swap waits at the server's gate and is served by
-# the new weights before the verifier has checked them (e2e test_inplace saw a v3 answer
-# once, under CI load). The same reason pods sleep in preStop before they stop.
+# Then for the pod to leave the EndpointSlices and the routers that read them, as pods
+# sleep in preStop before they stop: a request a stale router still sends waits at the
+# server's gate through the swap and its verification (holdUntilVerified).
 ENDPOINTS_GRACE_S = 2.0
 REQUEST_TIMEOUT_S = 10.0
 NOT_STAGED_WAIT_S = 30.0
 MAX_ANSWER_BYTES = 64 * 1024
-
-
-def swap_group(pod: str) -> str:
-    """The token group of a swap of one pod: a token opens that pod's swap only."""
-    return f"swap/{pod}"
 
 
 def _now() -> str:
@@ -95,6 +91,9 @@ class SwapJob:
     started_at: str
     resume: bool = False
     restarts: int = 0
+    # The verifier checks the swapped weights: the server serves them to nobody else
+    # until it says they passed (holdUntilVerified).
+    hold_until_verified: bool = False
 
 
 class SwapFailure(Exception):
@@ -203,6 +202,7 @@ class Swapper:
             swap_timeout_s=in_place.swap_timeout_seconds,
             started_at=started_at,
             resume=resume,
+            hold_until_verified=verifies(validation),
             restarts=sum(
                 int(c.get("restartCount") or 0)
                 for c in (pod.get("status") or {}).get("containerStatuses") or []
@@ -279,16 +279,18 @@ class Swapper:
 
     def _token(self, job: SwapJob) -> str:
         try:
-            data = self.kube.secret_data(job.namespace, seed_key_secret_name(job.rollout))
-            key = parse_key(data[KEY_FIELD])
+            return swap_token(
+                self.kube,
+                job.namespace,
+                job.rollout,
+                job.rollout_uid,
+                job.swap.manifest_digest,
+                job.pod,
+            )
         except Exception as e:
             raise SwapFailure(
                 "NoSwapKey", f"cannot read the rollout's seeding key: {type(e).__name__}"
             ) from None
-        expires = int(time.time()) + TOKEN_LIFETIME_S
-        return join_token(
-            key, job.rollout_uid, job.swap.manifest_digest, swap_group(job.pod), expires
-        )
 
     def _swap(self, job: SwapJob) -> dict[str, Any]:
         """The swap, asked for again while the server finds the target not staged yet
@@ -308,6 +310,7 @@ class Swapper:
             "revision": job.swap.revision,
             "drainTimeoutSeconds": job.drain_timeout_s,
             "swapTimeoutSeconds": job.swap_timeout_s,
+            "holdUntilVerified": job.hold_until_verified,
         }
         status, answer = self._request(
             "POST", job, body, {"Authorization": f"Bearer {self._token(job)}"}

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -35,6 +35,7 @@ from weightship.controller.builders import (
     DIGEST_ANNOTATION,
     MODEL_DIR_ENV,
     NODE_VOLUMES,
+    SWAP_ANNOTATION,
     VERIFIED_GATE,
     mounts_view,
     pod_model_dir,
@@ -42,7 +43,9 @@ from weightship.controller.builders import (
 )
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
+from weightship.controller.seedkey import swap_token
 from weightship.core.observed import PodVerdict
+from weightship.core.pod_gates import verifies
 from weightship.core.verification import (
     DRAINING,
     IN_PROGRESS_REASONS,
@@ -63,6 +66,9 @@ from weightship.core.verification import (
 log = logging.getLogger(__name__)
 
 LOADED_PATH = "/weightship/v1/loaded"
+# The in-place swap's verification (integrations/vllm/swap.py: HTTP only, no import).
+VERIFIED_PATH = "/weightship/v1/swap/verified"
+VERIFY_HEADER = "X-Weightship-Verify"
 LOADED_ANNOTATION = f"{GROUP}/loaded"
 FAILED_PROMPT_ANNOTATION = f"{GROUP}/failed-prompt"
 # Container restarts when the verdict was written: a restarted server loads again, so its
@@ -165,6 +171,18 @@ def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidenc
     )
 
 
+def swapped_to(pod: dict[str, Any]) -> str:
+    """The manifest digest the pod's last in-place swap put in, if it succeeded ('')."""
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(SWAP_ANNOTATION)
+    try:
+        record = json.loads(raw or "{}")
+    except ValueError:
+        return ""
+    if not isinstance(record, dict) or record.get("state") != "Swapped":
+        return ""
+    return str(record.get("manifestDigest") or "")
+
+
 def termination_messages(pod: dict[str, Any]) -> tuple[str, ...]:
     """The termination messages of the pod's containers, this run's and the last one's."""
     out = []
@@ -195,6 +213,11 @@ class _Check:
     model: str | None = None
     evidence: StagedEvidence | None = None  # node_staged filled in by the check
     terminations: tuple[str, ...] = ()  # containers' termination messages
+    # Swapped in place to want_digest: its server lets only the verifier reach those
+    # weights (X-Weightship-Verify) until told they passed (POST VERIFIED_PATH).
+    swapped: bool = False
+    rollout_uid: str = ""
+    verify_headers: dict[str, str] = field(default_factory=dict)
 
 
 def _never(namespace: str, name: str) -> None:
@@ -240,8 +263,7 @@ class Verifier:
 
     def submit(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> bool:
         """Start checks for pods without a verdict; True while any pod still waits for one."""
-        validation = rollout.spec.validation
-        if validation.mode == "none" and not validation.golden_prompts:
+        if not verifies(rollout.spec.validation):
             return False  # nothing to verify: core.pod_gates opens the gate
         waiting = False
         for pod in pods:
@@ -287,6 +309,8 @@ class Verifier:
             model=validation.endpoint.model,
             evidence=staged_evidence(pod, self._model_dir(rollout, pod, digest)),
             terminations=termination_messages(pod),
+            swapped=swapped_to(pod) == digest != "",
+            rollout_uid=rollout.metadata.uid or "",
         )
 
     def _model_dir(self, rollout: ModelRollout, pod: dict[str, Any], digest: str) -> str | None:
@@ -302,6 +326,8 @@ class Verifier:
         try:
             with metrics.VERIFICATION_SECONDS.time():
                 report, verdict = self._verify(check)
+                if check.swapped and verdict.status == "True":
+                    verdict = self._open_to_traffic(check, verdict)
             if check.restarted or gate_changed(check.current, verdict):
                 annotations = verdict_annotations(report, verdict)
                 annotations[RESTARTS_ANNOTATION] = check.restarts
@@ -321,9 +347,45 @@ class Verifier:
             with self.lock:
                 self.in_flight.discard(check.uid)
 
+    def _swap_headers(self, check: _Check) -> dict[str, str]:
+        """The swap token, for a server holding swapped weights for this check."""
+        token = swap_token(
+            self.kube,
+            check.namespace,
+            check.rollout,
+            check.rollout_uid,
+            check.want_digest,
+            check.name,
+        )
+        return {"Authorization": f"Bearer {token}"}
+
+    def _open_to_traffic(self, check: _Check, verdict: GateVerdict) -> GateVerdict:
+        """The swapped weights passed: tell the server, which serves them to the verifier
+        only until then. Pending while it has not heard (the check runs again)."""
+        try:
+            self._request(
+                "POST",
+                check.base_url + VERIFIED_PATH,
+                {"manifestDigest": check.want_digest},
+                check.timeout_s,
+                self._swap_headers(check),
+            )
+        except NotFound:
+            return verdict  # a server without the route serves what it loaded anyway
+        except Exception as e:  # the key unreadable, a 409, the server gone
+            message = f"the weights passed, but the server was not told: {e}"
+            return GateVerdict("False", PENDING, message, mode=verdict.mode)
+        return verdict
+
     def _verify(self, check: _Check) -> tuple[LoadReport | None, GateVerdict]:
         mode: VerifyMode
         report: LoadReport | None = None
+        if check.swapped and check.prompts:
+            try:
+                check.verify_headers = {VERIFY_HEADER: self._swap_headers(check)["Authorization"]}
+            except Exception as e:
+                message = f"cannot sign the golden prompts for swapped weights: {type(e).__name__}"
+                return None, GateVerdict("False", PENDING, message)
         if check.mode in ("auto", "loaded"):
             try:
                 loaded = self._request("GET", check.base_url + LOADED_PATH, None, check.timeout_s)
@@ -391,7 +453,8 @@ class Verifier:
     )
     def _complete(self, check: _Check, prompt: GoldenPrompt) -> str:
         body = completion_request(prompt, chat=check.chat, model=check.model)
-        answer = self._request("POST", check.base_url + check.path, body, check.timeout_s)
+        url = check.base_url + check.path
+        answer = self._request("POST", url, body, check.timeout_s, check.verify_headers)
         try:
             choice = answer["choices"][0]
             return str(choice["message"]["content"] if check.chat else choice["text"])
@@ -399,14 +462,19 @@ class Verifier:
             raise ServerError(f"unexpected completion shape: {e!r}") from None
 
     def _request(
-        self, method: str, url: str, body: dict[str, Any] | None, timeout_s: float
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any] | None,
+        timeout_s: float,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         try:
             response = self.http.request(
                 method,
                 url,
                 body=json.dumps(body).encode() if body is not None else None,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **(headers or {})},
                 timeout=urllib3.Timeout(connect=min(timeout_s, 5.0), read=timeout_s),
             )
         except urllib3.exceptions.HTTPError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 
-from weightship.api.spec import ModelRolloutSpec
+from weightship.api.spec import ModelRolloutSpec, ValidationSpec
 from weightship.core.decision import SetGate
 from weightship.core.observed import ObservedPod, PodVerdict
 from weightship.core.verification import DRAINING
@@ -20,11 +20,15 @@ from weightship.core.verification import DRAINING
 NOTHING_TO_VERIFY = "NothingToVerify"
 
 
+def verifies(validation: ValidationSpec) -> bool:
+    """Whether the verifier checks pods (a checksum or golden prompts to check)."""
+    return validation.mode != "none" or bool(validation.golden_prompts)
+
+
 def pod_gates(
     spec: ModelRolloutSpec, pods: Sequence[ObservedPod], now: datetime
 ) -> tuple[SetGate, ...]:
-    validation = spec.validation
-    if validation.mode == "none" and not validation.golden_prompts:
+    if not verifies(spec.validation):
         return tuple(_trivial(pods, now))
     return tuple(_verdicts(pods))
 

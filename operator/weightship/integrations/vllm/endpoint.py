@@ -5,6 +5,7 @@ POST /weightship/v1/seed/join     forwarded to this replica's seed root, if it i
 GET  /weightship/v1/seed/status   the broadcasts it ran as a root
 POST /weightship/v1/swap          swap verified weights in place (``swap``, ``swapdriver``)
 GET  /weightship/v1/swap          the latest swap's state
+POST /weightship/v1/swap/verified the verifier passed the swapped weights: traffic may have them
 
 and a middleware that stamps every response with the weights that made it
 (``X-Weightship-Revision``, ``X-Weightship-Manifest-Digest``) and holds requests while a
@@ -39,11 +40,13 @@ from .swap import (
     MAX_SWAP_BODY,
     NOT_SWAPPABLE,
     SWAP_PATH,
+    VERIFIED_PATH,
     SwapAuth,
     SwapRequest,
     SwapRequestError,
     SwapTracker,
     not_swappable,
+    parse_verified,
     refusal_doc,
 )
 from .swapdriver import SwapDriver
@@ -169,6 +172,41 @@ class SwapService:
         log.info("swap to %s (%s) accepted", swap.manifest_digest, swap.revision)
         return JSONResponse({"accepted": True, "swap": state.to_json()}, 202)
 
+    async def verified(self, request: Request) -> JSONResponse:
+        """POST /weightship/v1/swap/verified: the verifier passed these weights (with the
+        swap's token): the gate opens to every request. 409 when the server holds other
+        weights for verification (or none: then nothing changes)."""
+        authorization = request.headers.get("authorization")
+        refusal = self.auth.missing(authorization)
+        if refusal is not None:
+            return JSONResponse(refusal_doc(refusal), refusal.status)
+        try:
+            digest = parse_verified(await read_bounded(request, MAX_SWAP_BODY))
+        except SwapRequestError as exc:
+            doc = {"accepted": False, "reason": "BadRequest", "message": str(exc)}
+            return JSONResponse(doc, exc.status)
+        refusal = self.auth.check(authorization, digest, time.time())
+        if refusal is not None:
+            return JSONResponse(refusal_doc(refusal), refusal.status)
+        if self.gate.verified(digest):
+            log.info("swapped weights %s verified: serving every request", digest)
+            return JSONResponse({"accepted": True, "gate": self.gate.mode})
+        doc = {
+            "accepted": False,
+            "reason": "NotVerifying",
+            "message": f"the gate is {self.gate.mode} with {self.gate.weights.manifest_digest}",
+            "gate": self.gate.mode,
+        }
+        return JSONResponse(doc, 409)
+
+    def is_verifier(self, header: str | None) -> bool:
+        """Whether X-Weightship-Verify carries the swap token of the weights being
+        verified (only then may a request reach them before they passed)."""
+        digest = self.gate.weights.manifest_digest
+        if header is None or digest is None:
+            return False
+        return self.auth.check(header, digest, time.time()) is None
+
     def _busy(self) -> JSONResponse:
         doc = {
             "accepted": False,
@@ -234,10 +272,13 @@ class WeightshipEndpoints:
         app.add_api_route(STATUS_PATH, seed_status, methods=["GET"])
         app.add_api_route(SWAP_PATH, self.swaps.post, methods=["POST"])
         app.add_api_route(SWAP_PATH, self.swaps.get, methods=["GET"])
+        app.add_api_route(VERIFIED_PATH, self.swaps.verified, methods=["POST"])
         # vLLM adds its own middlewares (CORS, --api-key, request ids) after this, so they
         # wrap this one: what they answer themselves (an --api-key 401) is not stamped.
         # The app's middleware stack is already built by the time init_state runs.
-        app.add_middleware(StampMiddleware, gate=self.swaps.gate)
+        app.add_middleware(
+            StampMiddleware, gate=self.swaps.gate, is_verifier=self.swaps.is_verifier
+        )
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         """The ranks' reports are files in the run directory; the swap service needs the

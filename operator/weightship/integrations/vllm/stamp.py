@@ -10,7 +10,10 @@ weights then serving. The swap seals the gate before any parameter changes: a re
 admitted before that and still running is cut from then on (a 503 if it has sent nothing
 yet, else the end of its body), so no response is ever stamped with one revision and made
 by the other. After a swap that left mixed weights the gate refuses (503) until a later
-swap succeeds.
+swap succeeds. A swap asked to hold until verified leaves the gate verifying: only the
+verifier's requests (``X-Weightship-Verify``, checked by the caller's ``is_verifier``)
+reach the new weights, the others wait as at a closed gate, until the verifier says
+they passed (``verified``) or another swap begins.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .swap import UNKNOWN_REVISION
+from .swap import UNKNOWN_REVISION, VERIFY_HEADER
 
 REVISION_HEADER = b"x-weightship-revision"
 DIGEST_HEADER = b"x-weightship-manifest-digest"
@@ -82,7 +85,7 @@ class Refused:
     message: str
 
 
-GateMode = Literal["open", "closed", "refusing"]
+GateMode = Literal["open", "closed", "verifying", "refusing"]
 
 
 class WeightsGate:
@@ -102,15 +105,20 @@ class WeightsGate:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def admit(self) -> Ticket | Refused:
+    async def admit(self, *, verifier: bool = False) -> Ticket | Refused:
+        """``verifier``: the request is the verifier's (it may reach weights it verifies)."""
         while True:
-            if self.mode == "open":
+            if self.mode == "open" or (self.mode == "verifying" and verifier):
                 self.in_flight += 1
                 self._idle.clear()
                 return Ticket(self.epoch, self.weights)
             if self.mode == "refusing":
                 return self.refusal
             remaining = self._hold_until - self._clock()
+            if remaining <= 0 and self.mode == "verifying":
+                return Refused(
+                    503, "Verifying", "held while the new weights are verified, for too long"
+                )
             if remaining <= 0:
                 return Refused(
                     503, "SwapInProgress", "held for the whole of a swap that has not ended"
@@ -161,11 +169,34 @@ class WeightsGate:
         self.mode = "open"
         self._opened.set()
 
+    def verifying(self, weights: Weights, hold_seconds: float) -> None:
+        """The swap is done: ``weights`` serve the verifier's requests only, until
+        ``verified``; the others wait (still), up to ``hold_seconds`` from now."""
+        self.weights = weights
+        self.mode = "verifying"
+        self._hold_until = self._clock() + hold_seconds
+
+    def verified(self, digest: str) -> bool:
+        """The verifier passed ``digest``: open, if those are the weights it was verifying.
+        Whether the gate is open with them now."""
+        if self.mode == "verifying" and self.weights.manifest_digest == digest:
+            self.open(self.weights)
+        return self.mode == "open" and self.weights.manifest_digest == digest
+
     def refuse(self, reason: str, message: str) -> None:
         """No request is served (the weights are mixed) until ``open``."""
         self.refusal = Refused(503, reason, message)
         self.mode = "refusing"
         self._opened.set()  # the held ones are answered now
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    """The first value of header ``name`` (lowercase), decoded as latin-1."""
+    wanted = name.encode("ascii")
+    for key, value in scope.get("headers") or []:
+        if bytes(key).lower() == wanted:
+            return bytes(value).decode("latin-1")
+    return None
 
 
 def gated(path: str) -> bool:
@@ -200,9 +231,15 @@ def _refusal_messages(refused: Refused, weights: Weights) -> list[Message]:
 class StampMiddleware:
     """ASGI middleware: the gate, and the two headers on every HTTP response."""
 
-    def __init__(self, app: ASGIApp, gate: WeightsGate) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        gate: WeightsGate,
+        is_verifier: Callable[[str | None], bool] | None = None,
+    ) -> None:
         self.app = app
         self.gate = gate
+        self.is_verifier = is_verifier  # given X-Weightship-Verify (None: absent)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -219,7 +256,10 @@ class StampMiddleware:
             await self.app(scope, receive, send_now)
             return
 
-        admitted = await gate.admit()
+        verifier = False
+        if gate.mode == "verifying" and self.is_verifier is not None:
+            verifier = self.is_verifier(_header(scope, VERIFY_HEADER))
+        admitted = await gate.admit(verifier=verifier)
         if isinstance(admitted, Refused):
             for message in _refusal_messages(admitted, gate.weights):
                 await send(message)

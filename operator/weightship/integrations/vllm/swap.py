@@ -4,8 +4,16 @@ keeps the config and tokenizer vLLM started with, and the per-rank outcome files
 which the workers answer the API server.
 
     POST /weightship/v1/swap   {"manifestDigest", "revision", "drainTimeoutSeconds",
-                                "swapTimeoutSeconds"}, Authorization: Bearer <token>
+                                "swapTimeoutSeconds", "holdUntilVerified"},
+                               Authorization: Bearer <token>
     GET  /weightship/v1/swap   the state document (``SwapState.to_json``)
+    POST /weightship/v1/swap/verified   {"manifestDigest"}, the same token: the verifier
+                               checked the new weights; traffic may have them
+
+With ``holdUntilVerified`` the swapped weights serve no request but the verifier's own
+(``X-Weightship-Verify: Bearer <token>``) until it says they passed: a request a stale
+router sends the pod meanwhile waits at the gate (``stamp``), and is served once they
+pass, or by whatever the operator swaps back in when they fail.
 
 The token is ``core.seedtoken.join_token(key, rollout_uid, manifestDigest,
 group=f"swap/{pod_name}", expires)``: the rollout's seeding key opens one pod's swap to
@@ -29,6 +37,8 @@ from weightship.weightformat.manifest import Manifest
 from weightship.weightformat.paths import SAFETENSORS_SUFFIX, is_metadata_path
 
 SWAP_PATH = "/weightship/v1/swap"
+VERIFIED_PATH = SWAP_PATH + "/verified"
+VERIFY_HEADER = "x-weightship-verify"  # the verifier's requests while the gate verifies
 MAX_SWAP_BODY = 64 * 1024
 SWAP_GROUP_PREFIX = "swap/"
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -69,6 +79,7 @@ class SwapRequest:
     revision: str
     drain_timeout_s: int = DEFAULT_DRAIN_S
     swap_timeout_s: int = DEFAULT_SWAP_S
+    hold_until_verified: bool = False
 
     @classmethod
     def parse(cls, body: bytes) -> SwapRequest:
@@ -85,6 +96,7 @@ class SwapRequest:
             "revision",
             "drainTimeoutSeconds",
             "swapTimeoutSeconds",
+            "holdUntilVerified",
         }
         if unknown:
             raise SwapRequestError(f"unknown fields {sorted(unknown)[:5]}")
@@ -101,12 +113,32 @@ class SwapRequest:
                 f"revision must be 1-{MAX_REVISION} letters, digits, '-', '_' or '.', "
                 "starting and ending with a letter or digit"
             )
+        hold = doc.get("holdUntilVerified", False)
+        if not isinstance(hold, bool):
+            raise SwapRequestError("holdUntilVerified must be true or false")
         return cls(
             digest,
             revision,
             _seconds(doc, "drainTimeoutSeconds", DEFAULT_DRAIN_S, DRAIN_BOUNDS),
             _seconds(doc, "swapTimeoutSeconds", DEFAULT_SWAP_S, SWAP_BOUNDS),
+            hold,
         )
+
+
+def parse_verified(body: bytes) -> str:
+    """The manifest digest of a POST to VERIFIED_PATH (SwapRequestError when bad)."""
+    if len(body) > MAX_SWAP_BODY:
+        raise SwapRequestError(f"the body is over {MAX_SWAP_BODY} bytes", 413)
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SwapRequestError(f"the body is not JSON: {exc}"[:200]) from None
+    if not isinstance(doc, dict) or set(doc) != {"manifestDigest"}:
+        raise SwapRequestError('the body must be {"manifestDigest": "sha256:<hex>"}')
+    digest = doc["manifestDigest"]
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
+        raise SwapRequestError("manifestDigest must be sha256:<64 lowercase hex digits>")
+    return digest
 
 
 def _seconds(doc: Mapping[str, Any], key: str, default: int, bounds: tuple[int, int]) -> int:
@@ -159,16 +191,18 @@ class SwapAuth:
         return None
 
     def check(
-        self, authorization: str | None, request: SwapRequest, now: float
+        self, authorization: str | None, request: SwapRequest | str, now: float
     ) -> TokenRefusal | None:
-        """None when the token opens this pod's swap to ``request.manifest_digest``."""
+        """None when the token opens this pod's swap to ``request.manifest_digest`` (or
+        to the digest given)."""
         early = self.missing(authorization)
         if early is not None:
             return early
+        digest = request if isinstance(request, str) else request.manifest_digest
         refusal = check_token(
             self.key,
             self.rollout_uid,
-            request.manifest_digest,
+            digest,
             self.group,
             bearer_token(authorization),
             now,

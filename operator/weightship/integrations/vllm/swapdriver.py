@@ -10,7 +10,9 @@ engine client comes in, typed by what it is used for).
     apply      every rank loads it (only if every rank staged it)
     commit     every rank reports the new digest (only if every rank applied it)
     finish     finish_weight_update(weight_version=revision), reset_prefix_cache(),
-               resume_generation(), the gate opens with the new weights
+               resume_generation(), the gate opens with the new weights (or, asked to
+               hold until verified, lets only the verifier's requests reach them until
+               POST /weightship/v1/swap/verified)
 
 A failure before ``apply`` changes nothing: generation resumes on the old weights and the
 gate reopens with them. A failure from ``apply`` on leaves mixed weights: every rank
@@ -176,7 +178,11 @@ class SwapDriver:
             outcome = RankOutcome(swap_id, "", -1, False, reason, _text(exc))
             await self._failed(outcome, swap_id, request, old, closed, changing)
             return
-        self.gate.open(new)
+        if request.hold_until_verified:
+            # The verifier's turn: traffic gets the new weights once they pass (swap.py).
+            self.gate.verifying(new, request.swap_timeout_s)
+        else:
+            self.gate.open(new)
         self.mixed = None
         load = max((o.seconds or 0.0 for o in staged), default=None)
         state = self.tracker.swapped(time.monotonic() - closed, load, steps)
