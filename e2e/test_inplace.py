@@ -15,8 +15,11 @@ Run under `flock /work/coord/heavy.lock` next to other heavy work on a 2-core ma
 from __future__ import annotations
 
 import json
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +196,14 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
             paused_seconds = sorted(p.get("pausedSeconds") or 0.0 for p in pods.values())
 
             # v3: right checksums, a wrong answer. Swapped into one canary pod, its gate
-            # fails, it is swapped back; it never takes traffic.
-            rollouts.set_model("llm", models["v3"], "v3")
+            # fails, it is swapped back; it never takes traffic. Not even from a router
+            # with a stale endpoint view: a request sent straight to the canary while it
+            # holds v3 waits at its gate, and v2 answers it once back and verified.
+            with ThreadPoolExecutor(1) as pool:
+                stale = pool.submit(send_when_swapped, cluster, ns, "v3", SWAP_S)
+                rollouts.set_model("llm", models["v3"], "v3")
+                sent_during, stale_status, stale_revision = stale.result(timeout=2 * SWAP_S)
+            assert (stale_status, stale_revision) == (200, "v2"), sent_during
             status = rollouts.wait(
                 "llm",
                 "v3 rolled back in place",
@@ -287,6 +296,37 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
     for answer in answers:
         assert answer.revision in timeline.allowed(answer.started, answer.finished), answer
         assert answer.text == CHAT_ANSWER["good"], answer
+
+
+def send_when_swapped(
+    cluster: Any, namespace: str, revision: str, timeout_s: float
+) -> tuple[dict[str, Any], int, str | None]:
+    """Watch the pods' swap state; once one has swapped to ``revision``, send it a chat
+    request straight to its IP, as a router that has not seen it leave would. Returns the
+    state it was sent in, and the answer's status and X-Weightship-Revision."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pod in rollout_pods(cluster, namespace):
+            url = f"http://{pod.status.pod_ip}:{deploy.PORT}"
+            try:
+                with urllib.request.urlopen(url + "/weightship/v1/swap", timeout=5) as answer:
+                    state = dict(json.loads(answer.read()))
+            except (OSError, ValueError):
+                continue
+            if state.get("state") != "Swapped" or state.get("revision") != revision:
+                continue
+            request = urllib.request.Request(
+                url + deploy.CHAT_PATH,
+                data=json.dumps(deploy.chat_request(max_tokens=8)).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                    return state, answer.status, answer.headers.get("X-Weightship-Revision")
+            except urllib.error.HTTPError as err:
+                return state, err.code, err.headers.get("X-Weightship-Revision")
+        time.sleep(0.05)
+    raise TimeoutError(f"no pod swapped to {revision} within {timeout_s} s")
 
 
 def _ready(pod: Any) -> bool:

@@ -293,6 +293,24 @@ def test_a_staged_piece_layer_is_kept_and_nothing_stays_listed_as_arriving(
     assert all(store.index.receiving(c.key) is None for c in m.chunks)
 
 
+def _lands_in_two(
+    good: bytes, first_piece: threading.Event, rest: threading.Event
+) -> Callable[[memoryview, int, Callable[[int], None]], int]:
+    """A fill that lands the first piece (verified and published: the chunk is arriving),
+    sets ``first_piece``, and lands the rest once ``rest`` is set."""
+
+    def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+        view[:PIECE] = good[:PIECE]
+        landed(PIECE)
+        first_piece.set()
+        rest.wait(5)
+        view[PIECE:] = good[PIECE:]
+        landed(CHUNK)
+        return CHUNK
+
+    return fill
+
+
 def test_a_spare_only_request_is_never_streamed_a_chunk_still_arriving(
     tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
 ) -> None:
@@ -302,15 +320,7 @@ def test_a_spare_only_request_is_never_streamed_a_chunk_still_arriving(
     chunk, good = m.chunks[0], _bytes(m, src, 0)
     store = ChunkStore(tmp_path / "holder")
     first_piece, rest = threading.Event(), threading.Event()
-
-    def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
-        view[:PIECE] = good[:PIECE]
-        landed(PIECE)  # verified and published: the chunk is arriving here
-        first_piece.set()
-        rest.wait(5)
-        view[PIECE:] = good[PIECE:]
-        landed(CHUNK)
-        return CHUNK
+    fill = _lands_in_two(good, first_piece, rest)
 
     with ModelStaging(store, m) as staging, PeerServer(store, "127.0.0.1") as server:
         staging.pieces = pieces
@@ -346,15 +356,7 @@ def test_an_owner_sends_a_request_it_held_to_the_claimant_once_its_chunk_lands_f
     store = ChunkStore(tmp_path / "owner")
     store.claims.open([c.key for c in m.chunks], [("node-b", "127.0.0.1:1")])
     first_piece, rest = threading.Event(), threading.Event()
-
-    def from_claimant(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
-        view[:PIECE] = good[:PIECE]
-        landed(PIECE)
-        first_piece.set()
-        rest.wait(5)
-        view[PIECE:] = good[PIECE:]
-        landed(CHUNK)
-        return CHUNK
+    from_claimant = _lands_in_two(good, first_piece, rest)
 
     with (
         ModelStaging(store, m) as staging,

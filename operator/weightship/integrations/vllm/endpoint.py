@@ -22,8 +22,9 @@ import time
 import urllib.error
 import urllib.request
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -52,6 +53,7 @@ from .swap import (
 from .swapdriver import SwapDriver
 
 log = logging.getLogger("vllm.weightship")
+Parsed = TypeVar("Parsed", SwapRequest, str)  # what a swap route's body says
 
 LOADED_PATH = "/weightship/v1/loaded"
 MAX_JOIN_BYTES = 64 * 1024
@@ -135,20 +137,29 @@ class SwapService:
             make_update=lambda info: WeightTransferUpdateRequest(update_info=info),
         )
 
-    async def post(self, request: Request) -> JSONResponse:
+    async def _authorized(
+        self, request: Request, parse: Callable[[bytes], Parsed]
+    ) -> Parsed | JSONResponse:
+        """The body, parsed, once the token opens this pod's swap to its digest; else the
+        answer (the token is checked for presence before the body is read)."""
         authorization = request.headers.get("authorization")
         refusal = self.auth.missing(authorization)
         if refusal is not None:
             return JSONResponse(refusal_doc(refusal), refusal.status)
         try:
-            body = await read_bounded(request, MAX_SWAP_BODY)
-            swap = SwapRequest.parse(body)
+            parsed = parse(await read_bounded(request, MAX_SWAP_BODY))
         except SwapRequestError as exc:
             doc = {"accepted": False, "reason": "BadRequest", "message": str(exc)}
             return JSONResponse(doc, exc.status)
-        refusal = self.auth.check(authorization, swap, time.time())
+        refusal = self.auth.check(authorization, parsed, time.time())
         if refusal is not None:
             return JSONResponse(refusal_doc(refusal), refusal.status)
+        return parsed
+
+    async def post(self, request: Request) -> JSONResponse:
+        swap = await self._authorized(request, SwapRequest.parse)
+        if isinstance(swap, JSONResponse):
+            return swap
         driver = self.driver
         if driver is None:
             doc = {"accepted": False, "reason": NOT_SWAPPABLE, "message": self.unswappable}
@@ -176,18 +187,9 @@ class SwapService:
         """POST /weightship/v1/swap/verified: the verifier passed these weights (with the
         swap's token): the gate opens to every request. 409 when the server holds other
         weights for verification (or none: then nothing changes)."""
-        authorization = request.headers.get("authorization")
-        refusal = self.auth.missing(authorization)
-        if refusal is not None:
-            return JSONResponse(refusal_doc(refusal), refusal.status)
-        try:
-            digest = parse_verified(await read_bounded(request, MAX_SWAP_BODY))
-        except SwapRequestError as exc:
-            doc = {"accepted": False, "reason": "BadRequest", "message": str(exc)}
-            return JSONResponse(doc, exc.status)
-        refusal = self.auth.check(authorization, digest, time.time())
-        if refusal is not None:
-            return JSONResponse(refusal_doc(refusal), refusal.status)
+        digest = await self._authorized(request, parse_verified)
+        if isinstance(digest, JSONResponse):
+            return digest
         if self.gate.verified(digest):
             log.info("swapped weights %s verified: serving every request", digest)
             return JSONResponse({"accepted": True, "gate": self.gate.mode})

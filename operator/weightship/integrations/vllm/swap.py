@@ -83,14 +83,7 @@ class SwapRequest:
 
     @classmethod
     def parse(cls, body: bytes) -> SwapRequest:
-        if len(body) > MAX_SWAP_BODY:
-            raise SwapRequestError(f"the body is over {MAX_SWAP_BODY} bytes", 413)
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SwapRequestError(f"the body is not JSON: {exc}"[:200]) from None
-        if not isinstance(doc, dict):
-            raise SwapRequestError("the body must be a JSON object")
+        doc = _json_object(body)
         unknown = set(doc) - {
             "manifestDigest",
             "revision",
@@ -100,9 +93,7 @@ class SwapRequest:
         }
         if unknown:
             raise SwapRequestError(f"unknown fields {sorted(unknown)[:5]}")
-        digest = doc.get("manifestDigest")
-        if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
-            raise SwapRequestError("manifestDigest must be sha256:<64 lowercase hex digits>")
+        digest = _manifest_digest(doc)
         revision = doc.get("revision")
         if (
             not isinstance(revision, str)
@@ -127,15 +118,26 @@ class SwapRequest:
 
 def parse_verified(body: bytes) -> str:
     """The manifest digest of a POST to VERIFIED_PATH (SwapRequestError when bad)."""
+    doc = _json_object(body)
+    if set(doc) != {"manifestDigest"}:
+        raise SwapRequestError('the body must be {"manifestDigest": "sha256:<hex>"}')
+    return _manifest_digest(doc)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_SWAP_BODY:
         raise SwapRequestError(f"the body is over {MAX_SWAP_BODY} bytes", 413)
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise SwapRequestError(f"the body is not JSON: {exc}"[:200]) from None
-    if not isinstance(doc, dict) or set(doc) != {"manifestDigest"}:
-        raise SwapRequestError('the body must be {"manifestDigest": "sha256:<hex>"}')
-    digest = doc["manifestDigest"]
+    if not isinstance(doc, dict):
+        raise SwapRequestError("the body must be a JSON object")
+    return doc
+
+
+def _manifest_digest(doc: Mapping[str, Any]) -> str:
+    digest = doc.get("manifestDigest")
     if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise SwapRequestError("manifestDigest must be sha256:<64 lowercase hex digits>")
     return digest
