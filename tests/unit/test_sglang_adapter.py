@@ -641,6 +641,45 @@ def test_requests_finishing_within_the_drain_are_answered_by_the_old_weights(up:
     assert json.loads(body)["choices"][0]["text"].startswith("made by v2")
 
 
+def test_swapped_weights_held_until_verified_serve_the_verifier_alone_until_they_pass(
+    up: Rig,
+) -> None:
+    """holdUntilVerified: after the swap a request (a stale router's) waits, the verifier's
+    golden prompt (the swap token in X-Weightship-Verify) is served by the new weights,
+    and once told they passed the waiting one gets them too."""
+    state = up.swapped("v2", "v2", holdUntilVerified=True)
+    assert state["state"] == "Swapped" and up.adapter.gate.mode == "verifying", state
+    later: list[tuple[int, dict[str, str], bytes]] = []
+    waiting = threading.Thread(target=lambda: later.append(up.complete()))
+    waiting.start()
+    golden = up.request(
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4},
+        {"Content-Type": "application/json", "X-Weightship-Verify": f"Bearer {up.token('v2')}"},
+    )
+    assert golden[0] == 200 and stamped(golden[1]) == ("v2", up.digest("v2"))
+    waiting.join(0.5)
+    assert waiting.is_alive() and not later  # held: the weights have not passed yet
+
+    def tell(name: str, token: str) -> tuple[int, dict[str, Any]]:
+        status, _, data = up.request(
+            "POST",
+            "/weightship/v1/swap/verified",
+            {"manifestDigest": up.digest(name)},
+            {"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        return status, json.loads(data)
+
+    assert tell("v2", up.token("v1"))[0] == 403  # a token for other weights
+    assert tell("v1", up.token("v1"))[0] == 409  # not the weights it verifies
+    assert tell("v2", up.token("v2")) == (200, {"accepted": True, "gate": "open"})
+    waiting.join(30)
+    [(status, headers, body)] = later
+    assert status == 200 and stamped(headers) == ("v2", up.digest("v2"))
+    assert json.loads(body)["choices"][0]["text"].startswith("made by v2")
+
+
 def test_streamed_answers_are_forwarded_chunked_and_stamped(up: Rig) -> None:
     status, headers, body = up.complete(stream=True)
     assert status == 200

@@ -4,6 +4,7 @@
     POST /weightship/v1/swap     swap to a staged revision (the vLLM plugin's request,
                                  token and answers: integrations.vllm.swap)
     GET  /weightship/v1/swap     the latest swap's state document
+    POST /weightship/v1/swap/verified   the verifier passed the swapped weights
 
 A swap, one at a time:
 
@@ -18,7 +19,8 @@ A swap, one at a time:
     readback   model_info: weight_version is the revision and model_path the folder;
                weights_checker: a checksum of what SGLang now holds, compared with what it
                said the last time this digest was loaded here (and it must have changed)
-    resume     continue_generation; the gate opens with the new weights
+    resume     continue_generation; the gate opens with the new weights (with
+               holdUntilVerified: to the verifier's requests only, until it says they passed)
 
 A failure before ``update`` changes nothing: generation resumes on the old weights and
 the gate reopens with them. From ``update`` on SGLang may hold a mix of two revisions
@@ -36,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from weightship.core.loadreport import LoadReport, LoadSource
 from weightship.integrations.vllm.stamp import Weights
@@ -51,6 +53,7 @@ from weightship.integrations.vllm.swap import (
     SwapRequestError,
     SwapTracker,
     config_changes,
+    parse_verified,
     refusal_doc,
 )
 
@@ -66,6 +69,7 @@ from .verify import (
 )
 
 log = logging.getLogger("weightship.sglang")
+Parsed = TypeVar("Parsed", SwapRequest, str)  # what a swap route's body says
 
 # SGLang's answer does not say what we asked: another version or folder, or a checksum
 # that contradicts an earlier one.
@@ -221,21 +225,55 @@ class Adapter:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def post_swap(
-        self, authorization: str | None, body: bytes | None
-    ) -> tuple[int, dict[str, Any]]:
+    def _authorized(
+        self, authorization: str | None, body: bytes | None, parse: Callable[[bytes], Parsed]
+    ) -> Parsed | tuple[int, dict[str, Any]]:
+        """The body, parsed, once the token opens this pod's swap to its digest; else the
+        answer."""
         refusal = self.auth.missing(authorization)
         if refusal is not None:
             return refusal.status, refusal_doc(refusal)
         if body is None:
             return 400, {"accepted": False, "reason": "BadRequest", "message": "no body"}
         try:
-            swap = SwapRequest.parse(body)
+            parsed = parse(body)
         except SwapRequestError as exc:
             return exc.status, {"accepted": False, "reason": "BadRequest", "message": str(exc)}
-        refusal = self.auth.check(authorization, swap, time.time())
+        refusal = self.auth.check(authorization, parsed, time.time())
         if refusal is not None:
             return refusal.status, refusal_doc(refusal)
+        return parsed
+
+    def post_verified(
+        self, authorization: str | None, body: bytes | None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST /weightship/v1/swap/verified (integrations.vllm.swap)."""
+        digest = self._authorized(authorization, body, parse_verified)
+        if isinstance(digest, tuple):
+            return digest
+        if self.gate.verified(digest):
+            log.info("swapped weights %s verified: serving every request", digest)
+            return 200, {"accepted": True, "gate": self.gate.mode}
+        return 409, {
+            "accepted": False,
+            "reason": "NotVerifying",
+            "message": f"the gate is {self.gate.mode} with {self.gate.weights.manifest_digest}",
+            "gate": self.gate.mode,
+        }
+
+    def is_verifier(self, header: str | None) -> bool:
+        """Whether X-Weightship-Verify carries the swap token of the weights verified."""
+        digest = self.gate.weights.manifest_digest
+        if header is None or digest is None:
+            return False
+        return self.auth.check(header, digest, time.time()) is None
+
+    def post_swap(
+        self, authorization: str | None, body: bytes | None
+    ) -> tuple[int, dict[str, Any]]:
+        swap = self._authorized(authorization, body, SwapRequest.parse)
+        if isinstance(swap, tuple):
+            return swap
         with self._lock:
             if self.running:
                 return 409, {
@@ -348,7 +386,11 @@ class Adapter:
         )
         self.failure = None
         self.mixed = None
-        self.gate.open(Weights(request.revision, request.manifest_digest))
+        new = Weights(request.revision, request.manifest_digest)
+        if request.hold_until_verified:
+            self.gate.verifying(new, request.swap_timeout_s)
+        else:
+            self.gate.open(new)
         state = self.tracker.swapped(time.monotonic() - closed, update_seconds, steps)
         log.info(
             "swapped %s -> %s (%s) in %.2f s, requests held %.2f s (%s)",

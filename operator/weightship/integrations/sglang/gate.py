@@ -9,7 +9,8 @@ weights then serving. Before any weight changes the swap seals the gate: a reque
 admitted before that and still running is cut (a 503 if nothing was sent yet, else its
 connection is closed mid-body), so no response is stamped with one revision and made by
 the other. After a swap that left mixed weights the gate refuses (503) until a later swap
-succeeds.
+succeeds. A swap asked to hold until verified leaves the gate verifying: the verifier's
+requests reach the new weights, the others wait as at a closed gate until ``verified``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Literal
 
 from weightship.integrations.vllm.stamp import Weights
 
-GateMode = Literal["open", "closed", "refusing"]
+GateMode = Literal["open", "closed", "verifying", "refusing"]
 
 
 @dataclass(eq=False)
@@ -63,12 +64,14 @@ class Gate:
         with self._cond:
             return len(self._in_flight)
 
-    def admit(self) -> Ticket | Refused:
-        """A ticket with the weights serving now; while closed, waits for the swap (at
-        most its bound)."""
+    def admit(self, *, verifier: bool = False) -> Ticket | Refused:
+        """A ticket with the weights serving now; while closed, or verifying and this is
+        not the verifier's request, waits (at most the swap's bound)."""
         with self._cond:
-            while self.mode == "closed":
+            while self.mode == "closed" or (self.mode == "verifying" and not verifier):
                 remaining = self._hold_until - self._clock()
+                if remaining <= 0 and self.mode == "verifying":
+                    return Refused(503, "Verifying", "the new weights are being verified")
                 if remaining <= 0:
                     return Refused(503, "SwapInProgress", "the weights are being swapped")
                 self._cond.wait(remaining)
@@ -120,6 +123,24 @@ class Gate:
             self.mode = "open"
             self.refusal = None
             self._cond.notify_all()
+
+    def verifying(self, weights: Weights, hold_s: float) -> None:
+        """The swap is done: ``weights`` serve the verifier only, until ``verified``; the
+        other requests wait, at most ``hold_s`` from now."""
+        with self._cond:
+            self.weights = weights
+            self.mode = "verifying"
+            self._hold_until = self._clock() + hold_s
+            self._cond.notify_all()
+
+    def verified(self, digest: str) -> bool:
+        """The verifier passed ``digest``: open, if those are the weights it verifies.
+        Whether the gate is open with them now."""
+        with self._cond:
+            if self.mode == "verifying" and self.weights.manifest_digest == digest:
+                self.mode = "open"
+                self._cond.notify_all()
+            return self.mode == "open" and self.weights.manifest_digest == digest
 
     def refuse(self, reason: str, message: str) -> None:
         with self._cond:

@@ -1,9 +1,10 @@
 """The adapter's port: the weightship routes, and SGLang's serving routes forwarded.
 
 The pod's serving port (``spec.validation.endpoint.port``) is the adapter's; SGLang
-listens on loopback only. The adapter answers ``/weightship/v1/loaded`` and
-``/weightship/v1/swap`` itself and forwards only the routes in ``FORWARDED`` (inference,
-health, metrics) to SGLang, each response stamped with the weights that made it
+listens on loopback only. The adapter answers ``/weightship/v1/loaded``,
+``/weightship/v1/swap`` and ``/weightship/v1/swap/verified`` itself and forwards only the
+routes in ``FORWARDED`` (inference, health, metrics) to SGLang, each response stamped with
+the weights that made it
 (``gate``). Everything else, SGLang's admin routes above all (``/update_weights_from_disk``,
 ``/pause_generation``, ``/flush_cache``, ``/weights_checker``, ...), is answered 404
 and never reaches SGLang. The server is bounded like every weightship server
@@ -21,7 +22,12 @@ from typing import Any
 
 from weightship.httpserver import QuietHandler, Server
 from weightship.integrations.vllm.stamp import DIGEST_HEADER, REVISION_HEADER, Weights
-from weightship.integrations.vllm.swap import MAX_SWAP_BODY, SWAP_PATH
+from weightship.integrations.vllm.swap import (
+    MAX_SWAP_BODY,
+    SWAP_PATH,
+    VERIFIED_PATH,
+    VERIFY_HEADER,
+)
 
 from .adapter import Adapter
 from .gate import Refused
@@ -102,6 +108,12 @@ def make_handler(adapter: Adapter, upstream: tuple[str, int]) -> type[QuietHandl
                     return  # refused (400/413) by read_body
                 status, doc = adapter.post_swap(self.headers.get("Authorization"), body)
                 self._answer(status, doc)
+            elif path == VERIFIED_PATH and method == "POST":
+                body = self.read_body(MAX_SWAP_BODY)
+                if body is None:
+                    return
+                status, doc = adapter.post_verified(self.headers.get("Authorization"), body)
+                self._answer(status, doc)
             elif (method, path) in FORWARDED:
                 self._forward(method, gated=(method, path) in GATED)
             else:
@@ -128,7 +140,10 @@ def make_handler(adapter: Adapter, upstream: tuple[str, int]) -> type[QuietHandl
             body = self.read_body(MAX_REQUEST_BODY)
             if body is None:
                 return
-            ticket = adapter.gate.admit() if gated else None
+            verifier = adapter.gate.mode == "verifying" and adapter.is_verifier(
+                self.headers.get(VERIFY_HEADER)
+            )
+            ticket = adapter.gate.admit(verifier=verifier) if gated else None
             if isinstance(ticket, Refused):
                 self._answer(ticket.status, {"reason": ticket.reason, "message": ticket.message})
                 return
