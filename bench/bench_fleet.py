@@ -15,7 +15,8 @@ TCP/IP and HTTP headers and retransmissions included).
     sudo .venv/bin/python bench/bench_fleet.py --quick    # 64 MiB
 
 With WSBENCH_TRACE=1 each node also records every origin fetch and peer stream it made
-(chunk, peer, start, end) in its fleet-run/nI.json ("trace"): where a round's time went.
+(chunk, peer, start, end) in its fleet-run/nI.json ("trace"); bench/fleet_trace.py says
+where the last round's time went.
 """
 
 from __future__ import annotations
