@@ -41,6 +41,7 @@ from weightship.httpserver import QuietHandler, Server
 from weightship.integrations.sglang.__main__ import initial_weights, parse_args, upstream_of
 from weightship.integrations.sglang.adapter import READBACK_MISMATCH, Adapter
 from weightship.integrations.sglang.client import SGLangClient
+from weightship.integrations.sglang.gate import Gate, Ticket
 from weightship.integrations.sglang.server import serve
 from weightship.integrations.sglang.verify import VerifiedModel
 from weightship.integrations.vllm.stamp import Weights
@@ -678,6 +679,32 @@ def test_swapped_weights_held_until_verified_serve_the_verifier_alone_until_they
     [(status, headers, body)] = later
     assert status == 200 and stamped(headers) == ("v2", up.digest("v2"))
     assert json.loads(body)["choices"][0]["text"].startswith("made by v2")
+
+
+def test_the_verifiers_request_held_through_the_swap_goes_through_once_it_verifies() -> None:
+    """A golden prompt that came while the gate was closed is asked, once the swap leaves
+    it verifying, whether it is the verifier's for the new weights; another request waits."""
+    v1, v2 = Weights("v1", "sha256:" + "1" * 64), Weights("v2", "sha256:" + "2" * 64)
+    gate = Gate(v1)
+    gate.close(60)
+    got: dict[str, Ticket | object] = {}
+    golden = threading.Thread(
+        target=lambda: got.update(golden=gate.admit(lambda: gate.weights == v2))
+    )
+    other = threading.Thread(target=lambda: got.update(other=gate.admit()))
+    golden.start()
+    other.start()
+    golden.join(0.2)
+    assert golden.is_alive()
+    gate.verifying(v2, 60)
+    golden.join(5)
+    ticket = got["golden"]
+    assert isinstance(ticket, Ticket) and ticket.weights == v2
+    other.join(0.2)
+    assert other.is_alive() and "other" not in got
+    assert gate.verified(v2.manifest_digest or "")
+    other.join(5)
+    assert isinstance(got["other"], Ticket)
 
 
 def test_streamed_answers_are_forwarded_chunked_and_stamped(up: Rig) -> None:

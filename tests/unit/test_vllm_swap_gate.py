@@ -169,6 +169,28 @@ def test_swapped_weights_held_for_verification_serve_only_the_verifier_until_the
     run(test)
 
 
+def test_the_verifiers_request_held_through_the_swap_is_asked_about_the_new_weights() -> None:
+    """A golden prompt that arrives while the gate is still closed waits; once the swap
+    leaves the gate verifying, its token is checked against the weights it now verifies
+    and it goes through (it is not held until the hold bound)."""
+
+    async def test() -> None:
+        app, gate = App(), WeightsGate(V1)
+        good = "Bearer for-v2"
+        mw = StampMiddleware(app, gate, is_verifier=lambda h: h == good and gate.weights == V2)
+        app.release("/v1/completions")
+        gate.close(60)
+        golden, golden_sent = request(mw, "/v1/completions", verify=good)
+        await settle()
+        assert not golden.done()
+        gate.seal()
+        gate.verifying(V2, 60)
+        await asyncio.wait_for(golden, 5)
+        assert status(golden_sent) == 200 and stamped(golden_sent)[0] == "v2"
+
+    run(test)
+
+
 def test_weights_that_fail_verification_never_serve_the_held_requests() -> None:
     """The operator swaps back after a failed golden prompt: what waited during the bad
     weights' verification is served by the weights swapped back, once verified."""

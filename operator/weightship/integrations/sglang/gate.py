@@ -64,11 +64,18 @@ class Gate:
         with self._cond:
             return len(self._in_flight)
 
-    def admit(self, *, verifier: bool = False) -> Ticket | Refused:
+    def admit(self, verifier: Callable[[], bool] | None = None) -> Ticket | Refused:
         """A ticket with the weights serving now; while closed, or verifying and this is
-        not the verifier's request, waits (at most the swap's bound)."""
+        not the verifier's request (``verifier``, asked whenever the gate verifies),
+        waits (at most the swap's bound)."""
+
+        def held() -> bool:
+            if self.mode == "verifying":
+                return verifier is None or not verifier()
+            return self.mode == "closed"
+
         with self._cond:
-            while self.mode == "closed" or (self.mode == "verifying" and not verifier):
+            while held():
                 remaining = self._hold_until - self._clock()
                 if remaining <= 0 and self.mode == "verifying":
                     return Refused(503, "Verifying", "the new weights are being verified")

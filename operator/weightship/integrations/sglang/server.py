@@ -140,10 +140,9 @@ def make_handler(adapter: Adapter, upstream: tuple[str, int]) -> type[QuietHandl
             body = self.read_body(MAX_REQUEST_BODY)
             if body is None:
                 return
-            verifier = adapter.gate.mode == "verifying" and adapter.is_verifier(
-                self.headers.get(VERIFY_HEADER)
-            )
-            ticket = adapter.gate.admit(verifier=verifier) if gated else None
+            header = self.headers.get(VERIFY_HEADER)
+            verifier = None if header is None else lambda: adapter.is_verifier(header)
+            ticket = adapter.gate.admit(verifier) if gated else None
             if isinstance(ticket, Refused):
                 self._answer(ticket.status, {"reason": ticket.reason, "message": ticket.message})
                 return

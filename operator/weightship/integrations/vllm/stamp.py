@@ -105,10 +105,14 @@ class WeightsGate:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def admit(self, *, verifier: bool = False) -> Ticket | Refused:
-        """``verifier``: the request is the verifier's (it may reach weights it verifies)."""
+    async def admit(self, verifier: Callable[[], bool] | None = None) -> Ticket | Refused:
+        """``verifier``: whether the request is the verifier's for the weights the gate
+        verifies (asked whenever it verifies: a request held through a swap is asked about
+        the weights that swap brought)."""
         while True:
-            if self.mode == "open" or (self.mode == "verifying" and verifier):
+            if self.mode == "open" or (
+                self.mode == "verifying" and verifier is not None and verifier()
+            ):
                 self.in_flight += 1
                 self._idle.clear()
                 return Ticket(self.epoch, self.weights)
@@ -175,6 +179,10 @@ class WeightsGate:
         self.weights = weights
         self.mode = "verifying"
         self._hold_until = self._clock() + hold_seconds
+        # Wake the held requests to look again (the verifier's goes through), and let the
+        # others wait on a fresh event.
+        woken, self._opened = self._opened, asyncio.Event()
+        woken.set()
 
     def verified(self, digest: str) -> bool:
         """The verifier passed ``digest``: open, if those are the weights it was verifying.
@@ -256,10 +264,14 @@ class StampMiddleware:
             await self.app(scope, receive, send_now)
             return
 
-        verifier = False
-        if gate.mode == "verifying" and self.is_verifier is not None:
-            verifier = self.is_verifier(_header(scope, VERIFY_HEADER))
-        admitted = await gate.admit(verifier=verifier)
+        is_verifier, header = self.is_verifier, _header(scope, VERIFY_HEADER)
+        verifier = None
+        if is_verifier is not None and header is not None:
+
+            def verifier() -> bool:
+                return is_verifier(header)
+
+        admitted = await gate.admit(verifier)
         if isinstance(admitted, Refused):
             for message in _refusal_messages(admitted, gate.weights):
                 await send(message)
