@@ -23,6 +23,7 @@ Objects are told apart by namespace and name, so one cache holds a namespaced ki
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -127,8 +128,10 @@ class Informer:
         if response is not None:
             # Shut the socket down: that ends the watch thread's blocked read at once.
             # close() would wait for it (the read holds the buffer's lock) until the
-            # next event, tens of seconds on a quiet cluster.
-            response.shutdown()
+            # next event, tens of seconds on a quiet cluster. The watch may have closed
+            # it meanwhile (its read ended): then there is nothing left to shut.
+            with contextlib.suppress(OSError):
+                response.shutdown()
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
