@@ -372,8 +372,10 @@ class Verifier:
             )
         except NotFound:
             return verdict  # a server without the route serves what it loaded anyway
-        except Exception as e:  # the key unreadable, a 409, the server gone
-            message = f"the weights passed, but the server was not told: {e}"
+        except Exception as e:  # a 409, the server gone, the key unreadable
+            # Only our own error's text: another's (the API's) could quote what it read.
+            why = str(e) if isinstance(e, ServerError) else type(e).__name__
+            message = f"the weights passed, but the server was not told: {why}"
             return GateVerdict("False", PENDING, message, mode=verdict.mode)
         return verdict
 
