@@ -189,3 +189,47 @@ def test_a_loader_s_buffers_are_sent_as_they_are(tmp_path: Path) -> None:
         arena[start:end] = views[index]
     got = unpack(plan, arena)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("window", [None, 1, 2])
+def test_a_window_bounds_the_buckets_on_the_wire_from_source_memory(
+    window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buckets sent straight from source memory are all started at once unless a window
+    bounds them; with one, ``on_sent(n)`` runs before bucket n + window starts (what the
+    root-exit fault relies on to die with its broadcast unfinished). The transport is a
+    recorder here: one function's ordering, not a broadcast."""
+    from weightship.seeding import stream
+
+    plan = plan_buckets(specs(sample_tensors()), 1024)
+    sources = {
+        i: torch.zeros(end - start, dtype=torch.uint8)
+        for i, (start, end) in enumerate(plan.regions)
+    }
+    log: list[str] = []
+    started = iter(range(len(plan.buckets)))
+    monkeypatch.setattr(
+        stream.transport,
+        "start_broadcast",
+        lambda pg, t: log.append(f"start {next(started)}") or len(log),
+    )
+    monkeypatch.setattr(stream.transport, "wait", lambda work, timeout_s: None)
+    stream.send_buckets(
+        None,  # type: ignore[arg-type]
+        plan,
+        {},
+        device=torch.device("cpu"),
+        timeout_s=5,
+        sources=sources,
+        on_sent=lambda n: log.append(f"sent {n}"),
+        window=window,
+    )
+    count = len(plan.buckets)
+    assert count >= 4
+    starts = [i for i, entry in enumerate(log) if entry.startswith("start")]
+    first_sent = log.index("sent 1")
+    if window is None:
+        assert len([i for i in starts if i < first_sent]) == count  # all out before any callback
+    else:
+        assert len([i for i in starts if i < first_sent]) == window
+        assert log[-1] == f"sent {count}"

@@ -344,6 +344,10 @@ class SeedRoot:
                 timeout_s=self.timeout_s,
                 sources=self.sources,
                 on_sent=self._after_bucket,
+                # A root told to die after N buckets sends one at a time, so that it dies
+                # with the broadcast unfinished (e2e test_seeding once saw a receiver get
+                # every bucket: all were on the wire before the first one's callback).
+                window=1 if self.faults.root_exit_after_buckets is not None else None,
             )
             return time.monotonic() - t0, None
         except Exception as exc:  # any failure ends this broadcast, never the server

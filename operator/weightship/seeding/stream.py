@@ -21,13 +21,16 @@ def send_buckets(
     timeout_s: float,
     sources: Mapping[int, torch.Tensor] | None = None,
     on_sent: Callable[[int], None] | None = None,
+    window: int | None = None,
 ) -> None:
     """Broadcast every bucket from rank 0, in order.
 
     A bucket of a region in ``sources`` (region index -> its bytes, see ``region_views``)
     is sent straight from that memory. Any other bucket is packed into one of two staging
     buffers of ``plan.bucket_bytes`` on ``device``, while the previous one is on the wire.
-    ``on_sent(n)`` runs once n buckets are out.
+    ``on_sent(n)`` runs once n buckets are out. ``window``: broadcasts on the wire at once
+    at most (None: every bucket sent from ``sources`` is started at once, and ``on_sent``
+    may run only once the backend has sent them all).
     """
     sources = sources or {}
     buffers: list[torch.Tensor] = []
@@ -62,6 +65,8 @@ def send_buckets(
                 finish_oldest()
             slot = free.pop()
             bucket = pack_bucket(plan, index, tensors, buffers[slot])
+        while window is not None and len(in_flight) >= window:
+            finish_oldest()
         in_flight.append((transport.start_broadcast(pg, bucket), slot))
     while in_flight:
         finish_oldest()
