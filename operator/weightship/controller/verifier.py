@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -217,7 +217,7 @@ class _Check:
     # weights (X-Weightship-Verify) until told they passed (POST VERIFIED_PATH).
     swapped: bool = False
     rollout_uid: str = ""
-    verify_headers: dict[str, str] = field(default_factory=dict)
+    swap_token: str | None = None  # signed once per check, for a swapped pod
 
 
 def _never(namespace: str, name: str) -> None:
@@ -326,7 +326,7 @@ class Verifier:
         try:
             with metrics.VERIFICATION_SECONDS.time():
                 report, verdict = self._verify(check)
-                if check.swapped and verdict.status == "True":
+                if check.swap_token is not None and verdict.status == "True":
                     verdict = self._open_to_traffic(check, verdict)
             if check.restarted or gate_changed(check.current, verdict):
                 annotations = verdict_annotations(report, verdict)
@@ -347,18 +347,6 @@ class Verifier:
             with self.lock:
                 self.in_flight.discard(check.uid)
 
-    def _swap_headers(self, check: _Check) -> dict[str, str]:
-        """The swap token, for a server holding swapped weights for this check."""
-        token = swap_token(
-            self.kube,
-            check.namespace,
-            check.rollout,
-            check.rollout_uid,
-            check.want_digest,
-            check.name,
-        )
-        return {"Authorization": f"Bearer {token}"}
-
     def _open_to_traffic(self, check: _Check, verdict: GateVerdict) -> GateVerdict:
         """The swapped weights passed: tell the server, which serves them to the verifier
         only until then. Pending while it has not heard (the check runs again)."""
@@ -368,25 +356,30 @@ class Verifier:
                 check.base_url + VERIFIED_PATH,
                 {"manifestDigest": check.want_digest},
                 check.timeout_s,
-                self._swap_headers(check),
+                {"Authorization": f"Bearer {check.swap_token}"},
             )
         except NotFound:
             return verdict  # a server without the route serves what it loaded anyway
-        except Exception as e:  # a 409, the server gone, the key unreadable
-            # Only our own error's text: another's (the API's) could quote what it read.
-            why = str(e) if isinstance(e, ServerError) else type(e).__name__
-            message = f"the weights passed, but the server was not told: {why}"
+        except ServerError as e:  # a 409, the server gone
+            message = f"the weights passed, but the server was not told: {e}"
             return GateVerdict("False", PENDING, message, mode=verdict.mode)
         return verdict
 
     def _verify(self, check: _Check) -> tuple[LoadReport | None, GateVerdict]:
         mode: VerifyMode
         report: LoadReport | None = None
-        if check.swapped and check.prompts:
+        if check.swapped:
             try:
-                check.verify_headers = {VERIFY_HEADER: self._swap_headers(check)["Authorization"]}
-            except Exception as e:
-                message = f"cannot sign the golden prompts for swapped weights: {type(e).__name__}"
+                check.swap_token = swap_token(
+                    self.kube,
+                    check.namespace,
+                    check.rollout,
+                    check.rollout_uid,
+                    check.want_digest,
+                    check.name,
+                )
+            except Exception as e:  # its text could quote what the API read: not shown
+                message = f"cannot sign the checks of swapped weights: {type(e).__name__}"
                 return None, GateVerdict("False", PENDING, message)
         if check.mode in ("auto", "loaded"):
             try:
@@ -456,7 +449,8 @@ class Verifier:
     def _complete(self, check: _Check, prompt: GoldenPrompt) -> str:
         body = completion_request(prompt, chat=check.chat, model=check.model)
         url = check.base_url + check.path
-        answer = self._request("POST", url, body, check.timeout_s, check.verify_headers)
+        signed = {VERIFY_HEADER: f"Bearer {check.swap_token}"} if check.swap_token else {}
+        answer = self._request("POST", url, body, check.timeout_s, signed)
         try:
             choice = answer["choices"][0]
             return str(choice["message"]["content"] if check.chat else choice["text"])

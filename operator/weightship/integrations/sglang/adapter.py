@@ -55,6 +55,7 @@ from weightship.integrations.vllm.swap import (
     config_changes,
     parse_verified,
     refusal_doc,
+    verified_answer,
 )
 
 from .client import NOT_FLUSHED_TEXT, ModelInfo, SGLangClient, SGLangError, WeightsChecksum
@@ -251,22 +252,13 @@ class Adapter:
         digest = self._authorized(authorization, body, parse_verified)
         if isinstance(digest, tuple):
             return digest
-        if self.gate.verified(digest):
+        opened = self.gate.verified(digest)
+        if opened:
             log.info("swapped weights %s verified: serving every request", digest)
-            return 200, {"accepted": True, "gate": self.gate.mode}
-        return 409, {
-            "accepted": False,
-            "reason": "NotVerifying",
-            "message": f"the gate is {self.gate.mode} with {self.gate.weights.manifest_digest}",
-            "gate": self.gate.mode,
-        }
+        return verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest)
 
     def is_verifier(self, header: str | None) -> bool:
-        """Whether X-Weightship-Verify carries the swap token of the weights verified."""
-        digest = self.gate.weights.manifest_digest
-        if header is None or digest is None:
-            return False
-        return self.auth.check(header, digest, time.time()) is None
+        return self.auth.opens_verification(header, self.gate.weights.manifest_digest, time.time())
 
     def post_swap(
         self, authorization: str | None, body: bytes | None

@@ -49,6 +49,7 @@ from .swap import (
     not_swappable,
     parse_verified,
     refusal_doc,
+    verified_answer,
 )
 from .swapdriver import SwapDriver
 
@@ -190,24 +191,14 @@ class SwapService:
         digest = await self._authorized(request, parse_verified)
         if isinstance(digest, JSONResponse):
             return digest
-        if self.gate.verified(digest):
+        opened = self.gate.verified(digest)
+        if opened:
             log.info("swapped weights %s verified: serving every request", digest)
-            return JSONResponse({"accepted": True, "gate": self.gate.mode})
-        doc = {
-            "accepted": False,
-            "reason": "NotVerifying",
-            "message": f"the gate is {self.gate.mode} with {self.gate.weights.manifest_digest}",
-            "gate": self.gate.mode,
-        }
-        return JSONResponse(doc, 409)
+        status, doc = verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest)
+        return JSONResponse(doc, status)
 
     def is_verifier(self, header: str | None) -> bool:
-        """Whether X-Weightship-Verify carries the swap token of the weights being
-        verified (only then may a request reach them before they passed)."""
-        digest = self.gate.weights.manifest_digest
-        if header is None or digest is None:
-            return False
-        return self.auth.check(header, digest, time.time()) is None
+        return self.auth.opens_verification(header, self.gate.weights.manifest_digest, time.time())
 
     def _busy(self) -> JSONResponse:
         doc = {

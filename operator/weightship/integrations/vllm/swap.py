@@ -213,6 +213,20 @@ class SwapAuth:
             return replace(refusal, message=refusal.message.replace("seeding token", "swap token"))
         return refusal
 
+    def opens_verification(self, header: str | None, digest: str | None, now: float) -> bool:
+        """Whether an X-Weightship-Verify header carries the swap token of ``digest``, the
+        weights the gate verifies (only then may a request reach them before they pass)."""
+        return header is not None and digest is not None and self.check(header, digest, now) is None
+
+
+def verified_answer(opened: bool, mode: str, digest: str | None) -> tuple[int, dict[str, Any]]:
+    """The answer to POST VERIFIED_PATH: whether the gate (``mode``, holding ``digest``)
+    now serves everyone with the weights named."""
+    if opened:
+        return 200, {"accepted": True, "gate": mode}
+    message = f"the gate is {mode} with {digest}"
+    return 409, {"accepted": False, "reason": "NotVerifying", "message": message, "gate": mode}
+
 
 def not_swappable(engine_client: Any, args: Any) -> str | None:
     """Why this vLLM server cannot swap in place, or None (``engine_client`` is vLLM's,
