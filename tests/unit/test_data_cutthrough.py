@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
+from weightship.data import fetcher as fetcher_module
 from weightship.data import peer as peer_module
 from weightship.data import rendezvous
 from weightship.data.chunkstore import ChunkStore
@@ -448,3 +449,59 @@ def test_a_chunk_from_its_owner_whole_marks_the_node_behind_on_it(
             t.join(5)
         assert staging.has(chunk.key)
     assert fetcher.behind_on == {owner: not streamed}
+
+
+class _SteppedOrigin:
+    """An origin over the model's files that lands each read in the step it is asked
+    for, and records that step (None: the origin's default)."""
+
+    def __init__(self, src: Path) -> None:
+        self.src = src
+        self.steps: list[int | None] = []
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        return (self.src / path).read_bytes()[offset : offset + size]
+
+    def read_range_into(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        landed: Callable[[int], None] | None = None,
+        step: int | None = None,
+    ) -> None:
+        self.steps.append(step)
+        view[:] = self.read_range(path, offset, len(view))
+        for end in range(step or len(view), len(view) + (step or len(view)), step or len(view)):
+            if landed:
+                landed(min(end, len(view)))
+
+
+@pytest.mark.parametrize("with_peers", [True, False])
+def test_an_owner_with_peers_reads_the_origin_one_piece_at_a_time(
+    tmp_path: Path,
+    model: tuple[Manifest, PieceLayer, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    with_peers: bool,
+) -> None:
+    """Each piece is verified and streamed on the moment it is in, instead of waiting for
+    the origin's larger read; alone, the node keeps the origin's default step (P1)."""
+    monkeypatch.setattr(fetcher_module, "MIN_ORIGIN_STEP", PIECE // 4)
+    m, pieces, src = model
+    origin = _SteppedOrigin(src)
+    store = ChunkStore(tmp_path / "me")
+    with ModelStaging(store, m) as staging:
+        staging.pieces = pieces
+        staging.prepare()
+        fetcher = ChunkFetcher(
+            node="me",
+            peers=[Peer("other", "127.0.0.1:9")] if with_peers else [],
+            origin=origin,
+            sink=staging,
+            metrics=DataPlaneMetrics.create(CollectorRegistry()),
+            chunks=m.chunks,
+        )
+        chunk = next(c for c in m.chunks if fetcher.owner_of(c.key) == "me")
+        assert fetcher.fetch(chunk) == "origin"
+        assert store.read_chunk(chunk.key) == _bytes(m, src, m.chunks.index(chunk))
+    assert origin.steps == ([PIECE] if with_peers else [None])

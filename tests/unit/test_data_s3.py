@@ -33,6 +33,7 @@ from weightship.weightformat.manifest import Manifest, ManifestError
 from weightship.weightformat.paths import MANIFEST_NAME
 
 MiB = 1024 * 1024
+KiB = 1024
 QUICK_RETRY = RetryPolicy(attempts=5, initial_backoff_s=0.001, max_backoff_s=0.01)
 _buckets = itertools.count()
 
@@ -207,6 +208,15 @@ def test_publish_then_build_from_s3_matches_local(origin: S3Origin, weights: Pat
     origin.read_range_into("model.safetensors", MiB // 2, memoryview(got), landed.append)
     assert got == piece
     assert landed == sorted(landed) and landed[-1] == len(piece) and len(landed) >= 3
+    # A caller may ask for a smaller step (one piece): never more than that lands at once.
+    stepped: list[int] = []
+    view = memoryview(got)
+    origin.read_range_into("model.safetensors", MiB // 2, view, stepped.append, 256 * KiB)
+    steps = [b - a for a, b in zip([0, *stepped], stepped, strict=False)]
+    assert got == piece and stepped[-1] == len(piece)
+    assert max(steps) <= 256 * KiB and len(stepped) >= len(piece) // (256 * KiB)
+    with pytest.raises(ValueError, match="read step"):
+        origin.read_range_into("model.safetensors", 0, memoryview(got), stepped.append, 0)
 
 
 def test_slowdown_is_retried(faulty: S3Origin, front: FaultyFront) -> None:

@@ -60,9 +60,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Bytes per read when the caller verifies pieces as they land: the largest piece a
-# manifest gets by default, so a piece is verified (and published) as soon as it is in.
-# 256 KiB reads cost ~5 % of a stage's wall time on 2 cores (docs/benchmarks.md, P1).
+# Bytes per read when the caller verifies pieces as they land, unless it asks for less:
+# the largest piece a manifest gets by default, so a piece is verified as soon as it is
+# in. 256 KiB reads cost ~5 % of a stage's wall time on 2 cores (docs/benchmarks.md, P1);
+# a node with peers waiting for its pieces reads one piece at a time (fetcher.py).
 LANDED_STEP = 1024 * 1024
 PRESIGN_EXPIRES_S = 900
 PRESIGN_REUSE_S = 300  # signing costs ~0.5 ms: one URL per object serves many chunks
@@ -301,14 +302,17 @@ class S3Origin:
         offset: int,
         view: memoryview,
         landed: Callable[[int], None] | None = None,
+        step: int = LANDED_STEP,
     ) -> None:
         """Read ``len(view)`` bytes at ``offset`` into ``view`` (a chunk's slot in a mapped
         file, say). ``landed(n)``, when given, is called with bytes [0, n) in after each
-        read of up to ``LANDED_STEP`` bytes, so the caller can verify pieces as they
-        arrive (BLAKE3 keeps up: sha256 here stalled the server's stream between reads,
+        read of up to ``step`` bytes, so the caller can verify pieces as they arrive
+        (BLAKE3 keeps up: sha256 here stalled the server's stream between reads,
         docs/benchmarks.md). Without it the body is read in one ``readinto``. A retried
         attempt overwrites what a failed one left, and says so from 0 again."""
-        self._read_into(path, offset, view, landed)
+        if step < 1:
+            raise ValueError(f"read step must be at least 1 byte, not {step}")
+        self._read_into(path, offset, view, landed, step)
 
     def read_range(self, path: str, offset: int, size: int) -> bytearray:
         buf = bytearray(size)
@@ -321,6 +325,7 @@ class S3Origin:
         offset: int,
         view: memoryview,
         landed: Callable[[int], None] | None = None,
+        step: int = LANDED_STEP,
     ) -> None:
         key, total = self.location.key(path), len(view)
         # With ``landed``, a retry resumes where the last attempt stopped: bytes already
@@ -357,7 +362,7 @@ class S3Origin:
                         resume[0] = start + n
                         landed(start + n)
 
-                    got = read_into(resp, part, progress, LANDED_STEP)
+                    got = read_into(resp, part, progress, step)
             except OriginConnectionError:
                 raise
             except (OSError, http.client.HTTPException) as exc:
