@@ -355,3 +355,40 @@ def test_a_server_that_exited_refusing_its_weights_fails_the_gate() -> None:
     condition, loaded = verify(9, "auto", pod)  # nothing listens on port 9
     assert (condition["status"], condition["reason"]) == ("False", "ChecksumMismatch"), condition
     assert "model.safetensors" in condition["message"] and loaded["mode"] == "loaded"
+
+
+def release(port: int, verifier: Verifier, pod: dict[str, Any]) -> bool:
+    """Submit ``pod`` of a rollout that verifies nothing; wait for what that started."""
+    body = json.loads(json.dumps(VALID_MANIFEST))
+    body["spec"]["validation"] = {"checksumMode": "none", "endpoint": {"port": port}}
+    rollout = ModelRollout.model_validate(body)
+    waiting = verifier.submit(rollout, [pod])
+    deadline = time.monotonic() + 30
+    while verifier.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not verifier.in_flight
+    return waiting
+
+
+@pytest.mark.parametrize("answer", [200, 409])
+def test_validation_switched_off_tells_a_swapped_server_to_serve_its_new_weights(
+    server: tuple[int, ServerState], answer: int
+) -> None:
+    """A pod swapped in place while the rollout verified holds its new weights from
+    traffic until the verifier says they passed; with validation switched off since,
+    nobody would: the verifier tells the server (signed with the pod's swap token) once,
+    and again at the next reconcile only if the server did not hear it."""
+    port, state = server
+    state.verified_status = answer
+    kube = NodeKube({})
+    verifier = Verifier(kube, workers=1, cache_dir=CACHE)  # type: ignore[arg-type]
+    assert release(port, verifier, swapped_pod()) is False  # nothing waits for a verdict
+    assert release(port, verifier, swapped_pod()) is False
+    assert release(port, verifier, vllm_pod()) is False  # started with its weights: nothing
+    verifier.pool.shutdown(wait=True)
+    told = [headers for path, headers in state.headers if path == VERIFIED_PATH]
+    assert len(told) == (1 if answer == 200 else 2)
+    assert [path for path, _ in state.headers] == [VERIFIED_PATH] * len(told)  # no prompt
+    uid = ModelRollout.model_validate(VALID_MANIFEST).metadata.uid or ""
+    token = told[0]["Authorization"].removeprefix("Bearer ")
+    assert check_token(SEED_KEY, uid, DIGEST, "swap/p1", token, time.time()) is None

@@ -255,6 +255,9 @@ class Verifier:
         self.in_flight: set[str] = set()
         self.verdicts: dict[str, PodVerdict] = {}
         """Verdicts not yet on their pods' gates, by pod uid (bounded: one per pod)."""
+        self.released: dict[tuple[str, str], dict[str, str]] = {}
+        """By rollout (namespace, name): its swapped pods' servers told to serve, by pod
+        uid, with the digest (``_release_swapped``)."""
 
     def pending(self, pods: list[dict[str, Any]]) -> dict[str, PodVerdict]:
         """The verdicts waiting for these pods' gates, by pod uid."""
@@ -264,6 +267,7 @@ class Verifier:
     def submit(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> bool:
         """Start checks for pods without a verdict; True while any pod still waits for one."""
         if not verifies(rollout.spec.validation):
+            self._release_swapped(rollout, pods)
             return False  # nothing to verify: core.pod_gates opens the gate
         waiting = False
         for pod in pods:
@@ -350,6 +354,25 @@ class Verifier:
     def _open_to_traffic(self, check: _Check, verdict: GateVerdict) -> GateVerdict:
         """The swapped weights passed: tell the server, which serves them to the verifier
         only until then. Pending while it has not heard (the check runs again)."""
+        error = self._tell_passed(check)
+        if error is not None:
+            message = f"the weights passed, but the server was not told: {error}"
+            return GateVerdict("False", PENDING, message, mode=verdict.mode)
+        return verdict
+
+    def _sign(self, check: _Check) -> None:
+        """The swapped pod's token, once per check (a Secret read)."""
+        check.swap_token = swap_token(
+            self.kube,
+            check.namespace,
+            check.rollout,
+            check.rollout_uid,
+            check.want_digest,
+            check.name,
+        )
+
+    def _tell_passed(self, check: _Check) -> str | None:
+        """POST VERIFIED_PATH to the swapped pod's server; why it did not hear, or None."""
         try:
             self._request(
                 "POST",
@@ -359,25 +382,73 @@ class Verifier:
                 {"Authorization": f"Bearer {check.swap_token}"},
             )
         except NotFound:
-            return verdict  # a server without the route serves what it loaded anyway
+            return None  # a server without the route serves what it loaded anyway
         except ServerError as e:  # a 409, the server gone
-            message = f"the weights passed, but the server was not told: {e}"
-            return GateVerdict("False", PENDING, message, mode=verdict.mode)
-        return verdict
+            return str(e)
+        return None
+
+    def _release_swapped(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> None:
+        """Nothing to verify: a pod swapped in place while the rollout still verified (its
+        validation switched off since) holds its new weights from traffic for a check
+        nobody runs now. Tell each such server they passed (the user asked for no check),
+        once per pod and weights (a failure is tried again at the next reconcile; a
+        server that was not holding answers that it serves them already)."""
+        key = (rollout.metadata.namespace or "", rollout.metadata.name)
+        with self.lock:
+            told = self.released.get(key, {})
+            # Only this rollout's current pods are remembered: the map stays bounded.
+            told = {p: told[p] for pod in pods if (p := _uid(pod)) in told}
+            self.released[key] = told
+        for pod in pods:
+            status = pod.get("status") or {}
+            if not swapped_to(pod) or status.get("phase") != "Running" or not status.get("podIP"):
+                continue
+            check = self._plan(rollout, pod)
+            if not check.swapped or told.get(check.uid) == check.want_digest:
+                continue
+            with self.lock:
+                if check.uid in self.in_flight:
+                    continue
+                self.in_flight.add(check.uid)
+            self.pool.submit(self._release, key, check)
+
+    def _release(self, key: tuple[str, str], check: _Check) -> None:
+        try:
+            self._sign(check)
+            error = self._tell_passed(check)
+            if error is None:
+                with self.lock:
+                    self.released.setdefault(key, {})[check.uid] = check.want_digest
+                log.info(
+                    "pod %s/%s: nothing to verify; its server now serves the weights it swapped in",
+                    check.namespace,
+                    check.name,
+                )
+            else:
+                log.warning(
+                    "pod %s/%s: nothing to verify, but its server was not told to serve the "
+                    "weights it swapped in: %s; will retry",
+                    check.namespace,
+                    check.name,
+                    error,
+                )
+        except Exception as e:  # its text could quote what the API read: not shown
+            log.warning(
+                "pod %s/%s: cannot release its swapped weights: %s; will retry",
+                check.namespace,
+                check.name,
+                type(e).__name__,
+            )
+        finally:
+            with self.lock:
+                self.in_flight.discard(check.uid)
 
     def _verify(self, check: _Check) -> tuple[LoadReport | None, GateVerdict]:
         mode: VerifyMode
         report: LoadReport | None = None
         if check.swapped:
             try:
-                check.swap_token = swap_token(
-                    self.kube,
-                    check.namespace,
-                    check.rollout,
-                    check.rollout_uid,
-                    check.want_digest,
-                    check.name,
-                )
+                self._sign(check)
             except Exception as e:  # its text could quote what the API read: not shown
                 message = f"cannot sign the checks of swapped weights: {type(e).__name__}"
                 return None, GateVerdict("False", PENDING, message)
