@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rate-mbit", type=int, default=200, help="B: every link's cap, each way")
     p.add_argument("--size-mib", type=int, default=512, help="S: model size")
     p.add_argument("--chunk-mib", type=int, help="default 4 (1 with --quick)")
+    p.add_argument(
+        "--piece-kib", type=int, help="piece size of the manifest (default: the format's, chunk/16)"
+    )
     p.add_argument("--workers", type=int, default=4, help="stage() workers per node")
     p.add_argument(
         "--modes",
@@ -274,8 +277,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.timeout = 60 + 3 * args.nodes * size / rate  # generous; only a bound on hangs
     model = make_model(size)
     args.model = str(model)
-    manifest = manifest_for(model, args.chunk_mib * MiB)
-    manifest_file = manifest_path(model, args.chunk_mib * MiB)
+    piece = args.piece_kib * 1024 if args.piece_kib else None
+    manifest = manifest_for(model, args.chunk_mib * MiB, piece_size=piece)
+    manifest_file = manifest_path(model, args.chunk_mib * MiB, piece_size=piece)
     v1_file = None
     if "p2p-v1" in args.modes.split(","):
         manifest_for(model, args.chunk_mib * MiB, version=1)

@@ -137,20 +137,25 @@ def ensure_published(client: S3Client, model: Path) -> None:
     marker.touch()
 
 
-def manifest_path(model: Path, chunk_size: int, version: int = 2) -> Path:
-    return WORK / f"{model.name}.c{chunk_size}.v{version}.json"
+def manifest_path(
+    model: Path, chunk_size: int, version: int = 2, piece_size: int | None = None
+) -> Path:
+    pieces = f".p{piece_size}" if piece_size else ""  # None: the format's default
+    return WORK / f"{model.name}.c{chunk_size}{pieces}.v{version}.json"
 
 
-def manifest_for(model: Path, chunk_size: int, version: Literal[1, 2] = 2) -> Manifest:
-    """The manifest of ``model`` at ``chunk_size``, cached, with its piece layer (version
-    2) beside it; ``local_origin`` puts the piece layers on the S3 server. The bytes are
-    the ones the S3 server holds, so staging may use any chunk size without uploading
-    the weights again."""
-    cached = manifest_path(model, chunk_size, version)
+def manifest_for(
+    model: Path, chunk_size: int, version: Literal[1, 2] = 2, piece_size: int | None = None
+) -> Manifest:
+    """The manifest of ``model`` at ``chunk_size`` (and ``piece_size``, None: the format's
+    default), cached, with its piece layer (version 2) beside it; ``local_origin`` puts
+    the piece layers on the S3 server. The bytes are the ones the S3 server holds, so
+    staging may use any chunk size without uploading the weights again."""
+    cached = manifest_path(model, chunk_size, version, piece_size)
     if cached.exists():
         return Manifest.parse(cached.read_bytes())
     manifest, pieces = build_manifest_with_pieces(
-        LocalFolder(model), chunk_size=chunk_size, workers=2, version=version
+        LocalFolder(model), chunk_size=chunk_size, workers=2, version=version, piece_size=piece_size
     )
     if manifest.piece_layer_path:
         cached.with_suffix(".pieces").write_bytes(pieces)
