@@ -472,7 +472,8 @@ class _SteppedOrigin:
     ) -> None:
         self.steps.append(step)
         view[:] = self.read_range(path, offset, len(view))
-        for end in range(step or len(view), len(view) + (step or len(view)), step or len(view)):
+        size = step or len(view)
+        for end in range(size, len(view) + size, size):
             if landed:
                 landed(min(end, len(view)))
 

@@ -92,13 +92,23 @@ def restarts(pod: dict[str, Any]) -> str:
     return str(sum(int(c.get("restartCount") or 0) for c in statuses))
 
 
+def serving(pod: dict[str, Any]) -> bool:
+    """Pure: a running pod with an IP, not being deleted (its server can be asked)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    return (
+        not meta.get("deletionTimestamp")
+        and status.get("phase") == "Running"
+        and bool(status.get("podIP"))
+    )
+
+
 def needs_check(pod: dict[str, Any]) -> bool:
     """Pure: a running pod with an IP whose gate has no final verdict for its containers
     as they run now (a container restarted since the verdict loads its weights again)."""
-    meta = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+    if not serving(pod):
         return False
+    meta = pod.get("metadata") or {}
     gate = condition(pod, VERIFIED_GATE)
     if gate is None:
         return True
@@ -400,8 +410,7 @@ class Verifier:
             told = {p: told[p] for pod in pods if (p := _uid(pod)) in told}
             self.released[key] = told
         for pod in pods:
-            status = pod.get("status") or {}
-            if not swapped_to(pod) or status.get("phase") != "Running" or not status.get("podIP"):
+            if not (serving(pod) and swapped_to(pod)):
                 continue
             check = self._plan(rollout, pod)
             if not check.swapped or told.get(check.uid) == check.want_digest:
