@@ -33,6 +33,11 @@ _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: c
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog (socketserver's default is 5): a peer opening its workers'
+    # connections at once (a ring's 14 to one node at stage start) overflowed 5, and a
+    # dropped SYN is sent again only after a second: that node started a second late
+    # (the fleet benchmark's traces). The kernel caps it at net.core.somaxconn.
+    request_queue_size = 1024
 
     def __init__(
         self,

@@ -429,6 +429,23 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(
         server.server_close()
 
 
+def test_a_burst_of_connections_is_queued_not_dropped() -> None:
+    """Connections opened while the server is not accepting yet wait in its backlog: a
+    SYN that overflowed it would be sent again only after the kernel's 1 s SYN timeout."""
+    from weightship.httpserver import BoundedHandler, Server
+
+    server = Server(("127.0.0.1", 0), BoundedHandler)  # not serving: nothing is accepted
+    try:
+        burst = [
+            socket.create_connection(("127.0.0.1", server.server_port), timeout=0.5)
+            for _ in range(64)
+        ]
+        for s in burst:
+            s.close()
+    finally:
+        server.server_close()
+
+
 def test_connections_over_the_cap_are_refused_not_given_a_thread(
     tmp_path: Path, store: ChunkStore, model: Manifest
 ) -> None:
