@@ -96,7 +96,7 @@ def policy(args: argparse.Namespace) -> FetchPolicy | None:
         return None
     return FetchPolicy(
         **({"split_after_s": None} if args.no_split else {}),
-        **({"steal_after_s": None} if args.no_claims else {}),
+        **({"claims": False} if args.no_claims else {}),
         **({"late_probes": 0} if args.no_late_probes else {}),
         **({"holder_probes": 0} if args.no_holder_probes else {}),
         **({"uplink_hold_s": 0.0} if args.no_uplink_hold else {}),

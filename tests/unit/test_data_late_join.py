@@ -17,7 +17,7 @@ from weightship.weightformat.entries import ChunkEntry
 SIZE = 64
 EARLY = [f"node-{i}" for i in range(5)]
 ME = "late"
-POLICY = FetchPolicy(owner_wait_s=5, poll_interval_s=0, long_poll_s=0, steal_after_s=None)
+POLICY = FetchPolicy(owner_wait_s=5, poll_interval_s=0, long_poll_s=0, claims=False)
 
 
 def data(i: int) -> bytes:
@@ -233,7 +233,7 @@ def test_a_late_node_goes_to_the_origin_when_no_live_peer_gets_the_chunk(dead: b
     holder = next(n for n in EARLY if probe.key in held[n])
     client = FakeClient(held, dead=set(EARLY) - {holder} if dead else set())
     policy = FetchPolicy(
-        owner_wait_s=5, poll_interval_s=0, long_poll_s=0, steal_after_s=None, late_wait_s=0
+        owner_wait_s=5, poll_interval_s=0, long_poll_s=0, claims=False, late_wait_s=0
     )
     fetcher, origin, sink = fetcher_for(chunks, client, policy=policy)
     assert fetcher.join_late(owned_here(fetcher, chunks))
@@ -253,7 +253,7 @@ def test_a_late_node_waits_for_the_peer_it_granted_its_chunk_to() -> None:
     for n in EARLY:
         held[n].pop(chunk.key, None)  # nobody has it yet: the claimant is fetching it
     policy = FetchPolicy(
-        owner_wait_s=5, poll_interval_s=0, long_poll_s=0, steal_after_s=None, late_wait_s=0
+        owner_wait_s=5, poll_interval_s=0, long_poll_s=0, claims=False, late_wait_s=0
     )
     client = FakeClient(held)
     fetcher, origin, sink = fetcher_for(chunks, client, policy=policy)
@@ -286,7 +286,6 @@ def test_a_late_node_claims_nothing() -> None:
     client = FakeClient(everything_fetched_by_its_owner(chunks))
     fetcher, _, _ = fetcher_for(chunks, client, policy=FetchPolicy())
     assert fetcher.join_late(owned_here(fetcher, chunks))
-    fetcher.origin_idle.set()
     calls = len(client.calls)
     fetcher.claim_tails()  # the others do not know it: their boards would refuse (403)
     assert len(client.calls) == calls

@@ -32,12 +32,13 @@ from weightship.data.peer import PeerClient, PeerServer
 from weightship.data.stage import StageProgress, hold_for_uplink, load_piece_layer, stage
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
 from weightship.weightformat.chunkhash import ChunkVerificationError
+from weightship.weightformat.entries import ChunkEntry
 from weightship.weightformat.manifest import Manifest
 from weightship.weightformat.paths import is_metadata_path
 
 CHUNK = 16 * 1024
 FAST = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01)
-NO_CLAIMS = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01, steal_after_s=None)
+NO_CLAIMS = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, poll_interval_s=0.01, claims=False)
 
 
 class CountingOrigin:
@@ -318,7 +319,8 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
         sink=sink,
         metrics=dp,
         chunks=m.chunks,
-        policy=dataclasses.replace(FAST, holder_probes=0),  # the owner asked first
+        # The owner asked first: no holder, no ring.
+        policy=dataclasses.replace(FAST, holder_probes=0, ring_wait_s=None),
     )
     assert fetcher.fetch(chunk) == "peer"
     assert sink.chunks[chunk.key] == (src / "w.bin").read_bytes()
@@ -511,9 +513,7 @@ def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
     origins = {n: NodeOrigin(origin, delay_s=0.5 if n == "node-a" else 0.0) for n in nodes}
     stores = {n: ChunkStore(tmp_path / n) for n in nodes}
     registries = {n: metrics() for n in nodes}
-    policy = FetchPolicy(
-        peer_timeout_s=5, owner_wait_s=30, poll_interval_s=0.01, long_poll_s=0.2, steal_after_s=0.05
-    )
+    policy = FetchPolicy(peer_timeout_s=5, owner_wait_s=30, poll_interval_s=0.01, long_poll_s=0.2)
     with ExitStack() as stack:
         servers = {n: stack.enter_context(PeerServer(stores[n], "127.0.0.1")) for n in nodes}
         peers = [Peer(n, servers[n].address) for n in nodes]
@@ -558,41 +558,38 @@ def test_a_slow_owners_chunks_are_claimed_and_still_leave_the_origin_once(
 
 def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    m = make_model(src, {"w.bin": random_bytes(CHUNK, 8)})
-    chunk = m.chunks[0]
-    owner = names_ranked(chunk.key, "owner", ["claimant"])
+    m = make_model(src, {"w.bin": random_bytes(8 * CHUNK, 8)})
     owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
     origin = CountingOrigin(src)
-    policy = FetchPolicy(peer_timeout_s=2, owner_wait_s=20, long_poll_s=0.05, steal_after_s=0)
     with (
         PeerServer(owner_store, "127.0.0.1") as owner_server,
         PeerServer(claimant_store, "127.0.0.1") as claimant_server,
     ):
         fetcher = ChunkFetcher(
             node="claimant",
-            peers=[Peer(owner, owner_server.address), Peer("claimant", claimant_server.address)],
+            peers=[Peer("owner", owner_server.address), Peer("claimant", claimant_server.address)],
             origin=origin,
             sink=MemorySink(),
             metrics=metrics()[0],
             chunks=m.chunks,
-            policy=policy,
+            policy=FAST,
             claims=claimant_store.claims,
         )
-        fetcher.origin_idle.set()  # its own origin queue is done
+        queue = [c.key for c in m.chunks if fetcher.owner_of(c.key) == "owner"]
         # The owner stages the model with the claimant among its peers (stage() does this).
-        owner_store.claims.open([chunk.key], [("claimant", claimant_server.address)])
-        claimant_store.claims.open([chunk.key], [("third", "127.0.0.1:1")])
-        assert fetcher.owner_of(chunk.key) == owner
-        assert fetcher.fetch(chunk) == "origin"  # the owner never got it: claimed, fetched
-        assert owner_store.claims.start(chunk.key) == "claimant"
+        owner_store.claims.open(queue, [("claimant", claimant_server.address)])
+        claimant_store.claims.open(queue, [("third", "127.0.0.1:1")])
+        fetcher.claim_tails()  # its own origin queue is done (the origin lane runs it then)
+        claimed = queue[1]  # the owner never started it: claimed, fetched here
+        assert owner_store.claims.start(claimed) == "claimant"
         # A third node asking the claimant for the same chunk is refused: it leaves the
         # origin once.
         client = PeerClient(timeout_s=2)
-        assert client.claim(claimant_server.address, chunk.key, "third") == (False, None)
-    assert origin.reads == 1
+        assert client.claim(claimant_server.address, claimed, "third") == (False, None)
+    assert origin.reads == len(queue) - 1  # every chunk of the owner's but its first
 
 
-def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) -> None:
+def test_claim_tails_claims_a_slow_owners_next_chunks_in_order(tmp_path: Path) -> None:
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(8 * CHUNK, 9)})
     owner_store, claimant_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "claimant")
@@ -616,9 +613,10 @@ def test_claim_tails_fetches_a_slow_owners_queue_from_its_end(tmp_path: Path) ->
         owner_store.claims.open(queue, [("claimant", claimant_server.address)])
         owner_store.claims.start(queue[1])  # the owner is fetching its second chunk
         fetcher.claim_tails()
-    # Its last two were claimed and fetched here, its second was refused (started), and
-    # the loop stopped there: the first alone is no sign of a slow owner.
-    assert set(sink.chunks) == set(queue[2:])
+    # The chunk after the first it lacks was refused (started), then the next ones were
+    # claimed and fetched here, in the order the fleet asks the owner for them, and the
+    # loop stopped there: the first alone is no sign of a slow owner.
+    assert list(sink.chunks) == queue[2:]
     assert origin.reads == 2
     granted = [owner_store.claims.claimant(sha) for sha in queue]
     assert granted == [None, None, "claimant", "claimant"]
@@ -814,10 +812,15 @@ def test_an_asker_sent_to_the_claimant_long_polls_it_first(
             sink=staging,
             metrics=metrics()[0],
             chunks=m.chunks,
-            # Only the owner asked in a round, and no holder before it: the claimant is
-            # asked only because the owner named it.
+            # Only the owner asked in a round, and no holder or ring node before it: the
+            # claimant is asked only because the owner named it.
             policy=dataclasses.replace(
-                NO_CLAIMS, owner_wait_s=5, long_poll_s=0.5, peers_per_round=1, holder_probes=0
+                NO_CLAIMS,
+                owner_wait_s=5,
+                long_poll_s=0.5,
+                peers_per_round=1,
+                holder_probes=0,
+                ring_wait_s=None,
             ),
         )
         assert fetcher.fetch(chunk) == "peer"
@@ -863,7 +866,9 @@ def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
             sink=staging,
             metrics=metrics()[0],
             chunks=m.chunks,
-            policy=dataclasses.replace(NO_CLAIMS, long_poll_s=0.5, holder_probes=probes),
+            policy=dataclasses.replace(
+                NO_CLAIMS, long_poll_s=0.5, holder_probes=probes, ring_wait_s=None
+            ),
         )
         assert fetcher.owner_of(chunk.key) == owner
         fetcher.behind_on[owner] = behind  # as after a chunk from it whole, or streamed
@@ -878,3 +883,83 @@ def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
         refused = [(holder, 0.0)] if busy else []  # the probe: 503, its uplink is busy
         assert seen == [*refused, (owner, 0.5), (holder, 0.0)]
         assert took >= 0.45
+
+
+class AskedClient(PeerClient):
+    """A real peer client that also records which peer each fetch asked, in order."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        super().__init__(timeout_s=5)
+        self.names = names  # address -> node
+        self.asked: list[str] = []
+
+    def fetch(self, address: str, key: str, **kwargs: Any) -> bytes:
+        self.asked.append(self.names[address])
+        return super().fetch(address, key, **kwargs)
+
+
+def ring_of_three(
+    tmp_path: Path, stack: ExitStack, holders: list[str], policy: FetchPolicy
+) -> tuple[ChunkFetcher, AskedClient, Manifest]:
+    """n3 fetching, n1 and n2 serving (n2 is the node before n3 in the ring); the nodes
+    in ``holders`` hold the whole model."""
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(9 * CHUNK, 31)})
+    addresses = {}
+    for n in ("n1", "n2"):
+        store = ChunkStore(tmp_path / n)
+        if n in holders:
+            put_model(store, m, src)
+        addresses[n] = stack.enter_context(PeerServer(store, "127.0.0.1")).address
+    client = AskedClient({a: n for n, a in addresses.items()})
+    fetcher = ChunkFetcher(
+        node="n3",
+        peers=[Peer("n3", "127.0.0.1:1"), *(Peer(n, a) for n, a in addresses.items())],
+        origin=CountingOrigin(src),
+        sink=MemorySink(),
+        metrics=metrics()[0],
+        chunks=m.chunks,
+        policy=policy,
+        client=client,
+    )
+    return fetcher, client, m
+
+
+def owned_by(fetcher: ChunkFetcher, m: Manifest, node: str) -> ChunkEntry:
+    return next(c for c in m.chunks if fetcher.owner_of(c.key) == node)
+
+
+def test_a_chunk_is_asked_of_the_node_before_this_one_first(tmp_path: Path) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    with ExitStack() as stack:
+        fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
+        chunk = owned_by(fetcher, m, "n1")  # its owner (n1) does not have it yet
+        assert fetcher.fetch(chunk) == "peer"
+    assert client.asked == ["n2"]  # the node before n3; the owner is never asked
+
+
+def test_the_owner_is_asked_when_the_node_before_does_not_get_the_chunk(
+    tmp_path: Path,
+) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=0.1)
+    with ExitStack() as stack:
+        fetcher, client, m = ring_of_three(tmp_path, stack, ["n1"], policy)
+        chunk = owned_by(fetcher, m, "n1")
+        assert fetcher.fetch(chunk) == "peer"
+    assert client.asked == ["n2", "n1"]  # n2 held it ring_wait_s, then the owner
+
+
+def test_the_node_before_that_owns_the_chunk_is_asked_once(tmp_path: Path) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    with ExitStack() as stack:
+        fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
+        assert fetcher.fetch(owned_by(fetcher, m, "n2")) == "peer"
+    assert client.asked == ["n2"]
+
+
+def test_without_a_ring_the_owner_is_asked_first(tmp_path: Path) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=0.1, ring_wait_s=None)
+    with ExitStack() as stack:
+        fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
+        assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
+    assert client.asked[:2] == ["n1", "n2"]

@@ -499,9 +499,7 @@ def test_every_node_finds_a_bad_origin_chunk_at_once_not_after_the_owner_wait(
     nodes = ["node-a", "node-b", "node-c"]
     stores = {n: ChunkStore(tmp_path / n) for n in nodes}
     dp = DataPlaneMetrics.create(CollectorRegistry())
-    policy = FetchPolicy(
-        peer_timeout_s=2, owner_wait_s=600, poll_interval_s=0.01, steal_after_s=None
-    )
+    policy = FetchPolicy(peer_timeout_s=2, owner_wait_s=600, poll_interval_s=0.01, claims=False)
     errors: dict[str, BaseException] = {}
     with ExitStack() as stack:
         servers = {n: stack.enter_context(PeerServer(stores[n], "127.0.0.1")) for n in nodes}

@@ -275,8 +275,6 @@ def _stage(
         # one chunk from every other owner: the intake one own chunk pays for
         slack_bytes=max((c.size for c in others), default=0) * other_owners,
     )
-    if not owned:
-        fetcher.origin_idle.set()
     deferred: list[Future[None]] = []
 
     def fetch_own(chunk: ChunkEntry) -> None:
@@ -290,8 +288,7 @@ def _stage(
                 hold_for_uplink(store.uploads, cancel, max_s=fetcher.policy.uplink_hold_s)
                 fetch_one(chunk)
         finally:
-            if pacer.own_progress(chunk.size):  # chunks are never empty: bytes count them
-                fetcher.origin_idle.set()
+            pacer.own_progress(chunk.size)
 
     def fetch_other(chunk: ChunkEntry) -> None:
         if pace_intake:
