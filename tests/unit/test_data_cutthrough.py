@@ -55,6 +55,7 @@ def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
     m, pieces, src = model
     chunk, good = m.chunks[0], _bytes(m, src, 0)
     owner_store = ChunkStore(tmp_path / "owner")
+    owner_store.claims.open([chunk.key], [])  # the owner's stage fetches it (stage() opens)
     gate = [threading.Event() for _ in range(4)]
     verified_at: list[int] = []  # the owner's verified prefix each time the reader got bytes
 

@@ -176,6 +176,7 @@ def test_long_poll_answers_when_the_chunk_lands(
         return wait(key, timeout_s)
 
     monkeypatch.setattr(store.index, "wait", spied_wait)
+    store.claims.open([DIGEST], [])  # a stage of it runs here (stage() opens this)
     with PeerServer(store, "127.0.0.1") as server, ModelStaging(store, model) as staging:
         staging.prepare()
         client = PeerClient(timeout_s=5)
@@ -427,6 +428,20 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_chunk_no_stage_here_fetches_is_not_waited_for(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node outside a rollout's selector stages nothing of it: a request that may wait
+    for one of its chunks is answered 404 at once (it will not land), not held."""
+    monkeypatch.setattr(peer, "MAX_WAIT_S", 3600.0)  # held, it would hang the test
+    with PeerServer(store, "127.0.0.1") as server:
+        client = PeerClient(timeout_s=5)
+        with pytest.raises(ChunkNotOnPeerError):
+            client.fetch(server.address, DIGEST, wait_s=3600)
+        with pytest.raises(ChunkNotOnPeerError):
+            client.open(server.address, DIGEST, wait_s=3600).close()
 
 
 def test_a_burst_of_connections_is_queued_not_dropped() -> None:

@@ -580,13 +580,13 @@ def test_a_claimant_refuses_other_claims_on_the_chunk_it_took(tmp_path: Path) ->
         owner_store.claims.open(queue, [("claimant", claimant_server.address)])
         claimant_store.claims.open(queue, [("third", "127.0.0.1:1")])
         fetcher.claim_tails()  # its own origin queue is done (the origin lane runs it then)
-        claimed = queue[1]  # the owner never started it: claimed, fetched here
+        claimed = queue[1]  # the owner started none: each claimed, fetched here
         assert owner_store.claims.start(claimed) == "claimant"
         # A third node asking the claimant for the same chunk is refused: it leaves the
         # origin once.
         client = PeerClient(timeout_s=2)
         assert client.claim(claimant_server.address, claimed, "third") == (False, None)
-    assert origin.reads == len(queue) - 1  # every chunk of the owner's but its first
+    assert origin.reads == len(queue)
 
 
 def test_claim_tails_claims_a_slow_owners_next_chunks_in_order(tmp_path: Path) -> None:
@@ -611,15 +611,14 @@ def test_claim_tails_claims_a_slow_owners_next_chunks_in_order(tmp_path: Path) -
         queue = [c.key for c in m.chunks if fetcher.owner_of(c.key) == "owner"]
         assert len(queue) == 4
         owner_store.claims.open(queue, [("claimant", claimant_server.address)])
-        owner_store.claims.start(queue[1])  # the owner is fetching its second chunk
+        owner_store.claims.start(queue[0])  # the owner is fetching its first chunk
         fetcher.claim_tails()
-    # The chunk after the first it lacks was refused (started), then the next ones were
-    # claimed and fetched here, in the order the fleet asks the owner for them, and the
-    # loop stopped there: the first alone is no sign of a slow owner.
-    assert list(sink.chunks) == queue[2:]
-    assert origin.reads == 2
+    # The chunks after the one it fetches were claimed and fetched here, in the order
+    # the fleet asks the owner for them, then the one it fetches was refused (started).
+    assert list(sink.chunks) == queue[1:]
+    assert origin.reads == 3
     granted = [owner_store.claims.claimant(sha) for sha in queue]
-    assert granted == [None, None, "claimant", "claimant"]
+    assert granted == [None, "claimant", "claimant", "claimant"]
 
 
 def test_owner_of_is_the_head_of_the_ranking(tmp_path: Path) -> None:
@@ -691,6 +690,7 @@ def test_cancel_stops_a_fetch_waiting_on_an_owner_that_never_gets_the_chunk(
     chunk = m.chunks[0]
     owner = names_ranked(chunk.key, "owner", ["me"])
     empty = ChunkStore(tmp_path / "empty")  # the owner is alive but never gets the chunk
+    empty.claims.open([chunk.key], [])  # which its stage fetches (stage() opens this)
     cancel = threading.Event()
     dp, _ = metrics()
     origin = CountingOrigin(src)
@@ -848,6 +848,7 @@ def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
     owner, holder = two_names_ranked(chunk.key, "owner", "holder", "me")
     owner_store, holder_store = ChunkStore(tmp_path / "owner"), ChunkStore(tmp_path / "holder")
     put_model(holder_store, m, src)
+    owner_store.claims.open([chunk.key], [])  # the owner's stage fetches it (stage() opens)
     seen: list[tuple[str, float]] = []
     spy_lookups(monkeypatch, owner_store, owner, seen)
     spy_lookups(monkeypatch, holder_store, holder, seen)

@@ -532,8 +532,7 @@ class ChunkFetcher:
         ]
 
     def _most_behind(self) -> str | None:
-        """The live owner with the most claimable chunks, if that is at least two (its
-        first is the one it is fetching now)."""
+        """The live owner with the most claimable chunks, if it has any."""
         avoided = self.health.avoided()
         counts = {
             owner: len(self._claimable(owner))
@@ -541,17 +540,20 @@ class ChunkFetcher:
             if owner in self.address and owner not in avoided
         }
         owner = max(counts, key=lambda o: counts[o], default=None)
-        return owner if owner is not None and counts[owner] >= 2 else None
+        return owner if owner is not None and counts[owner] else None
 
     def _claim_next(self, owner: str) -> None:
         """``owner`` is slow: claim the chunk after the one it is fetching (the first this
-        node lacks), the next the fleet asks it for, and fetch it from the origin here.
-        (The last of its queue, claimed instead, was asked for by every node only when
-        it reached it, seconds after it was in: the fleet benchmark's traces.)"""
+        node lacks), the next the fleet asks it for, and fetch it from the origin here;
+        its last one when only that is left (the owner grants it if it has not started
+        it: an owner that does not stage this model, outside the rollout's selector,
+        grants every claim). The last of the queue, claimed first instead, was asked for
+        by every node only when it reached it, seconds after it was in (the fleet
+        benchmark's traces)."""
         claimable = self._claimable(owner)
-        if owner not in self.address or len(claimable) < 2:
+        if owner not in self.address or not claimable:
             return
-        target = claimable[1]
+        target = claimable[1] if len(claimable) > 1 else claimable[0]
         try:
             granted, holder = self.client.claim(self.address[owner], target, self.node)
         except PeerError:

@@ -7,7 +7,8 @@ model file that holds the chunk (``ChunkStore.open_chunk``: only verified, journ
 ranges).
 
 A GET may carry ``X-Weightship-Wait: <seconds>``: when the chunk is not there yet, the
-server holds the request until it lands (at most ``MAX_WAIT_S``), instead of a 404 that
+server holds the request until it lands (at most ``MAX_WAIT_S``; only for a chunk a stage
+here fetches: any other will not land), instead of a 404 that
 the client would poll again. With ``X-Weightship-Stream: 1`` (cut-through), a chunk this
 node is still receiving piece by piece is streamed as its pieces verify here: a chunked
 body that carries only the verified prefix as it grows, and may end before the chunk's
@@ -201,6 +202,11 @@ class _ChunkHandler(BoundedHandler):
         if self._bad_at_origin(key):
             return
         wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
+        if wait_s and not store.claims.wants(key) and not store.has_chunk(key):
+            # No stage here fetches it (this node is outside the rollout's selector, or
+            # done): it will not land, so the asker hears that at once, not after the wait
+            # (a node asked first as the one before it in the ring, say).
+            wait_s = 0.0
         stream = send_body and self.headers.get(STREAM_HEADER) == "1"
         claimant = store.claims.claimant(key)
         if (
