@@ -166,8 +166,8 @@ class FetchPolicy:
     # (sorted names), which streams it on as it lands, waiting this long at most for it
     # to start landing there; then its owner (None: owners only). Each uplink then
     # carries one stream of the others' chunks, whatever share of the origin each owner
-    # gets (the fleet benchmark: 1.10x S/B against 1.15x asking owners first,
-    # docs/benchmarks.md).
+    # gets (the fleet benchmark, interleaved rounds: 1.10x S/B against 1.15x asking
+    # owners first; docs/benchmarks.md).
     ring_wait_s: float | None = 4.5
 
 
