@@ -964,3 +964,21 @@ def test_without_a_ring_the_owner_is_asked_first(tmp_path: Path) -> None:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
         assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
     assert client.asked[:2] == ["n1", "n2"]
+
+
+def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    with ExitStack() as stack:
+        fetcher, client, m = ring_of_three(tmp_path, stack, ["n1"], policy)
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        stack.callback(dead.close)
+        fetcher.address["n2"] = f"127.0.0.1:{dead.getsockname()[1]}"
+        client.names[fetcher.address["n2"]] = "n2"
+        first, second = [c for c in m.chunks if fetcher.owner_of(c.key) == "n1"][:2]
+        assert fetcher.fetch(first) == "peer"
+        assert fetcher.fetch(second) == "peer"
+    # n2 refused the connection: avoided from then on, so n1, now the node before n3
+    # and the chunks' owner, is asked next, and for the next chunk at once.
+    assert client.asked == ["n2", "n1", "n1"]
+    assert "n2" in fetcher.health.avoided()
