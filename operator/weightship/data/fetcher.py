@@ -434,7 +434,6 @@ class ChunkFetcher:
                     self._from_origin(chunk)
                     return "origin"
                 continue  # granted to a peer meanwhile: the ranking now starts with it
-            round_started = time.monotonic()
             if not rounds and self._from_predecessor(chunk, live, deadline):
                 return "peer"
             round_started = time.monotonic()
