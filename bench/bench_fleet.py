@@ -175,6 +175,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--whole-uploads", "0"] if mode in ("p2p-no-cap", "p2p-round4") else []),
             *(["--no-redirect"] if mode in ("p2p-no-redirect", "p2p-round4") else []),
             *(["--no-split"] if mode == "p2p-no-split" else []),
+            *(["--keep-origin-connections"] if mode == "p2p-keep-origin" else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -260,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p2p-no-cap (no limit on whole chunks a node sends at once), "
         "p2p-no-redirect (an owner holds requests for the chunks a peer claimed), "
         "p2p-round4 (none of those four: the code before them), "
-        "p2p-no-split (a slow whole transfer is never split across two peers), origin-only",
+        "p2p-no-split (a slow whole transfer is never split across two peers), "
+        "p2p-keep-origin (one origin connection per node for the whole stage), origin-only",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -363,6 +365,7 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-no-redirect", 1),
         ("p2p-round4", 1),
         ("p2p-no-split", 1),
+        ("p2p-keep-origin", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -390,6 +393,7 @@ def report(r: dict[str, Any]) -> None:
         "p2p-no-redirect",
         "p2p-round4",
         "p2p-no-split",
+        "p2p-keep-origin",
     )
     for mode in (*p2p_modes, *ablations):
         if mode not in r:

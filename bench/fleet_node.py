@@ -92,10 +92,12 @@ def policy(args: argparse.Namespace) -> FetchPolicy | None:
         or args.no_holder_probes
         or args.no_uplink_hold
         or args.no_split
+        or args.keep_origin_connections
     ):
         return None
     return FetchPolicy(
         **({"split_after_s": None} if args.no_split else {}),
+        **({"renew_origin_connections": False} if args.keep_origin_connections else {}),
         **({"claims": False} if args.no_claims else {}),
         **({"late_probes": 0} if args.no_late_probes else {}),
         **({"holder_probes": 0} if args.no_holder_probes else {}),
@@ -192,6 +194,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "peer_answers": client.counts,
             "cpu_s": cpu_s,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
+            "origin_renewals": registry.get_sample_value(
+                "weightship_agent_origin_connection_renewals_total"
+            )
+            or 0,
             "splits": {
                 outcome: registry.get_sample_value(
                     "weightship_agent_chunk_splits_total", {"outcome": outcome}
@@ -242,6 +248,11 @@ def main() -> None:
         "--no-uplink-hold", action="store_true", help="origin intake never waits for the uplink"
     )
     p.add_argument("--no-split", action="store_true", help="a slow whole transfer is never split")
+    p.add_argument(
+        "--keep-origin-connections",
+        action="store_true",
+        help="one origin connection for the whole stage, not a new one per chunk",
+    )
     p.add_argument(
         "--no-redirect", action="store_true", help="holds requests for chunks a peer claimed"
     )

@@ -3,6 +3,7 @@ import itertools
 import json
 import random
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,7 +79,8 @@ class FaultyFront:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
-        self.faults: list[tuple[int, str] | str] = []  # (status, code), "cut", "no-range"
+        # (status, code), "cut", "no-range", "slow-body"
+        self.faults: list[tuple[int, str] | str] = []
         self.ranged_gets = 0
         self.connections = 0
         front = self
@@ -104,6 +106,15 @@ class FaultyFront:
                         return
                     if fault == "no-range":  # a server that ignores Range
                         self._answer(200, {}, b"0123456789")
+                        return
+                    if fault == "slow-body":  # the headers 0.1 s late, the body 0.2 s later
+                        time.sleep(0.1)
+                        self.send_response(206)
+                        self.send_header("Content-Length", "4")
+                        self.end_headers()
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                        self.wfile.write(b"3456")
                         return
                     if fault == "cut":
                         self.send_response(206)
@@ -281,6 +292,33 @@ def test_chunk_gets_reuse_one_connection_per_thread(faulty: S3Origin, front: Fau
     assert front.connections - before == 1
     with pytest.raises(ClientError, match="InvalidRange"):  # past the end: 416, not retried
         faulty.read_range("w.bin", 20, 4)
+
+
+def test_a_renewed_connection_is_a_new_one_and_then_reused(
+    faulty: S3Origin, front: FaultyFront
+) -> None:
+    assert faulty.read_range("w.bin", 0, 1) == b"0"
+    before = front.connections
+    faulty.renew_connection()
+    for i in range(1, 4):
+        assert faulty.read_range("w.bin", i, 1) == str(i).encode()
+    assert front.connections - before == 1
+
+
+def test_last_read_times_this_threads_first_byte_and_the_rest(
+    faulty: S3Origin, front: FaultyFront
+) -> None:
+    front.faults = ["slow-body"]
+    assert faulty.read_range("w.bin", 3, 4) == b"3456"
+    timing = faulty.last_read()
+    assert timing is not None
+    first_byte_s, rest_s = timing
+    assert first_byte_s >= 0.09 and rest_s >= 0.15  # (the clocks differ a little)
+    elsewhere: list[object] = []
+    reader = threading.Thread(target=lambda: elsewhere.append(faulty.last_read()))
+    reader.start()
+    reader.join()
+    assert elsewhere == [None]  # that thread read nothing
 
 
 def test_presigned_urls_are_never_in_error_messages(faulty: S3Origin, front: FaultyFront) -> None:

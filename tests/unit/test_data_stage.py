@@ -982,3 +982,54 @@ def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
     # and the chunks' owner, is asked next, and for the next chunk at once.
     assert client.asked == ["n2", "n1", "n1"]
     assert "n2" in fetcher.health.avoided()
+
+
+class TimedOrigin(CountingOrigin):
+    """Says its last read took ``timing`` (first byte s, rest s); counts renewals."""
+
+    def __init__(self, folder: Path, timing: tuple[float, float]) -> None:
+        super().__init__(folder)
+        self.timing = timing
+        self.renewals = 0
+
+    def last_read(self) -> tuple[float, float] | None:
+        return self.timing if self.reads else None
+
+    def renew_connection(self) -> None:
+        self.renewals += 1
+
+
+@pytest.mark.parametrize(
+    ("timing", "policy", "renewals"),
+    [
+        ((0.01, 0.10), FAST, 1),  # the transfer took 10 round trips: a new flow costs little
+        ((0.01, 0.09), FAST, 0),  # a long, fast path: slow start would cost too much
+        ((0.01, 0.10), dataclasses.replace(FAST, renew_origin_connections=False), 0),
+    ],
+)
+def test_with_peers_an_origin_chunk_leaves_its_connection_closed(
+    tmp_path: Path, timing: tuple[float, float], policy: FetchPolicy, renewals: int
+) -> None:
+    with ExitStack() as stack:
+        fetcher, _, m = ring_of_three(tmp_path, stack, [], policy)
+        origin = fetcher.origin = TimedOrigin(tmp_path / "src", timing)
+        assert fetcher.fetch(owned_by(fetcher, m, "n3")) == "origin"
+    assert origin.renewals == renewals
+    assert fetcher.metrics.origin_renewals._value.get() == renewals
+
+
+def test_alone_the_origin_connection_is_kept(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(3 * CHUNK, 32)})
+    origin = TimedOrigin(src, (0.01, 1.0))
+    fetcher = ChunkFetcher(
+        node="n1",
+        peers=[],
+        origin=origin,
+        sink=MemorySink(),
+        metrics=metrics()[0],
+        chunks=m.chunks,
+        policy=FAST,
+    )
+    assert all(fetcher.fetch(c) == "origin" for c in m.chunks)
+    assert origin.renewals == 0

@@ -18,6 +18,7 @@ class DataPlaneMetrics:
     peer_demotions: Counter
     chunks_claimed: Counter
     chunk_splits: Counter
+    origin_renewals: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
@@ -58,6 +59,12 @@ class DataPlaneMetrics:
                 "outcome: used (that part finished the chunk) or unused (the first stream "
                 "was done first, or no second peer had it to send).",
                 ["outcome"],
+                registry=registry,
+            ),
+            origin_renewals=Counter(
+                "weightship_agent_origin_connection_renewals",
+                "Origin connections closed after the chunk they carried, so the next chunk "
+                "starts a new TCP flow (staging with peers; FetchPolicy.renew_origin_connections).",
                 registry=registry,
             ),
         )

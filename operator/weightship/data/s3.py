@@ -263,6 +263,7 @@ class S3Origin:
         self.retry = retry or RetryPolicy()
         # botocore's Config has read_timeout at runtime; its stub does not declare it.
         self._http = ThreadConnections(float(getattr(client.meta.config, "read_timeout", 60)))
+        self._last_read = threading.local()  # this thread's last read: (first byte s, rest s)
         self._urls: dict[str, tuple[float, str]] = {}  # key -> (signed at, presigned URL)
         self._urls_lock = threading.Lock()
 
@@ -314,6 +315,16 @@ class S3Origin:
             raise ValueError(f"read step must be at least 1 byte, not {step}")
         self._read_into(path, offset, view, landed, step)
 
+    def last_read(self) -> tuple[float, float] | None:
+        """This thread's last complete ranged read: seconds to its first byte (about a
+        round trip, plus the server's latency) and seconds from there to its last."""
+        timing: tuple[float, float] | None = getattr(self._last_read, "timing", None)
+        return timing
+
+    def renew_connection(self) -> None:
+        """Close this thread's connection to the origin: its next read opens a new one."""
+        self._http.close()
+
     def read_range(self, path: str, offset: int, size: int) -> bytearray:
         buf = bytearray(size)
         self._read_into(path, offset, memoryview(buf))
@@ -340,10 +351,12 @@ class S3Origin:
             url = urlsplit(self._presigned(key))
             scheme, host = url.scheme, url.netloc
             headers = {"Range": f"bytes={offset + start}-{offset + total - 1}"}
+            asked = time.monotonic()
             try:
                 resp = self._http.request(
                     "GET", host, f"{url.path}?{url.query}", headers, scheme=scheme
                 )
+                first_byte = time.monotonic()
                 if resp.status not in (200, 206):
                     error = error_from_response(resp, "GetObject")
                     self._http.drop(scheme, host)
@@ -372,6 +385,7 @@ class S3Origin:
                 self._http.drop(scheme, host)
                 raise IncompleteReadError(actual_bytes=got, expected_bytes=size)
             self._http.done(scheme, host, resp)
+            self._last_read.timing = (first_byte - asked, time.monotonic() - first_byte)
 
         self._call(get)
 
