@@ -188,8 +188,8 @@ class FetchPolicy:
     # flow that starts with a small share keeps it while its connection lives (BBR keeps
     # its estimates, and the winners keep theirs): owners with 4-6 origin chunks beside
     # owners with 22-27, the others waiting on the slow ones' chunks. New flows for every
-    # chunk share it afresh each time (the fleet benchmark: 13-19 chunks each, 1.09x S/B
-    # against 1.12x; renewing only the starved flows did not help: 1.12x).
+    # chunk share it afresh each time (the fleet benchmark: 12-20 chunks each, 1.09x S/B
+    # against 1.12x; renewing only the starved flows did not help: 1.13x).
     renew_origin_connections: bool = True
 
 
