@@ -4,8 +4,11 @@ Every answer is recorded with the revision the server stamped on it (the weights
 plugin's X-Weightship-Revision header), so a test can tell which weights answered.
 
 Bounded: a fixed number of sender threads, at most ``max_requests`` requests, and it stops
-by itself after ``max_seconds``. Loopback and the project's own namespaces only (the pods'
-addresses on the local cluster's bridge).
+by itself after ``max_seconds``. Like a router, it drops an upstream connection idle for
+longer than ``IDLE_LIMIT_S`` rather than reuse it: under the server's keep-alive timeout
+(vLLM's uvicorn: 5 s), so no request goes out on a connection the server is closing.
+Loopback and the project's own namespaces only (the pods' addresses on the local
+cluster's bridge).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +27,11 @@ from kubernetes import client
 log = logging.getLogger(__name__)
 REVISION_HEADER = "X-Weightship-Revision"
 DIGEST_HEADER = "X-Weightship-Manifest-Digest"
+IDLE_LIMIT_S = 2.0
+"""Longest a pooled connection may sit idle and still be reused: well under uvicorn's
+keep-alive timeout (5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request sent as the server
+closes an idle connection is lost (RemoteDisconnected with no answer); routers avoid that
+race the same way (an upstream idle timeout below the backend's keep-alive)."""
 
 
 def app_service(core: client.CoreV1Api, namespace: str, app: str, port: int) -> None:
@@ -34,6 +43,28 @@ def app_service(core: client.CoreV1Api, namespace: str, app: str, port: int) -> 
             "spec": {"selector": {"app": app}, "ports": [{"port": port, "targetPort": port}]},
         },
     )
+
+
+class IdleBoundedPool(urllib3.HTTPConnectionPool):
+    """A connection pool that closes a connection idle for longer than ``idle_limit_s``
+    before reusing it (urllib3 reconnects it), instead of racing the server's close."""
+
+    def __init__(self, host: str, port: int, *, idle_limit_s: float, maxsize: int) -> None:
+        super().__init__(host, port, maxsize=maxsize, retries=False)
+        self.idle_limit_s = idle_limit_s
+        self._idle_since: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn = super()._get_conn(timeout)
+        since = self._idle_since.pop(conn, None)
+        if since is not None and time.monotonic() - since > self.idle_limit_s:
+            conn.close()
+        return conn
+
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            self._idle_since[conn] = time.monotonic()
+        super()._put_conn(conn)
 
 
 @dataclass(frozen=True)
@@ -68,10 +99,11 @@ class ServiceLoad:
     answers: list[Answer] = field(default_factory=list)
     no_endpoint_waits: int = 0
     """Times a sender found no ready endpoint and waited (a router would queue or 503)."""
+    idle_limit_s: float = IDLE_LIMIT_S
 
     def __post_init__(self) -> None:
         self._discovery = client.DiscoveryV1Api(self.api)
-        self._http = urllib3.PoolManager(maxsize=self.senders, retries=False)
+        self._pools: dict[str, IdleBoundedPool] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._endpoints: list[str] = []
@@ -155,13 +187,22 @@ class ServiceLoad:
                 self.answers.append(answer)
             self._stop.wait(max(0.0, interval - (time.monotonic() - tick)))
 
+    def _pool(self, endpoint: str) -> IdleBoundedPool:
+        with self._lock:
+            pool = self._pools.get(endpoint)
+            if pool is None:
+                pool = IdleBoundedPool(
+                    endpoint, self.port, idle_limit_s=self.idle_limit_s, maxsize=self.senders
+                )
+                self._pools[endpoint] = pool
+            return pool
+
     def _one(self, endpoint: str) -> Answer:
         started = time.monotonic()
-        url = f"http://{endpoint}:{self.port}{self.path}"
         try:
-            response = self._http.request(
+            response = self._pool(endpoint).request(
                 "POST",
-                url,
+                self.path,
                 body=json.dumps(self.body).encode(),
                 headers={"Content-Type": "application/json"},
                 timeout=urllib3.Timeout(connect=5.0, read=self.timeout_s),
