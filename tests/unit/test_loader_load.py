@@ -1,6 +1,9 @@
+import ctypes
 import gc
 import hashlib
 import json
+import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from safetensors.torch import save_file
 import weightship.loader.load as load_module
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.modelstaging import ModelStaging
+from weightship.linux import populate_write
 from weightship.loader.load import (
     LoaderError,
     WeightsVerificationError,
@@ -20,6 +24,7 @@ from weightship.loader.load import (
     locate_staged,
 )
 from weightship.weightformat.build import LocalFolder, build_manifest
+from weightship.weightformat.entries import ChunkEntry
 from weightship.weightformat.manifest import Manifest
 
 CHUNK = 64 * 1024
@@ -255,28 +260,73 @@ def test_load_staged_from_the_node_cache(
         load_staged(cache, "sha256:" + "1" * 64)
 
 
-def test_host_buffers_are_writable_and_outlive_every_name_but_their_views() -> None:
-    buffer = load_module.host_buffer(3 * 1024 * 1024 + 5, huge=True)  # not a whole number of pages
-    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * 1024 * 1024 + 5
-    assert int(buffer.count_nonzero()) == 0  # fresh memory reads as zeros
-    buffer.numpy().data[-5:] = b"abcde"
+def test_a_private_mapping_is_writable_and_outlives_every_name_but_its_views(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "blob"
+    data = bytes(range(256)) * 12_289  # not a whole number of pages
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    buffer = load_module.private_mapping(fd, len(data))
+    os.close(fd)
+    assert buffer.dtype == torch.uint8 and bytes(buffer.numpy()) == data
+    buffer.numpy().data[-5:] = b"abcde"  # writable, and the file never sees it
     tail = buffer[-5:].view(torch.uint8)
     del buffer
     gc.collect()
     assert bytes(tail.numpy()) == b"abcde"  # the mapping lives as long as a view does
-    assert load_module.host_buffer(0, huge=False).numel() == 0
+    assert path.read_bytes() == data
+    assert load_module.private_mapping(-1, 0).numel() == 0
 
 
-BUDDYINFO = """Node 0, zone DMA 0 0 0 0 0 0 0 0 1 1 3
-Node 0, zone Normal 364 9419 7362 3585 1892 780 884 1658 1474 443 3021
-"""
+@pytest.mark.parametrize("populate", [True, False], ids=["populated", "read"])
+def test_loaded_tensors_are_private_copies_that_later_writes_to_the_file_never_reach(
+    model: tuple[Path, Manifest, dict[str, torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    populate: bool,
+) -> None:
+    # A verified tensor must stay the bytes that were hashed: a page of the private mapping
+    # only read (hashed) and never copied would still show the file's page, and so a write
+    # to the file after the check. Without the kernel's populate (before Linux 5.14) the
+    # loader reads each piece into the mapping, which copies it too.
+    root, manifest, want = model
+    if not populate:
+        monkeypatch.setattr(load_module, "populate_write", lambda address, length: False)
+    loaded = load_model(root, manifest, workers=2)
+    path = root / "model-1-of-2.safetensors"
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * path.stat().st_size)  # in place: the same inode and page cache
+    assert_same_tensors(loaded.tensors, want)
 
 
-def test_huge_pages_only_when_free_huge_blocks_cover_the_load() -> None:
-    # Orders 9 and 10 of 4 KiB pages are the 2 MiB and 4 MiB blocks: (1 + 443) * 2 MiB
-    # + (3 + 3021) * 4 MiB free; the smaller orders (free but fragmented) do not count.
-    free = (1 + 443) * 2 * 1024**2 + (3 + 3021) * 4 * 1024**2
-    assert load_module.huge_blocks_cover(free, BUDDYINFO, 2 * 1024**2)
-    assert not load_module.huge_blocks_cover(free + 1, BUDDYINFO, 2 * 1024**2)
-    assert not load_module.huge_blocks_cover(1, "", 2 * 1024**2)  # no /proc/buddyinfo
-    assert not load_module.huge_blocks_cover(1, BUDDYINFO, 0)  # no THP
+def test_a_file_that_shrinks_after_its_size_check_is_named_not_a_sigbus(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * 1024)  # 64 pages
+    fd = os.open(path, os.O_RDONLY)
+    dest = load_module.private_mapping(fd, 256 * 1024)
+    os.truncate(path, 100 * 1024)  # the tail's pages now lie past the end of the file
+    data = bytes(range(256)) * 1024
+    chunk = ChunkEntry(
+        file=path.name, index=0, offset=0, size=len(data), blake3=blake3.blake3(data).hexdigest()
+    )
+    hashing = load_module._Hashing(verify=True, threads=1)
+    with pytest.raises(WeightsVerificationError, match="expected 262144 bytes, got 102400 bytes"):
+        load_module._copy_chunk(chunk, fd, dest, hashing=hashing)
+    os.close(fd)
+
+
+def test_populate_write_copies_what_the_file_holds_and_refuses_past_its_end(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "blob"
+    page = mmap.PAGESIZE
+    path.write_bytes(b"a" * 4 * page)
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 4 * page, access=mmap.ACCESS_COPY)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    assert populate_write(address + 10, page)  # not page-aligned: its pages are rounded out
+    with open(path, "r+b") as f:
+        f.write(b"b" * 4 * page)  # in place
+    os.truncate(path, 2 * page)
+    assert mapping[:page] == b"a" * page  # copied: the write did not reach it
+    assert not populate_write(address + 3 * page, page)  # past the new end: no SIGBUS

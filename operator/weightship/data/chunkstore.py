@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 from weightship.data.chunkindex import ChunkIndex, ChunkLocation
 from weightship.data.claims import ClaimBoard
+from weightship.linux import LIBC
 from weightship.weightformat import cachedir
 from weightship.weightformat.cachedir import STAGED_MARKER
 from weightship.weightformat.chunkhash import chunk_key, chunk_matches
@@ -75,11 +76,11 @@ def verify_chunk(chunk: ChunkEntry, data: Buffer, *, max_threads: int = 1) -> bo
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_libc = ctypes.CDLL(None, use_errno=True)
-_sync_file_range = getattr(_libc, "sync_file_range", None)
+
+_sync_file_range = getattr(LIBC, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
+_fallocate = getattr(LIBC, "fallocate64", None) or getattr(LIBC, "fallocate", None)
 if _fallocate is not None:
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 

@@ -1,19 +1,20 @@
 """Load a staged model into memory, every byte checked against the manifest on the way in.
 
-Each file is read once, chunk by chunk, by a pool of threads. A chunk is read in pieces
-(``READ_PIECE``) with ``os.preadv`` straight into the file's destination (no
-intermediate copy), and each piece is fed to the chunk's hasher (BLAKE3 for a version 2
-manifest, sha256 for a version 1 one) right after it lands, while it is still in the
-core's cache, so the hash costs no second trip through memory. preadv, blake3 and
-hashlib release the GIL, so reads and hashes of different chunks run on every core.
-Nothing is returned until every chunk matched, so no tensor is ever built on bytes that
-were not verified.
+Each file is loaded once, chunk by chunk, by a pool of threads, in pieces (``READ_PIECE``)
+that each go through the chunk's hasher (BLAKE3 for a version 2 manifest, sha256 for a
+version 1 one) right after they land, while still in the core's cache, so the hash
+costs no second trip through memory. Hashing, the kernel calls and hashlib release the
+GIL, so the pieces of different chunks land and hash on every core. Nothing is returned
+until every chunk matched, so no tensor is ever built on bytes that were not verified.
 
-On the CPU each file lands in one buffer and tensors are views into it. On a GPU, each
-worker reads a chunk into a pinned host slot, hashes it, and queues its copy into the
-file's device buffer on a side stream, then goes on to the next chunk while the copy
-runs: reads, hashes and host-to-device copies overlap, and host memory stays at a few
-chunks however large the model. Tensors are views into the device buffers.
+On the CPU each file is mapped privately and each piece's pages are made the process's
+own copies of the file's pages (``populate_write``: one copy in the kernel, no zeroed
+page first) before they are hashed; the tensors are views into that private memory,
+which nothing outside the process can change. On a GPU, each worker reads a chunk into a
+pinned host slot (``os.preadv``), hashes it, and queues its copy into the file's device
+buffer on a side stream, then goes on to the next chunk while the copy runs: reads,
+hashes and host-to-device copies overlap, and host memory stays at a few chunks however
+large the model. Tensors are views into the device buffers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from weightship.linux import populate_write
 from weightship.weightformat import cachedir
 from weightship.weightformat.chunkhash import ChunkHasher, new_chunk_hasher
 from weightship.weightformat.entries import ChunkEntry, FileEntry
@@ -69,8 +71,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 # Pinned slots per worker: one being filled while the previous one's copy is in flight.
 _SLOTS_PER_WORKER = 2
-# Bytes read (and then hashed) at a time: small enough to still be in the core's L2 cache
-# (1 MiB here) when the hasher reads them, large enough that a syscall per piece is noise.
+# Bytes copied (and then hashed) at a time: small enough to still be in the core's L2
+# cache (1-2 MiB here) when the hasher reads them, large enough that a call per piece is
+# noise.
 READ_PIECE = 512 * 1024
 
 
@@ -180,15 +183,13 @@ def load_model(
 
     with ExitStack() as stack:
         opened = {f.path: stack.enter_context(_open_checked(model_dir, f)) for f in entries}
-        host_bytes = sum(f.size for f in entries if not _on_device(f, target))
-        huge = huge_blocks_cover(host_bytes, *_kernel_memory())
-        buffers = {f.path: _destination(f, target, huge) for f in entries}
+        buffers = {f.path: _destination(f, opened[f.path], target) for f in entries}
         jobs = [(c, opened[c.file], buffers[c.file]) for c in manifest.chunks if c.file in opened]
         hashing = _Hashing(verify, max(1, hash_threads))
         if target.type == "cuda":
             _read_to_device(jobs, target, manifest.chunk_size, hashing, workers)
         else:
-            _run(jobs, lambda job: _read_chunk(*job, hashing=hashing), workers)
+            _run(jobs, lambda job: _copy_chunk(*job, hashing=hashing), workers)
 
     tensors: dict[str, torch.Tensor] = {}
     other_files: dict[str, bytes] = {}
@@ -229,52 +230,27 @@ def _on_device(entry: FileEntry, target: torch.device) -> bool:
     return target.type == "cuda" and entry.path.endswith(SAFETENSORS_SUFFIX)
 
 
-def _destination(entry: FileEntry, target: torch.device, huge: bool) -> torch.Tensor:
-    """Where a file's bytes go: device memory for a GPU's tensors, host memory otherwise."""
+def _destination(entry: FileEntry, fd: int, target: torch.device) -> torch.Tensor:
+    """Where a file's bytes go: device memory for a GPU's tensors, a private mapping of
+    the file otherwise."""
     if _on_device(entry, target):
         return torch.empty(entry.size, dtype=torch.uint8, device=target)
-    return host_buffer(entry.size, huge=huge)
+    return private_mapping(fd, entry.size)
 
 
-def host_buffer(size: int, *, huge: bool) -> torch.Tensor:
-    """``size`` bytes of fresh host memory, advised into transparent huge pages if
-    ``huge`` (see ``huge_blocks_cover``). The first write to each 4 KiB page of a plain
-    allocation takes a page fault, a third of a verified load's CPU (docs/loader.md); a
-    huge page takes one fault for 512 of them. Advised memory may also make the fault
-    path compact memory (THP ``defrag=madvise``), which once made loads 3x slower on a
-    fragmented host: so a load advises only when free huge blocks already cover all its
-    buffers. The tensor keeps the mapping alive."""
+def private_mapping(fd: int, size: int) -> torch.Tensor:
+    """The file's first ``size`` bytes mapped copy-on-write (``MAP_PRIVATE``), nothing
+    read yet: ``_copy_chunk`` makes each page the process's own copy before hashing it,
+    after which writes to the file no longer reach it. Writable, as tensors expect. The
+    tensor keeps the mapping alive. (A file truncated under a loaded model takes its
+    pages away, private copies too, as POSIX says; staged files are never truncated.)
+
+    Not a fresh buffer that the file is read into: the kernel zeroes each fresh page
+    before the read overwrites it, and that costs about what hashing every byte does
+    (docs/loader.md)."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if huge and advice is not None:
-        mapping.madvise(advice)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
-
-
-def huge_blocks_cover(size: int, buddyinfo: str, huge_page: int) -> bool:
-    """Whether /proc/buddyinfo's free blocks of ``huge_page`` bytes or larger (the
-    buddy allocator's counts per order, from ``mmap.PAGESIZE`` up) hold ``size`` bytes."""
-    if huge_page <= 0:
-        return False
-    free = 0
-    for line in buddyinfo.splitlines():
-        counts = line.split()[4:]  # "Node 0, zone Normal" then one count per order
-        for order, count in enumerate(counts):
-            if count.isdigit() and mmap.PAGESIZE << order >= huge_page:
-                free += int(count) * (mmap.PAGESIZE << order)
-    return free >= size
-
-
-def _kernel_memory() -> tuple[str, int]:
-    """The kernel's free-block counts and its huge page size, or ("", 0) without THP."""
-    try:
-        buddyinfo = Path("/proc/buddyinfo").read_text()
-        huge = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text()
-        return buddyinfo, int(huge)
-    except (OSError, ValueError):
-        return "", 0
+    return torch.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
 
 
 Job = tuple[ChunkEntry, int, torch.Tensor]
@@ -300,10 +276,21 @@ class _Hashing:
         return new_chunk_hasher(chunk, max_threads=self.threads) if self.verify else None
 
 
-def _read_chunk(chunk: ChunkEntry, fd: int, dest: torch.Tensor, *, hashing: _Hashing) -> None:
-    """Read a chunk into its place in a host buffer, hashing it there as it lands."""
+def _copy_chunk(chunk: ChunkEntry, fd: int, dest: torch.Tensor, *, hashing: _Hashing) -> None:
+    """Make a chunk's pages of a private mapping the process's own, piece by piece, each
+    hashed as it lands; where the kernel cannot (or the file shrank), read the piece."""
     view = dest.numpy().data[chunk.offset : chunk.offset + chunk.size]
-    _read_verified(fd, view, chunk, hashing.hasher(chunk))
+    address = dest.data_ptr() + chunk.offset
+    hasher = hashing.hasher(chunk)
+    done = 0
+    while done < chunk.size:
+        n = min(READ_PIECE, chunk.size - done)
+        if not populate_write(address + done, n):
+            _read_all(fd, view[done : done + n], chunk, done)
+        if hasher is not None:
+            hasher.update(view[done : done + n])
+        done += n
+    _check_digest(chunk, hasher)
 
 
 def _read_verified(
@@ -313,13 +300,26 @@ def _read_verified(
     to ``hasher`` while it is hot in cache; then the digest must be the manifest's."""
     done = 0
     while done < chunk.size:
-        n = os.preadv(fd, [view[done : min(chunk.size, done + READ_PIECE)]], chunk.offset + done)
-        if n == 0:  # the file shrank since its size was checked
-            got = f"{done} bytes"
-            raise WeightsVerificationError(chunk.file, chunk.index, f"{chunk.size} bytes", got)
+        n = min(READ_PIECE, chunk.size - done)
+        _read_all(fd, view[done : done + n], chunk, done)
         if hasher is not None:
             hasher.update(view[done : done + n])
         done += n
+    _check_digest(chunk, hasher)
+
+
+def _read_all(fd: int, piece: memoryview, chunk: ChunkEntry, at: int) -> None:
+    """Read ``piece`` from the chunk's bytes at ``at``; a file that ends first is named."""
+    got = 0
+    while got < len(piece):
+        n = os.preadv(fd, [piece[got:]], chunk.offset + at + got)
+        if n == 0:  # the file shrank since its size was checked
+            short = f"{at + got} bytes"
+            raise WeightsVerificationError(chunk.file, chunk.index, f"{chunk.size} bytes", short)
+        got += n
+
+
+def _check_digest(chunk: ChunkEntry, hasher: ChunkHasher | None) -> None:
     if hasher is not None and (got := hasher.hexdigest()) != chunk.hexdigest:
         raise WeightsVerificationError(
             chunk.file, chunk.index, chunk.hexdigest, got, algorithm=chunk.algorithm
