@@ -9,8 +9,9 @@ and the median counts, printed with the spread of the repeats (issue 21: a figur
 be what a newcomer gets, not the luckiest run).
 
 - ours, verified (P4 of issue 15): load_model(verify=True) with a version 2 manifest:
-  chunks read in parallel into one buffer per file, every byte hashed with BLAKE3 piece
-  by piece as it lands, tensors materialized (views into the filled buffers).
+  each file mapped privately, its chunks' pages made the process's own copies in the
+  kernel (MADV_POPULATE_WRITE) in parallel, every byte hashed with BLAKE3 piece by piece
+  as it lands, tensors materialized (views into that private memory).
 - ours, verified with a version 1 manifest: the same with sha256 chunks (old manifests).
 - baseline, verified: sha256 of each file, then safetensors.torch.load_file and a clone
   of every tensor. load_file maps the file lazily, so without the clone it touches no
