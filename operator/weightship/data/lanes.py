@@ -138,14 +138,12 @@ class IntakePacer:
         self._peer_started = 0
         self._moved_at = clock()
 
-    def own_progress(self, n: int) -> bool:
-        """``n`` bytes of this node's own queue are done (fetched, or handed to a claimant).
-        Returns whether the whole queue is done now."""
+    def own_progress(self, n: int) -> None:
+        """``n`` bytes of this node's own queue are done (fetched, or handed to a claimant)."""
         with self._cond:
             self._own_done += n
             self._moved_at = self._clock()
             self._cond.notify_all()
-            return self._own_done >= self.own_bytes
 
     def admit(self, n: int, cancel: threading.Event) -> None:
         """Wait until this node may start taking ``n`` more bytes from peers."""
