@@ -898,6 +898,10 @@ class AskedClient(PeerClient):
         self.asked.append(self.names[address])
         return super().fetch(address, key, **kwargs)
 
+    def open(self, address: str, key: str, **kwargs: Any) -> Any:  # a stream
+        self.asked.append(self.names[address])
+        return super().open(address, key, **kwargs)
+
 
 def ring_of_three(
     tmp_path: Path, stack: ExitStack, holders: list[str], policy: FetchPolicy
@@ -982,6 +986,110 @@ def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
     # and the chunks' owner, is asked next, and for the next chunk at once.
     assert client.asked == ["n2", "n1", "n1"]
     assert "n2" in fetcher.health.avoided()
+
+
+class TricklingProxy:
+    """A TCP proxy in front of a peer whose answers trickle (a degraded uplink): requests
+    pass at once, answers at ``rate`` bytes per second; counts the bytes it sent back."""
+
+    def __init__(self, upstream: str, rate: int) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.step_s = 256 / rate
+        self.sent = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.upstream)
+            self._open += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._trickle, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, dest: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                dest.sendall(data)
+        except OSError:
+            pass
+
+    def _trickle(self, source: socket.socket, dest: socket.socket) -> None:
+        try:
+            while data := source.recv(256):
+                dest.sendall(data)
+                self.sent += len(data)
+                time.sleep(self.step_s)
+        except OSError:
+            pass
+        finally:
+            dest.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        for s in self._open:
+            s.close()
+
+
+def test_a_trickling_node_before_in_the_ring_gets_help_not_waited_on(
+    tmp_path: Path, manifest_version: int
+) -> None:
+    """The node before this one in the ring holds the chunk but sends it at 8 KiB/s (a
+    16 KiB chunk: 2 s). With pieces (version 2) the transfer is split once it runs late
+    (the client reports bytes as they come, not per 256 KiB read): its last part comes
+    from the other holder, the trickle is cut at a piece boundary, and the bytes verify.
+    With sha256 chunks (version 1) nothing can be split: the trickle is waited out, and
+    the chunk still verifies."""
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(9 * CHUNK, 37)})
+    dataplane, registry = metrics()
+    policy = dataclasses.replace(
+        FAST, long_poll_s=2.0, ring_wait_s=2.0, split_after_s=0.3, split_eta_s=0.5
+    )
+    with ExitStack() as stack:
+        addresses = {}
+        for n in ("n1", "n2"):
+            store = ChunkStore(tmp_path / n)
+            put_model(store, m, src)
+            addresses[n] = stack.enter_context(PeerServer(store, "127.0.0.1")).address
+        trickle = TricklingProxy(addresses["n2"], rate=8 * 1024)
+        stack.callback(trickle.close)
+        addresses["n2"] = trickle.address
+        client = AskedClient({a: n for n, a in addresses.items()})
+        staging = stack.enter_context(ModelStaging(ChunkStore(tmp_path / "n3"), m))
+        staging.prepare()
+        staging.pieces = load_piece_layer(staging, CountingOrigin(src))  # as stage() does
+        origin = CountingOrigin(src)
+        fetcher = ChunkFetcher(
+            node="n3",
+            peers=[Peer(n, a) for n, a in addresses.items()],
+            origin=origin,
+            sink=staging,
+            metrics=dataplane,
+            chunks=m.chunks,
+            policy=policy,
+            client=client,
+        )
+        chunk = owned_by(fetcher, m, "n1")
+        assert fetcher.fetch(chunk) == "peer"
+        assert staging.has(chunk.key)
+    used = registry.get_sample_value("weightship_agent_chunk_splits_total", {"outcome": "used"})
+    assert origin.reads == 0
+    if manifest_version == 2:
+        assert client.asked == ["n2", "n1"]  # the node before, then the rest of the other
+        assert used == 1
+        assert trickle.sent < CHUNK  # cut at a piece boundary, before its end
+    else:
+        assert client.asked == ["n2"]
+        assert used is None
+        assert trickle.sent > CHUNK  # the whole chunk, and its headers
 
 
 class TimedOrigin(CountingOrigin):

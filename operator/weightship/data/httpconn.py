@@ -96,6 +96,22 @@ class ThreadConnections:
         return conn, False
 
 
+def read_some(resp: http.client.HTTPResponse, view: memoryview) -> int:
+    """Read into ``view`` what the body has ready, waiting only for the first byte (one
+    socket read at most), where ``readinto`` waits until ``view`` is full: a reader that
+    acts on progress (a split of a slow transfer) sees a slow body as it comes, not once
+    per ``len(view)`` bytes. 0 at the body's end. A chunked body reads as ``readinto``."""
+    if resp.chunked or resp.length is None or resp.fp is None:
+        return resp.readinto(view)
+    if len(view) > resp.length:
+        view = view[: resp.length]
+    n = resp.fp.readinto1(view)
+    resp.length -= n
+    if not resp.length or (not n and view):  # the body's end, or the peer closed early
+        resp.close()  # as readinto does: the connection stays for the next request
+    return n
+
+
 def read_into(
     resp: http.client.HTTPResponse,
     view: memoryview,

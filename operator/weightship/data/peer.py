@@ -27,7 +27,7 @@ from typing import BinaryIO
 
 from weightship.data.chunkindex import Receiving
 from weightship.data.chunkstore import ChunkStore
-from weightship.data.httpconn import ThreadConnections
+from weightship.data.httpconn import ThreadConnections, read_some
 from weightship.httpserver import BoundedHandler, Server
 from weightship.weightformat.bounds import MAX_CHUNK_SIZE
 from weightship.weightformat.chunkhash import chunk_key
@@ -44,7 +44,9 @@ SPARE_UPLOADS = 1  # whole chunks in flight at which a spare-only request is ref
 WHOLE_UPLOADS = 3
 # A stream whose verified prefix has not grown for this long ends; the client asks again.
 STREAM_STALL_S = 5.0
-READ_STEP = 256 * 1024  # bytes a client reads before saying they landed
+# The most a client reads before saying what landed; it says so sooner when fewer bytes
+# have come (a slow peer's transfer is seen as slow, and split, on time).
+READ_STEP = 256 * 1024
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
@@ -585,7 +587,7 @@ class PeerBody:
         resp, pos = self._resp, begin
         try:
             while pos < (stop := len(view) if stop_at is None else min(len(view), stop_at(pos))):
-                n = resp.readinto(view[pos : min(stop, pos + READ_STEP)])
+                n = read_some(resp, view[pos : min(stop, pos + READ_STEP)])
                 if not n:
                     break
                 pos += n
