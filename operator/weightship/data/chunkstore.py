@@ -76,7 +76,6 @@ def verify_chunk(chunk: ChunkEntry, data: Buffer, *, max_threads: int = 1) -> bo
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-
 _sync_file_range = getattr(LIBC, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -281,31 +281,40 @@ def _copy_chunk(chunk: ChunkEntry, fd: int, dest: torch.Tensor, *, hashing: _Has
     hashed as it lands; where the kernel cannot (or the file shrank), read the piece."""
     view = dest.numpy().data[chunk.offset : chunk.offset + chunk.size]
     address = dest.data_ptr() + chunk.offset
-    hasher = hashing.hasher(chunk)
-    done = 0
-    while done < chunk.size:
-        n = min(READ_PIECE, chunk.size - done)
-        if not populate_write(address + done, n):
-            _read_all(fd, view[done : done + n], chunk, done)
-        if hasher is not None:
-            hasher.update(view[done : done + n])
-        done += n
-    _check_digest(chunk, hasher)
+
+    def bring(piece: memoryview, at: int) -> None:
+        if not populate_write(address + at, len(piece)):
+            _read_all(fd, piece, chunk, at)
+
+    _fill_verified(view, chunk, hashing.hasher(chunk), bring)
 
 
 def _read_verified(
     fd: int, view: memoryview, chunk: ChunkEntry, hasher: ChunkHasher | None
 ) -> None:
-    """Fill ``view`` with the chunk's bytes from the file, piece by piece, each piece fed
+    """Fill ``view`` with the chunk's bytes read from the file, verified as below."""
+    _fill_verified(view, chunk, hasher, lambda piece, at: _read_all(fd, piece, chunk, at))
+
+
+def _fill_verified(
+    view: memoryview,
+    chunk: ChunkEntry,
+    hasher: ChunkHasher | None,
+    bring: Callable[[memoryview, int], None],
+) -> None:
+    """Fill ``view`` piece by piece (``bring(piece, offset in the chunk)``), each piece fed
     to ``hasher`` while it is hot in cache; then the digest must be the manifest's."""
     done = 0
     while done < chunk.size:
         n = min(READ_PIECE, chunk.size - done)
-        _read_all(fd, view[done : done + n], chunk, done)
+        bring(view[done : done + n], done)
         if hasher is not None:
             hasher.update(view[done : done + n])
         done += n
-    _check_digest(chunk, hasher)
+    if hasher is not None and (got := hasher.hexdigest()) != chunk.hexdigest:
+        raise WeightsVerificationError(
+            chunk.file, chunk.index, chunk.hexdigest, got, algorithm=chunk.algorithm
+        )
 
 
 def _read_all(fd: int, piece: memoryview, chunk: ChunkEntry, at: int) -> None:
@@ -317,13 +326,6 @@ def _read_all(fd: int, piece: memoryview, chunk: ChunkEntry, at: int) -> None:
             short = f"{at + got} bytes"
             raise WeightsVerificationError(chunk.file, chunk.index, f"{chunk.size} bytes", short)
         got += n
-
-
-def _check_digest(chunk: ChunkEntry, hasher: ChunkHasher | None) -> None:
-    if hasher is not None and (got := hasher.hexdigest()) != chunk.hexdigest:
-        raise WeightsVerificationError(
-            chunk.file, chunk.index, chunk.hexdigest, got, algorithm=chunk.algorithm
-        )
 
 
 def _read_to_device(
