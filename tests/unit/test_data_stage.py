@@ -904,10 +904,17 @@ class AskedClient(PeerClient):
 
 
 def ring_of_three(
-    tmp_path: Path, stack: ExitStack, holders: list[str], policy: FetchPolicy
+    tmp_path: Path,
+    stack: ExitStack,
+    holders: list[str],
+    policy: FetchPolicy,
+    *,
+    staged: bool = False,
+    dataplane: DataPlaneMetrics | None = None,
 ) -> tuple[ChunkFetcher, AskedClient, Manifest]:
     """n3 fetching, n1 and n2 serving (n2 is the node before n3 in the ring); the nodes
-    in ``holders`` hold the whole model."""
+    in ``holders`` hold the whole model. ``staged``: n3 stages into its own store, pieces
+    verified as they land (as ``stage()`` sets it up), not into memory."""
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(9 * CHUNK, 31)})
     addresses = {}
@@ -917,12 +924,17 @@ def ring_of_three(
             put_model(store, m, src)
         addresses[n] = stack.enter_context(PeerServer(store, "127.0.0.1")).address
     client = AskedClient({a: n for n, a in addresses.items()})
+    sink: MemorySink | ModelStaging = MemorySink()
+    if staged:
+        sink = stack.enter_context(ModelStaging(ChunkStore(tmp_path / "n3"), m))
+        sink.prepare()
+        sink.pieces = load_piece_layer(sink, CountingOrigin(src))
     fetcher = ChunkFetcher(
         node="n3",
         peers=[Peer("n3", "127.0.0.1:1"), *(Peer(n, a) for n, a in addresses.items())],
         origin=CountingOrigin(src),
-        sink=MemorySink(),
-        metrics=metrics()[0],
+        sink=sink,
+        metrics=dataplane or metrics()[0],
         chunks=m.chunks,
         policy=policy,
         client=client,
@@ -1047,39 +1059,23 @@ def test_a_trickling_node_before_in_the_ring_gets_help_not_waited_on(
     from the other holder, the trickle is cut at a piece boundary, and the bytes verify.
     With sha256 chunks (version 1) nothing can be split: the trickle is waited out, and
     the chunk still verifies."""
-    src = tmp_path / "src"
-    m = make_model(src, {"w.bin": random_bytes(9 * CHUNK, 37)})
     dataplane, registry = metrics()
     policy = dataclasses.replace(
         FAST, long_poll_s=2.0, ring_wait_s=2.0, split_after_s=0.3, split_eta_s=0.5
     )
     with ExitStack() as stack:
-        addresses = {}
-        for n in ("n1", "n2"):
-            store = ChunkStore(tmp_path / n)
-            put_model(store, m, src)
-            addresses[n] = stack.enter_context(PeerServer(store, "127.0.0.1")).address
-        trickle = TricklingProxy(addresses["n2"], rate=8 * 1024)
-        stack.callback(trickle.close)
-        addresses["n2"] = trickle.address
-        client = AskedClient({a: n for n, a in addresses.items()})
-        staging = stack.enter_context(ModelStaging(ChunkStore(tmp_path / "n3"), m))
-        staging.prepare()
-        staging.pieces = load_piece_layer(staging, CountingOrigin(src))  # as stage() does
-        origin = CountingOrigin(src)
-        fetcher = ChunkFetcher(
-            node="n3",
-            peers=[Peer(n, a) for n, a in addresses.items()],
-            origin=origin,
-            sink=staging,
-            metrics=dataplane,
-            chunks=m.chunks,
-            policy=policy,
-            client=client,
+        fetcher, client, m = ring_of_three(
+            tmp_path, stack, ["n1", "n2"], policy, staged=True, dataplane=dataplane
         )
+        trickle = TricklingProxy(fetcher.address["n2"], rate=8 * 1024)
+        stack.callback(trickle.close)
+        fetcher.address["n2"] = trickle.address
+        client.names[trickle.address] = "n2"
         chunk = owned_by(fetcher, m, "n1")
         assert fetcher.fetch(chunk) == "peer"
-        assert staging.has(chunk.key)
+        assert fetcher.sink.has(chunk.key)
+    origin = fetcher.origin
+    assert isinstance(origin, CountingOrigin)
     used = registry.get_sample_value("weightship_agent_chunk_splits_total", {"outcome": "used"})
     assert origin.reads == 0
     if manifest_version == 2:
