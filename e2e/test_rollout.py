@@ -9,7 +9,7 @@ import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -444,7 +444,7 @@ class SwitchableProxy:
         with socket.socket() as s:
             s.bind((BRIDGE_IP, 0))
             self.port = s.getsockname()[1]
-        self.server: ThreadingHTTPServer | None = None
+        self.server: Server | None = None
 
     @property
     def url(self) -> str:
@@ -466,13 +466,11 @@ class SwitchableProxy:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = Server((BRIDGE_IP, self.port), Forward)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = Server((BRIDGE_IP, self.port), Forward).start("prometheus-proxy")
 
     def down(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.stop()
             self.server = None
 
 

@@ -87,7 +87,6 @@ class FaultProxy:
         self._storms_over: list[tuple[float, float]] = []
         self._codes = itertools.cycle(_STORM_ANSWERS)
         self._server = Server((host, port), self._handler_class())
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     @property
@@ -95,17 +94,11 @@ class FaultProxy:
         return f"http://{self._server.server_name}:{self._server.server_port}"
 
     def start(self) -> FaultProxy:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="faultproxy", daemon=True
-        )
-        self._thread.start()
+        self._server.start("faultproxy")
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._server.stop()
 
     # ---- faults -----------------------------------------------------------------------
     def storm(self, seconds: float, after_ranged_gets: int = 0) -> None:

@@ -4,7 +4,6 @@ Slack would (text and/or blocks of known types) and records what it accepted."""
 from __future__ import annotations
 
 import json
-import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -56,7 +55,6 @@ class SlackReceiver:
                     receiver.paths.append(self.path)
 
         self.server = Server((host, port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
@@ -64,9 +62,8 @@ class SlackReceiver:
         return f"http://{host!s}:{port}/services/T000/B000/secret-token"
 
     def __enter__(self) -> SlackReceiver:
-        self.thread.start()
+        self.server.start("slack-receiver")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()

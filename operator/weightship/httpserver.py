@@ -12,6 +12,9 @@ body and answer) must be done within ``request_deadline_s`` or its connection is
 (a client trickling one byte per idle timeout would otherwise hold a thread for ever);
 and ``read_body`` refuses a missing, malformed, negative or oversized Content-Length
 before reading a byte.
+
+``start`` serves on a daemon thread and ``stop`` ends it (``with Server(...).start(name)
+as server:`` does both), so no caller hand-rolls the thread and the shutdown order.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import socketserver
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 MAX_CONNECTIONS = 256
 REQUEST_DEADLINE_S = 60.0
@@ -54,7 +57,36 @@ class Server(ThreadingHTTPServer):
         self._deadlines_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         self._closing = threading.Event()
+        self._serving: threading.Thread | None = None
         super().__init__(server_address, handler)
+
+    def start(self, name: str = "http", *, poll_interval_s: float = 0.5) -> Self:
+        """Serve on a daemon thread named ``name`` until ``stop()``. ``poll_interval_s``:
+        how long ``stop()`` may wait for the serving loop to notice."""
+        if self._serving is not None:
+            raise RuntimeError(f"{name}: already serving")
+        self._serving = threading.Thread(
+            target=self.serve_forever,
+            kwargs={"poll_interval": poll_interval_s},
+            name=name,
+            daemon=True,
+        )
+        self._serving.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the serving loop (if started), close the listening socket, and wait up to
+        ``timeout_s`` for the serving thread. Handler threads still running finish on
+        their own (they are daemons, bounded by the request deadline)."""
+        thread, self._serving = self._serving, None
+        if thread is not None:
+            self.shutdown()  # returns once the loop is out: it would hang if never started
+        self.server_close()
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def server_bind(self) -> None:
         socketserver.TCPServer.server_bind(self)

@@ -236,5 +236,4 @@ def test_a_standby_answers_its_liveness_probe() -> None:
             assert resp.status == 200
             assert b"standby" in resp.read()
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()

@@ -5,10 +5,9 @@ pod before, after a success and after a failure, and the token it sends."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
 import pytest
@@ -25,6 +24,7 @@ from weightship.controller.swapper import Swapper
 from weightship.core.decision import SwapPod
 from weightship.core.seedtoken import check_token
 from weightship.core.testing import make_rollout
+from weightship.httpserver import Server
 
 KEY = bytes(range(32))
 DIGEST = "sha256:" + "b" * 64
@@ -62,11 +62,8 @@ class Plugin(BaseHTTPRequestHandler):
 def plugin() -> Iterator[int]:
     Plugin.posted = []
     Plugin.post_status = 202
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Plugin)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield int(server.server_address[1])
-    server.shutdown()
+    with Server(("127.0.0.1", 0), Plugin).start("plugin") as server:
+        yield server.server_port
 
 
 class Writes:

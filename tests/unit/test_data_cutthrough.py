@@ -147,14 +147,11 @@ class _Canned:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = Server(("127.0.0.1", 0), Handler).start("peer")
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
 
 @pytest.fixture

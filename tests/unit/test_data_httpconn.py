@@ -5,15 +5,15 @@ a pause between them."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
 
 from weightship.data.httpconn import ThreadConnections, read_some
+from weightship.httpserver import Server
 
 BODY = bytes(range(256)) * 64  # 16 KiB
 PAUSE_S = 0.5
@@ -40,12 +40,8 @@ class TwoHalves(BaseHTTPRequestHandler):
 @pytest.fixture
 def host() -> Iterator[str]:
     TwoHalves.connections = set()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), TwoHalves)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    httpd.server_close()
+    with Server(("127.0.0.1", 0), TwoHalves).start("two-halves") as httpd:
+        yield f"127.0.0.1:{httpd.server_port}"
 
 
 def test_read_some_returns_what_came_and_keeps_the_connection(host: str) -> None:

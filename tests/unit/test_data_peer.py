@@ -403,9 +403,7 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-    server = Server(("127.0.0.1", 0), Echo, request_deadline_s=1.0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with Server(("127.0.0.1", 0), Echo, request_deadline_s=1.0).start("echo") as server:
         s = socket.create_connection(("127.0.0.1", server.server_port), timeout=10)
         started = time.monotonic()
         cut = False
@@ -425,9 +423,6 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(
         # byte every 0.1 s, and the request never completes).
         assert cut
         s.close()
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_chunk_no_stage_here_fetches_is_not_waited_for(

@@ -6,7 +6,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from weightship.data.s3 import (
     publish,
 )
 from weightship.data.stage import stage
+from weightship.httpserver import Server
 from weightship.weightformat.build import LocalFolder, build_manifest
 from weightship.weightformat.chunkhash import ChunkVerificationError, PieceLayer
 from weightship.weightformat.manifest import Manifest, ManifestError
@@ -154,18 +155,14 @@ class FaultyFront:
                 if self.command != "HEAD":
                     self.wfile.write(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = Server(("127.0.0.1", 0), Handler).start("s3")
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
 
 @pytest.fixture

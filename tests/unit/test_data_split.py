@@ -157,14 +157,12 @@ class _Peer:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = Server(("127.0.0.1", 0), Handler).start("peer")
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
 
 @pytest.fixture

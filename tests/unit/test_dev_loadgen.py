@@ -6,15 +6,15 @@ closes, unanswered, a connection whose next request comes after it has been idle
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import ClassVar
 
 import pytest
 import urllib3
 
+from weightship.httpserver import Server
 from weightship_dev.loadgen import IdleBoundedPool
 
 SERVER_KEEP_ALIVE_S = 0.4
@@ -45,15 +45,10 @@ class RacingKeepAlive(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def server() -> Iterator[ThreadingHTTPServer]:
+def server() -> Iterator[Server]:
     RacingKeepAlive.connections = set()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), RacingKeepAlive)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+    with Server(("127.0.0.1", 0), RacingKeepAlive).start("racing-keep-alive") as httpd:
+        yield httpd
 
 
 def post(pool: IdleBoundedPool) -> int:
@@ -61,7 +56,7 @@ def post(pool: IdleBoundedPool) -> int:
 
 
 def test_a_connection_idle_past_the_limit_is_replaced_not_raced(
-    server: ThreadingHTTPServer,
+    server: Server,
 ) -> None:
     pool = IdleBoundedPool(
         "127.0.0.1", server.server_port, idle_limit_s=SERVER_KEEP_ALIVE_S / 2, maxsize=1
@@ -74,7 +69,7 @@ def test_a_connection_idle_past_the_limit_is_replaced_not_raced(
     assert len(RacingKeepAlive.connections) == 2
 
 
-def test_without_the_limit_the_race_loses_the_request(server: ThreadingHTTPServer) -> None:
+def test_without_the_limit_the_race_loses_the_request(server: Server) -> None:
     """The control: the server above does lose a request sent on a connection idle too long."""
     pool = IdleBoundedPool("127.0.0.1", server.server_port, idle_limit_s=math.inf, maxsize=1)
     assert post(pool) == 200

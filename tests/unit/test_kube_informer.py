@@ -11,6 +11,7 @@ from typing import Any
 import urllib3
 
 from weightship.agent.kube import rollout_informer
+from weightship.httpserver import Server
 from weightship.kube.informer import Informer
 
 
@@ -114,9 +115,7 @@ class _QuietWatchServer(http.server.BaseHTTPRequestHandler):
 
 
 def test_stop_ends_a_watch_that_receives_nothing() -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietWatchServer)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = Server(("127.0.0.1", 0), _QuietWatchServer).start("apiserver")
     http_pool = urllib3.PoolManager()
     base = f"http://127.0.0.1:{server.server_address[1]}/nodes"
 
@@ -137,5 +136,4 @@ def test_stop_ends_a_watch_that_receives_nothing() -> None:
         assert not stopping.is_alive(), "stop() waited for the quiet watch"
         assert not informer._thread.is_alive()
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()

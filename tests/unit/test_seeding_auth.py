@@ -186,7 +186,7 @@ def root(model: tuple[Path, Manifest]) -> Iterator[tuple[SeedRoot, str]]:
         model, key=KEY, rollout_uid=UID, join_window_s=0.5, timeout_s=1, max_concurrent=2
     )
     yield seed_root, url
-    server.shutdown()
+    server.stop()
     seed_root.close()
 
 
@@ -247,7 +247,7 @@ def test_a_root_without_a_key_admits_no_one(model: tuple[Path, Manifest]) -> Non
         status, doc = post_join(url, join_body("g", token, model[1]))
         assert (status, doc["reason"]) == (403, "NoSeedingKey")
     finally:
-        server.shutdown()
+        server.stop()
         seed_root.close()
 
 

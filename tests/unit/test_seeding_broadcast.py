@@ -86,7 +86,7 @@ def root(model: tuple[Path, Manifest]) -> Iterator[tuple[SeedRoot, str]]:
     )
     server = serve(seed_root, HOST)
     yield seed_root, f"http://{HOST}:{server.server_address[1]}"
-    server.shutdown()
+    server.stop()
     seed_root.close()
 
 
@@ -224,7 +224,7 @@ def test_a_group_that_does_not_fill_starts_with_whoever_joined(
         assert got["only"]["identical"]
         assert record_of(seed_root, "partial").receivers == ("only",)
     finally:
-        server.shutdown()
+        server.stop()
         seed_root.close()
 
 
@@ -306,7 +306,7 @@ def test_a_refusing_closed_or_absent_root_means_fall_back_now(
             )
         assert caught.value.reason == "RootUnavailable"
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_a_receiver_waiting_for_a_group_that_never_starts_times_out(
@@ -331,7 +331,7 @@ def test_a_receiver_waiting_for_a_group_that_never_starts_times_out(
             )
         assert caught.value.reason == "Timeout"
     finally:
-        server.shutdown()
+        server.stop()
         seed_root.close()
 
 
@@ -369,7 +369,7 @@ def test_closing_the_root_releases_receivers_waiting_to_start(
         assert [e.reason for e in errors] == ["RootUnavailable"]
         assert "abandoned" in errors[0].message
     finally:
-        server.shutdown()
+        server.stop()
 
 
 def test_a_receiver_that_never_shows_up_fails_only_that_broadcast(
@@ -400,7 +400,7 @@ def test_a_receiver_that_never_shows_up_fails_only_that_broadcast(
         )
         assert got["n"]["identical"]
     finally:
-        server.shutdown()
+        server.stop()
         seed_root.close()
 
 

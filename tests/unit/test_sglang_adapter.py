@@ -291,12 +291,6 @@ class Rig:
         )
 
 
-def start_server(server: Server) -> None:
-    threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-    ).start()
-
-
 class QuietServer(Server):
     def handle_error(self, request: Any, client_address: Any) -> None:
         return  # a held answer written to a connection the adapter cut
@@ -308,7 +302,7 @@ def rig(tmp_path: Path, models: dict[str, BuiltModel]) -> Iterator[Rig]:
     files = {name: stage(cache, model) for name, model in models.items() if name != "wide"}
     sglang = StandIn(model_path=str(files["v1"]), weight_version="v1")
     upstream = QuietServer(("127.0.0.1", 0), standin_handler(sglang))
-    start_server(upstream)
+    upstream.start("sglang-standin", poll_interval_s=0.05)
     env = {
         "WEIGHTSHIP_SEED_KEY": KEY.hex(),
         "WEIGHTSHIP_ROLLOUT_UID": UID,
@@ -323,7 +317,7 @@ def rig(tmp_path: Path, models: dict[str, BuiltModel]) -> Iterator[Rig]:
         start=initial_weights(env),
     )
     front = serve(adapter, "127.0.0.1", 0, ("127.0.0.1", upstream.server_port))
-    start_server(front)
+    front.start("sglang-adapter", poll_interval_s=0.05)
     rig = Rig(cache, models, files, sglang, adapter, front.server_port)
     try:
         yield rig
@@ -331,10 +325,8 @@ def rig(tmp_path: Path, models: dict[str, BuiltModel]) -> Iterator[Rig]:
         if sglang.hold is not None:
             sglang.hold.set()
         adapter.wait(60)
-        front.shutdown()
-        front.server_close()
-        upstream.shutdown()
-        upstream.server_close()
+        front.stop()
+        upstream.stop()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import json
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -44,6 +44,7 @@ from weightship.core.verification import (
     load_verdict,
     prompts_verdict,
 )
+from weightship.httpserver import Server
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -340,11 +341,8 @@ def server() -> Iterator[tuple[int, FakeServerState]]:
         "loadSeconds": 0.5,
     }
     handler = type("H", (Handler,), {"state": state})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd.server_address[1], state
-    httpd.shutdown()
+    with Server(("127.0.0.1", 0), handler).start("plugin") as httpd:
+        yield httpd.server_port, state
 
 
 def verify_once(

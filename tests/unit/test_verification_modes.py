@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,6 +39,7 @@ from weightship.controller.verifier import (
 from weightship.core.pod_gates import pod_gates
 from weightship.core.seedtoken import check_token
 from weightship.core.verification import LoadReport, StagedEvidence, termination_message
+from weightship.httpserver import Server
 
 DIGEST = "sha256:" + "cd" * 32
 SEED_KEY = bytes(range(32))
@@ -194,10 +195,8 @@ def server() -> Iterator[tuple[int, ServerState]]:
             message = {"role": "assistant", "content": state.answer}
             self._json(200, {"choices": [{"message": message}]})
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd.server_address[1], state
-    httpd.shutdown()
+    with Server(("127.0.0.1", 0), Handler).start("inference") as httpd:
+        yield httpd.server_port, state
 
 
 class NodeKube:

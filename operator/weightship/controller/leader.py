@@ -32,15 +32,15 @@ import logging
 import os
 import random
 import socket
-import socketserver
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+from weightship.httpserver import QuietHandler, Server
 
 log = logging.getLogger(__name__)
 
@@ -291,35 +291,18 @@ class KubeLeaseStore:
         )
 
 
-class _Healthz(BaseHTTPRequestHandler):
+class _Healthz(QuietHandler):
     def do_GET(self) -> None:
-        body = b'{"leader": false, "status": "standby"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+        self.send_json(200, {"leader": False, "status": "standby"})
 
 
-class _Server(socketserver.ThreadingTCPServer):
-    # socketserver, not http.server: HTTPServer.server_bind looks its name up in DNS.
-    allow_reuse_address = True
-    daemon_threads = True
-
-
-def standby_liveness(url: str | None) -> _Server | None:
+def standby_liveness(url: str | None) -> Server | None:
     """Serve kopf's liveness endpoint while kopf does not run yet (a standby is alive)."""
     if not url:
         return None
     parts = urlsplit(url)
-    server = _Server(
-        (parts.hostname or "localhost", 80 if parts.port is None else parts.port), _Healthz
-    )
-    threading.Thread(target=server.serve_forever, name="standby-liveness", daemon=True).start()
-    return server
+    host, port = parts.hostname or "localhost", 80 if parts.port is None else parts.port
+    return Server((host, port), _Healthz).start("standby-liveness")
 
 
 def identity() -> str:
@@ -355,8 +338,7 @@ def run_elected(
         elector.acquire()
     finally:
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.stop()
     log.info(
         "leader: took Lease %s/%s as %s after %.2f s (transitions: %d)",
         config.namespace,

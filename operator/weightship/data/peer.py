@@ -376,7 +376,6 @@ class PeerServer:
         self._server = _Server(
             (host, port), store, max_concurrent, max_connections, whole_uploads, redirect_claimed
         )
-        self._thread: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -384,20 +383,11 @@ class PeerServer:
         return f"{host!s}:{port}"
 
     def start(self) -> PeerServer:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},  # how long stop() waits for the loop
-            name="weightship-peer",
-            daemon=True,
-        )
-        self._thread.start()
+        self._server.start("weightship-peer", poll_interval_s=0.05)
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread:
-            self._thread.join(timeout=5)
+        self._server.stop(timeout_s=5)
 
     def __enter__(self) -> PeerServer:
         return self.start()

@@ -8,8 +8,6 @@ respond(status, json.dumps(doc))
 from __future__ import annotations
 
 import json
-import threading
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from weightship.httpserver import QuietHandler, Server
@@ -52,10 +50,10 @@ def handle_status(root: SeedRoot | None) -> tuple[int, dict[str, Any]]:
     return 200, root.status_json()
 
 
-def serve(root: SeedRoot | None, host: str, port: int = 0) -> ThreadingHTTPServer:
+def serve(root: SeedRoot | None, host: str, port: int = 0) -> Server:
     """A minimal HTTP server for the two endpoints, serving on a daemon thread, for
     processes that have no server of their own (tests, benchmarks). ``server_address``
-    has the port; ``shutdown()`` stops it."""
+    has the port; ``stop()`` ends it."""
 
     class Handler(QuietHandler):
         def do_POST(self) -> None:
@@ -72,6 +70,4 @@ def serve(root: SeedRoot | None, host: str, port: int = 0) -> ThreadingHTTPServe
                 return
             self.send_json(*handle_status(root))
 
-    server = Server((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="seed-http", daemon=True).start()
-    return server
+    return Server((host, port), Handler).start("seed-http")

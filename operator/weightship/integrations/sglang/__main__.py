@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = serve(
         adapter, args.host, args.port, upstream, request_deadline_s=args.request_deadline
     )
-    threading.Thread(target=server.serve_forever, name="sglang-adapter", daemon=True).start()
+    server.start("sglang-adapter")
     log.info("serving %s:%d in front of %s", args.host, server.server_port, args.sglang_url)
 
     model = adapter.verify_start()
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     code = child.wait()
     log.info("SGLang exited with %d", code)
-    server.shutdown()
+    server.stop()
     return code
 
 

@@ -13,10 +13,10 @@ import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from weightship.httpserver import Server
 from weightship.seeding.endpoints import serve
 from weightship.seeding.root import SeedRoot
 from weightship.weightformat.manifest import Manifest
@@ -26,7 +26,7 @@ from .settings import PluginSettings
 log = logging.getLogger("vllm.weightship")
 SEED_PORT_FILE = "seed-port"
 
-_ROOTS: list[tuple[SeedRoot, Any]] = []  # alive as long as the worker
+_ROOTS: list[tuple[SeedRoot, Server]] = []  # alive as long as the worker
 
 
 def become_root(
@@ -55,16 +55,11 @@ def stop_roots(run_dir: Path) -> int:
     while _ROOTS:
         root, server = _ROOTS.pop()
         root.close()  # refuses joins from now on
-        # shutdown() waits for the serving loop's next poll (up to half a second): not
+        # stop() waits for the serving loop's next poll (up to half a second): not
         # inside a swap, whose paused window it would lengthen.
-        threading.Thread(target=_shut, args=(server,), name="root-shutdown", daemon=True).start()
+        threading.Thread(target=server.stop, name="root-shutdown", daemon=True).start()
         stopped += 1
     return stopped
-
-
-def _shut(server: Any) -> None:
-    server.shutdown()
-    server.server_close()
 
 
 def root_digests() -> list[str]:
