@@ -16,6 +16,7 @@ from weightship.integrations.vllm.swap import (
     ENGINE_ERROR,
     MAX_SWAP_BODY,
     RankOutcome,
+    StepTimes,
     SwapAuth,
     SwapRequest,
     SwapRequestError,
@@ -209,6 +210,19 @@ def test_a_swap_goes_draining_loading_swapped() -> None:
     assert doc["finishedAt"] == "2027-01-15T08:00:01.500Z"
     assert doc["steps"] == {"drain": 0.25, "stage": 0.3}
     assert "rank" not in doc and doc["reason"] is None
+
+
+def test_each_step_is_timed_from_the_end_of_the_one_before() -> None:
+    clock = Clock()
+    steps = StepTimes(clock)
+    clock.now += 0.25
+    steps.done("drain")
+    clock.now += 1.0
+    steps.done("stage")
+    steps.done("resume")
+    assert steps.seconds == {"drain": 0.25, "stage": 1.0, "resume": 0.0}
+    assert list(steps.seconds) == ["drain", "stage", "resume"]  # the order they ended
+    assert str(steps) == "drain 0.250 s, stage 1.000 s, resume 0.000 s"
 
 
 def test_a_failure_names_its_reason_and_rank() -> None:

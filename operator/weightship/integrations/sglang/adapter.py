@@ -48,6 +48,7 @@ from weightship.integrations.vllm.swap import (
     MIXED_WEIGHTS,
     NOT_STAGED,
     SWAP_TIMEOUT,
+    StepTimes,
     SwapAuth,
     SwapRequest,
     SwapRequestError,
@@ -311,15 +312,7 @@ class Adapter:
     # -- the swap --------------------------------------------------------------------------
 
     def _run(self, request: SwapRequest, old: Held) -> None:
-        steps: dict[str, float] = {}
-        lap = time.monotonic()
-
-        def done(step: str) -> None:
-            nonlocal lap
-            now = time.monotonic()
-            steps[step] = now - lap
-            lap = now
-
+        steps = StepTimes()
         try:
             model = self._precheck(request.manifest_digest, old)
         except Exception as exc:  # nothing was paused: the old weights serve on
@@ -329,21 +322,21 @@ class Adapter:
             self.tracker.failed(failure.reason, failure.message, paused_seconds=0.0)
             log.warning("swap to %s refused: %s", request.manifest_digest, failure.message)
             return
-        done("verify")
+        steps.done("verify")
         hold = request.drain_timeout_s + request.swap_timeout_s + HOLD_GRACE_S
         self.gate.close(hold)
         closed = time.monotonic()
         changing = False
         try:
             self.gate.wait_idle(request.drain_timeout_s)
-            done("drain")
+            steps.done("drain")
             self.tracker.loading(time.monotonic() - closed)
             deadline = time.monotonic() + request.swap_timeout_s
             cut = self.gate.seal()
             if cut:
                 log.info("drain timeout: %d requests cut", cut)
             self.client.pause("abort", _left(deadline, CONTROL_TIMEOUT_S))
-            done("pause")
+            steps.done("pause")
             changing = True
             update_started = time.monotonic()
             result = self.client.update_weights_from_disk(
@@ -357,7 +350,7 @@ class Adapter:
                         ENGINE_ERROR, f"the radix cache could not be flushed: {result.message}"
                     )
             update_seconds = time.monotonic() - update_started
-            done("update")
+            steps.done("update")
             info = self.client.model_info(_left(deadline, CONTROL_TIMEOUT_S))
             problem = readback_problem(info, model, request.revision)
             if problem is not None:
@@ -365,9 +358,9 @@ class Adapter:
             checksum, note = self._checksum(_left(deadline, CHECKSUM_TIMEOUT_S))
             if checksum is not None:
                 self._check_checksum(checksum, model, old)
-            done("readback")
+            steps.done("readback")
             self.client.resume(_left(deadline, CONTROL_TIMEOUT_S))
-            done("resume")
+            steps.done("resume")
         except Exception as exc:  # a refused step, a timeout, or anything else
             self._failed(exc, request, old, closed, changing)
             return
@@ -383,7 +376,7 @@ class Adapter:
             self.gate.verifying(new, request.swap_timeout_s)
         else:
             self.gate.open(new)
-        state = self.tracker.swapped(time.monotonic() - closed, update_seconds, steps)
+        state = self.tracker.swapped(time.monotonic() - closed, update_seconds, steps.seconds)
         log.info(
             "swapped %s -> %s (%s) in %.2f s, requests held %.2f s (%s)",
             old.model.digest,
@@ -391,7 +384,7 @@ class Adapter:
             request.revision,
             state.seconds or 0.0,
             state.paused_seconds or 0.0,
-            ", ".join(f"{k} {v:.3f} s" for k, v in steps.items()),
+            steps,
         )
 
     def _precheck(self, digest: str, old: Held) -> VerifiedModel:

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -303,6 +303,24 @@ class SwapState:
 
 def _round(value: float | None) -> float | None:
     return round(value, 4) if value is not None else None
+
+
+class StepTimes:
+    """How long each step of a swap took, in the order the steps ended
+    (``SwapState.steps``): a step begins when the one before it ends."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last = clock()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, step: str) -> None:
+        now = self._clock()
+        self.seconds[step] = now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
 
 
 class SwapTracker:

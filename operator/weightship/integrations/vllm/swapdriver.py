@@ -44,6 +44,7 @@ from .swap import (
     NOT_STAGED,
     SWAP_TIMEOUT,
     RankOutcome,
+    StepTimes,
     SwapRequest,
     SwapState,
     SwapTracker,
@@ -144,32 +145,24 @@ class SwapDriver:
         self.gate.close(request.drain_timeout_s + request.swap_timeout_s + CLEANUP_GRACE_S)
         closed = time.monotonic()
         changing = False
-        steps: dict[str, float] = {}
-        lap = time.monotonic()
-
-        def done(step: str) -> None:
-            nonlocal lap
-            now = time.monotonic()
-            steps[step] = now - lap
-            lap = now
-
+        steps = StepTimes()
         try:
             await self._drain(request.drain_timeout_s, deadline)
-            done("drain")
+            steps.done("drain")
             self.gate.seal()
             self.tracker.loading(time.monotonic() - closed)
             await self._start(deadline)
             staged = await self._step("stage", stage, deadline)
-            done("stage")
+            steps.done("stage")
             changing = True
             await self._step("apply", {"swapId": swap_id}, deadline)
-            done("apply")
+            steps.done("apply")
             await self._step("commit", {"swapId": swap_id}, deadline)
-            done("commit")
+            steps.done("commit")
             await self._finish(deadline, request.revision)
             await self._call(self.engine.reset_prefix_cache(), deadline)
             await self._resume(deadline)
-            done("resume")
+            steps.done("resume")
         except StepFailed as exc:
             await self._failed(exc.outcome, swap_id, request, old, closed, changing)
             return
@@ -185,7 +178,7 @@ class SwapDriver:
             self.gate.open(new)
         self.mixed = None
         load = max((o.seconds or 0.0 for o in staged), default=None)
-        state = self.tracker.swapped(time.monotonic() - closed, load, steps)
+        state = self.tracker.swapped(time.monotonic() - closed, load, steps.seconds)
         log.info(
             "swapped %s -> %s (%s) in %.2f s, requests held %.2f s (%s)",
             old.manifest_digest,
@@ -193,7 +186,7 @@ class SwapDriver:
             new.revision,
             state.seconds or 0.0,
             state.paused_seconds or 0.0,
-            ", ".join(f"{k} {v:.3f} s" for k, v in steps.items()),
+            steps,
         )
 
     def _precheck(self, digest: str) -> tuple[str, str] | None:
