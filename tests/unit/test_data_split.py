@@ -74,8 +74,9 @@ def test_a_slow_stream_splits_at_a_piece_boundary_and_stops_there_once_the_rest_
     split.landed(PIECE + 100)  # 1 piece a second: 15 more seconds
     _wait_for(rest_in)
     cut = split.cut
-    # The first stream keeps a third of what it has left, rounded up to a piece.
-    assert cut == 7 * PIECE and asked == [(cut, CHUNK)]
+    # The first stream keeps what it brings in eta_s (1 s) at its rate (a piece a
+    # second), not a third of what is left (5 pieces), rounded up to a piece.
+    assert cut == 3 * PIECE and asked == [(cut, CHUNK)]
     for _ in range(100):  # the thread's result is assigned after rest() returns
         if split.stop_at(PIECE + 100) != CHUNK:
             break
@@ -87,6 +88,15 @@ def test_a_slow_stream_splits_at_a_piece_boundary_and_stops_there_once_the_rest_
     landed: list[int] = []
     assert split.finish(view, cut, landed.append) == CHUNK
     assert bytes(view) == DATA and landed == [CHUNK]
+
+
+def test_a_stream_that_is_only_late_keeps_a_third_of_what_is_left() -> None:
+    clock, rest_in = _Clock(), threading.Event()
+    split = _split(clock, lambda a, b: rest_in.set() or None)  # type: ignore[func-returns-value]
+    clock.now = 1.0
+    split.landed(6 * PIECE)  # 6 pieces a second: 10 left, 1.7 s; in eta_s it brings 6
+    _wait_for(rest_in)
+    assert split.cut == 10 * PIECE  # a third of the 10 left, rounded up to a piece
 
 
 def test_a_split_whose_rest_never_came_leaves_the_stream_to_its_end() -> None:
@@ -283,9 +293,10 @@ def test_a_bad_piece_before_the_cut_is_still_the_first_peers() -> None:
         threading.Event().wait(0.01)
     assert split.cut is not None
     chunk = ChunkEntry(file="w.bin", index=0, offset=0, size=CHUNK, blake3="0" * 64)
+    last_before_cut = split.cut // PIECE - 1
 
     def bad_before(n: int) -> None:
-        raise PieceVerificationError(chunk, 2)  # the first peer's piece, before the cut
+        raise PieceVerificationError(chunk, last_before_cut)  # the first peer's piece
 
     view = memoryview(bytearray(CHUNK))
     with pytest.raises(PieceVerificationError) as err:

@@ -5,7 +5,9 @@ owner's uplink is full each such transfer runs at a few % of its link (the fleet
 benchmark's traces: one 4 MiB chunk took 9 s) while other peers hold the chunk and have
 room. Once a transfer has run ``after_s`` and would need more than ``eta_s`` more at its
 rate so far, the part of the chunk past a cut point is asked of another peer, in a
-thread of its own. The first stream goes on meanwhile: if it reaches the chunk's end
+thread of its own. The first stream keeps what it would bring in ``eta_s`` at its rate so
+far, a third of what is left at most: a trickle at 8 KiB/s keeps 40 KiB (in 5 s) rounded
+up to a piece boundary, not a third of the chunk (of 4 MiB: three minutes). The first stream goes on meanwhile: if it reaches the chunk's end
 first, the other part is dropped; once the other part is in, the first stream stops at
 the cut (or the next piece boundary past it) and the rest is copied from the other part.
 
@@ -25,7 +27,7 @@ from weightship.weightformat.chunkhash import PieceVerificationError
 # (start, end) -> (the peer that sent them, the chunk's bytes [start, end)), or None.
 FetchRest = Callable[[int, int], "tuple[str, bytes] | None"]
 
-MAIN_SHARE = 3  # the first stream keeps a third of what it has left at the split
+MAIN_SHARE = 3  # the first stream keeps at most a third of what it has left at the split
 
 
 class SplitPieceError(PieceVerificationError):
@@ -73,7 +75,8 @@ class SplitTransfer:
         rate = (pos - self.begin) / elapsed
         if left <= rate * self._eta_s:
             return
-        cut = self._piece_end(pos + left // MAIN_SHARE)
+        keep = min(left // MAIN_SHARE, int(rate * self._eta_s))
+        cut = self._piece_end(pos + keep)
         if cut >= self.size:
             return
         self.cut = cut
