@@ -7,9 +7,10 @@ room. Once a transfer has run ``after_s`` and would need more than ``eta_s`` mor
 rate so far, the part of the chunk past a cut point is asked of another peer, in a
 thread of its own. The first stream keeps what it would bring in ``eta_s`` at its rate so
 far, a third of what is left at most: a trickle at 8 KiB/s keeps 40 KiB (in 5 s) rounded
-up to a piece boundary, not a third of the chunk (of 4 MiB: three minutes). The first stream goes on meanwhile: if it reaches the chunk's end
-first, the other part is dropped; once the other part is in, the first stream stops at
-the cut (or the next piece boundary past it) and the rest is copied from the other part.
+up to a piece boundary, not a third of the chunk (of 4 MiB: three minutes). The first
+stream goes on meanwhile: if it reaches the chunk's end first, the other part is
+dropped; once the other part is in, the first stream stops at the cut (or the next piece
+boundary past it) and the rest is copied from the other part.
 
 The cut is a piece boundary, so the sink, which verifies pieces in order as they land,
 knows whose bytes a bad piece was: before the cut the first peer's, from it on the
