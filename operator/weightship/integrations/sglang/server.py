@@ -254,7 +254,7 @@ def serve(
     *,
     request_deadline_s: float = REQUEST_DEADLINE_S,
 ) -> Server:
-    """The adapter's server, bound (call ``serve_forever`` on it, in a thread or not)."""
+    """The adapter's server, bound, not serving yet (``start()`` serves on a thread)."""
     return Server(
         (host, port), make_handler(adapter, upstream), request_deadline_s=request_deadline_s
     )
