@@ -10,7 +10,6 @@ import json
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -44,7 +43,7 @@ from weightship.core.verification import (
     load_verdict,
     prompts_verdict,
 )
-from weightship.httpserver import Server
+from weightship.httpserver import QuietHandler, Server
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -283,31 +282,20 @@ class FakeServerState:
         self.errors_left = 0
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(QuietHandler):
     state = FakeServerState()
 
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def _json(self, code: int, doc: dict[str, Any]) -> None:
-        data = json.dumps(doc).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._json(200, self.state.loaded)
+        self.send_json(200, self.state.loaded)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["temperature"] == 0 and body["max_tokens"] == 16
         if self.state.errors_left > 0:
             self.state.errors_left -= 1
-            self._json(500, {"error": "injected"})
+            self.send_json(500, {"error": "injected"})
             return
-        self._json(200, {"choices": [{"text": self.state.completion}]})
+        self.send_json(200, {"choices": [{"text": self.state.completion}]})
 
 
 class Verdicts:

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,7 +38,7 @@ from weightship.controller.verifier import (
 from weightship.core.pod_gates import pod_gates
 from weightship.core.seedtoken import check_token
 from weightship.core.verification import LoadReport, StagedEvidence, termination_message
-from weightship.httpserver import Server
+from weightship.httpserver import QuietHandler, Server
 
 DIGEST = "sha256:" + "cd" * 32
 SEED_KEY = bytes(range(32))
@@ -164,36 +163,25 @@ class ServerState:
 def server() -> Iterator[tuple[int, ServerState]]:
     state = ServerState()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _json(self, code: int, doc: dict[str, Any]) -> None:
-            data = json.dumps(doc).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             if state.loaded is None:
-                self._json(404, {"detail": "Not Found"})  # what vLLM without the plugin says
+                self.send_json(404, {"detail": "Not Found"})  # what vLLM without the plugin says
             else:
-                self._json(200, state.loaded)
+                self.send_json(200, state.loaded)
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.headers.append((self.path, dict(self.headers.items())))
             if self.path == VERIFIED_PATH:
-                self._json(state.verified_status, {"accepted": state.verified_status == 200})
+                self.send_json(state.verified_status, {"accepted": state.verified_status == 200})
                 return
             state.requests.append(body)
             if self.path != "/v1/chat/completions":
-                self._json(404, {"detail": "Not Found"})
+                self.send_json(404, {"detail": "Not Found"})
                 return
             message = {"role": "assistant", "content": state.answer}
-            self._json(200, {"choices": [{"message": message}]})
+            self.send_json(200, {"choices": [{"message": message}]})
 
     with Server(("127.0.0.1", 0), Handler).start("inference") as httpd:
         yield httpd.server_port, state
