@@ -42,7 +42,8 @@ from pathlib import Path
 import blake3
 from safetensors.torch import load_file  # imported before any path is timed
 
-from benchlib import MiB
+from bench_loader import measure_once
+from benchlib import WORK, MiB, gbps, table
 from weightship.linux import populate_write
 
 CHUNK = 16 * MiB
@@ -185,7 +186,7 @@ def paths(model: Path) -> dict[str, Callable[[], object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("/var/tmp/wsbench/st-model-1073741824-4"))
+    p.add_argument("--model", type=Path, default=WORK / "st-model-1073741824-4")
     p.add_argument("--paths", help="comma-separated; default: all")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--first-touch", action="store_true", help="huge against 4 KiB pages")
@@ -201,10 +202,7 @@ def main() -> None:
     if not shards(args.model):
         sys.exit(f"no shards in {args.model}: run bench/bench_loader.py once first")
     if args.one:
-        run = paths(args.model)[args.one]
-        wall, cpu = time.perf_counter(), time.process_time()
-        run()
-        print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu]))
+        print(json.dumps(measure_once(paths(args.model)[args.one])))
         return
     names = args.paths.split(",") if args.paths else list(paths(args.model))
     for path in shards(args.model):  # into the page cache
@@ -222,16 +220,14 @@ def main() -> None:
         f"{size / MiB:.0f} MiB; median of {args.repeats} fresh processes; load average "
         f"{before:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
-    print("| path | GB/s (slowest-fastest) | CPU s per GB |\n|---|---|---|")
-    rates = {}
+    rates, rows = {}, []
     for name, r in runs.items():
         walls = sorted(w for w, _ in r)
-        rates[name] = size / statistics.median(walls) / 1e9
+        rates[name] = gbps(size, statistics.median(walls))
         cpu = statistics.median(c for _, c in r) / (size / 1e9)
-        print(
-            f"| {name} | {rates[name]:.2f} ({size / walls[-1] / 1e9:.2f}-"
-            f"{size / walls[0] / 1e9:.2f}) | {cpu:.2f} |"
-        )
+        spread = f"{gbps(size, walls[-1]):.2f}-{gbps(size, walls[0]):.2f}"
+        rows.append([name, f"{rates[name]:.2f} ({spread})", f"{cpu:.2f}"])
+    print(table(["path", "GB/s (slowest-fastest)", "CPU s per GB"], rows))
     if "plain" in rates and "private-v" in rates:
         print(f"loader paths: private-v / plain = {rates['private-v'] / rates['plain']:.2f}x")
 
