@@ -176,6 +176,9 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--no-redirect"] if mode in ("p2p-no-redirect", "p2p-round4") else []),
             *(["--no-split"] if mode == "p2p-no-split" else []),
             *(["--keep-origin-connections"] if mode == "p2p-keep-origin" else []),
+            # The schedule before 2026-12-06: every node an origin fetcher, relays in a ring.
+            *(["--relay-fanout", "1", "--origin-fetchers", "100000"] if mode == "p2p-ring" else []),
+            *args.node_args.split(),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -262,7 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p2p-no-redirect (an owner holds requests for the chunks a peer claimed), "
         "p2p-round4 (none of those four: the code before them), "
         "p2p-no-split (a slow whole transfer is never split across two peers), "
-        "p2p-keep-origin (one origin connection per node for the whole stage), origin-only",
+        "p2p-keep-origin (one origin connection per node for the whole stage), "
+        "p2p-ring (every node fetches from the origin, relays in a ring: the schedule "
+        "before 2026-12-06), origin-only",
+    )
+    p.add_argument(
+        "--node-args", default="", help="more fleet_node.py flags for every node (exploring)"
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
@@ -366,6 +374,7 @@ def report(r: dict[str, Any]) -> None:
         ("p2p-round4", 1),
         ("p2p-no-split", 1),
         ("p2p-keep-origin", 1),
+        ("p2p-ring", 1),
         ("origin-only", n),
     ):
         if mode not in r:
@@ -394,6 +403,7 @@ def report(r: dict[str, Any]) -> None:
         "p2p-round4",
         "p2p-no-split",
         "p2p-keep-origin",
+        "p2p-ring",
     )
     for mode in (*p2p_modes, *ablations):
         if mode not in r:

@@ -93,10 +93,14 @@ def policy(args: argparse.Namespace) -> FetchPolicy | None:
         or args.no_uplink_hold
         or args.no_split
         or args.keep_origin_connections
+        or args.relay_fanout is not None
+        or args.origin_fetchers is not None
     ):
         return None
     return FetchPolicy(
         **({"split_after_s": None} if args.no_split else {}),
+        **({"relay_fanout": args.relay_fanout} if args.relay_fanout is not None else {}),
+        **({"origin_fetchers": args.origin_fetchers} if args.origin_fetchers is not None else {}),
         **({"renew_origin_connections": False} if args.keep_origin_connections else {}),
         **({"claims": False} if args.no_claims else {}),
         **({"late_probes": 0} if args.no_late_probes else {}),
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             progress=progress,
             policy=policy(args),
             per_owner=args.per_owner or None,
-            pace_intake=False if args.no_pacing else None,
+            pace_intake=False if args.no_pacing else (True if args.pace else None),
         )
         seconds = time.time() - start_at
         cpu_s = time.process_time() - cpu_before  # every thread of this node, peer server too
@@ -238,6 +242,7 @@ def main() -> None:
         "--per-owner", type=int, default=PER_OWNER, help="peer fetches per owner (0: FIFO lane)"
     )
     p.add_argument("--no-pacing", action="store_true", help="peer intake not paced")
+    p.add_argument("--pace", action="store_true", help="peer intake paced, whatever the manifest")
     p.add_argument(
         "--no-late-probes", action="store_true", help="never asks whether it joined late"
     )
@@ -248,6 +253,10 @@ def main() -> None:
         "--no-uplink-hold", action="store_true", help="origin intake never waits for the uplink"
     )
     p.add_argument("--no-split", action="store_true", help="a slow whole transfer is never split")
+    p.add_argument(
+        "--relay-fanout", type=int, help="children per node in each owner's relay tree (1: a ring)"
+    )
+    p.add_argument("--origin-fetchers", type=int, help="nodes that fetch from the origin, at most")
     p.add_argument(
         "--keep-origin-connections",
         action="store_true",

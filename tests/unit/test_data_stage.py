@@ -320,7 +320,7 @@ def test_bad_peer_is_skipped_and_chunk_fetched_elsewhere(
         metrics=dp,
         chunks=m.chunks,
         # The owner asked first: no holder, no ring.
-        policy=dataclasses.replace(FAST, holder_probes=0, ring_wait_s=None),
+        policy=dataclasses.replace(FAST, holder_probes=0, relay_wait_s=None),
     )
     assert fetcher.fetch(chunk) == "peer"
     assert sink.chunks[chunk.key] == (src / "w.bin").read_bytes()
@@ -633,9 +633,9 @@ def test_owner_of_is_the_head_of_the_ranking(tmp_path: Path) -> None:
         chunks=m.chunks,
         claims=claims,
     )
-    first, second = m.chunks[0].key, m.chunks[1].key
+    # Two chunks n3 does not own, so that owning them is the grant's doing.
+    first, second = [c.key for c in m.chunks if fetcher.owners[c.key] != "n3"][:2]
     claims.open([c.key for c in m.chunks], [("n3", "127.0.0.1:3")])
-    assert fetcher.owners[first] != "n3" or fetcher.owners[second] != "n3"
     claims.grant(first, "n3")  # given away to a known peer
     claims.grant(second, "stranger")  # to a node this one was not told of
     for c in m.chunks:
@@ -820,7 +820,7 @@ def test_an_asker_sent_to_the_claimant_long_polls_it_first(
                 long_poll_s=0.5,
                 peers_per_round=1,
                 holder_probes=0,
-                ring_wait_s=None,
+                relay_wait_s=None,
             ),
         )
         assert fetcher.fetch(chunk) == "peer"
@@ -868,7 +868,7 @@ def test_a_holder_is_asked_for_the_chunk_whole_before_a_slow_owner(
             metrics=metrics()[0],
             chunks=m.chunks,
             policy=dataclasses.replace(
-                NO_CLAIMS, long_poll_s=0.5, holder_probes=probes, ring_wait_s=None
+                NO_CLAIMS, long_poll_s=0.5, holder_probes=probes, relay_wait_s=None
             ),
         )
         assert fetcher.owner_of(chunk.key) == owner
@@ -911,14 +911,17 @@ def ring_of_three(
     *,
     staged: bool = False,
     dataplane: DataPlaneMetrics | None = None,
+    serving: tuple[str, ...] = ("n1", "n2"),
+    node: str = "n3",
 ) -> tuple[ChunkFetcher, AskedClient, Manifest]:
-    """n3 fetching, n1 and n2 serving (n2 is the node before n3 in the ring); the nodes
-    in ``holders`` hold the whole model. ``staged``: n3 stages into its own store, pieces
-    verified as they land (as ``stage()`` sets it up), not into memory."""
+    """``node`` (n3) fetching, ``serving`` (n1 and n2) serving (n2 is the node before n3
+    in the ring); the nodes in ``holders`` hold the whole model. ``staged``: the fetching
+    node stages into its own store, pieces verified as they land (as ``stage()`` sets it
+    up), not into memory."""
     src = tmp_path / "src"
     m = make_model(src, {"w.bin": random_bytes(9 * CHUNK, 31)})
     addresses = {}
-    for n in ("n1", "n2"):
+    for n in serving:
         store = ChunkStore(tmp_path / n)
         if n in holders:
             put_model(store, m, src)
@@ -926,12 +929,12 @@ def ring_of_three(
     client = AskedClient({a: n for n, a in addresses.items()})
     sink: MemorySink | ModelStaging = MemorySink()
     if staged:
-        sink = stack.enter_context(ModelStaging(ChunkStore(tmp_path / "n3"), m))
+        sink = stack.enter_context(ModelStaging(ChunkStore(tmp_path / node), m))
         sink.prepare()
         sink.pieces = load_piece_layer(sink, CountingOrigin(src))
     fetcher = ChunkFetcher(
-        node="n3",
-        peers=[Peer("n3", "127.0.0.1:1"), *(Peer(n, a) for n, a in addresses.items())],
+        node=node,
+        peers=[Peer(node, "127.0.0.1:1"), *(Peer(n, a) for n, a in addresses.items())],
         origin=CountingOrigin(src),
         sink=sink,
         metrics=dataplane or metrics()[0],
@@ -947,7 +950,7 @@ def owned_by(fetcher: ChunkFetcher, m: Manifest, node: str) -> ChunkEntry:
 
 
 def test_a_chunk_is_asked_of_the_node_before_this_one_first(tmp_path: Path) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=1)
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
         chunk = owned_by(fetcher, m, "n1")  # its owner (n1) does not have it yet
@@ -955,19 +958,43 @@ def test_a_chunk_is_asked_of_the_node_before_this_one_first(tmp_path: Path) -> N
     assert client.asked == ["n2"]  # the node before n3; the owner is never asked
 
 
+def test_a_chunk_is_asked_of_the_parent_in_its_owners_tree_first(tmp_path: Path) -> None:
+    """Fanout 2 over n1..n4, n1's tree: n2 and n3 take from n1, n4 from n2 (the ring
+    would have n4 ask n3, which does not have it)."""
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=2)
+    with ExitStack() as stack:
+        serving = ("n1", "n2", "n3")
+        fetcher, client, m = ring_of_three(
+            tmp_path, stack, ["n2"], policy, serving=serving, node="n4"
+        )
+        assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
+    assert client.asked == ["n2"]
+
+
+def test_a_child_of_the_owner_asks_the_owner_first(tmp_path: Path) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=0.1, relay_wait_s=2.0, relay_fanout=2)
+    with ExitStack() as stack:
+        serving = ("n1", "n2", "n4")
+        fetcher, client, m = ring_of_three(
+            tmp_path, stack, ["n1"], policy, serving=serving, node="n3"
+        )
+        assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
+    assert client.asked == ["n1"]  # n3 sits at position 2 of n1's tree: the owner's child
+
+
 def test_the_owner_is_asked_when_the_node_before_does_not_get_the_chunk(
     tmp_path: Path,
 ) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=0.1)
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=0.1, relay_fanout=1)
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n1"], policy)
         chunk = owned_by(fetcher, m, "n1")
         assert fetcher.fetch(chunk) == "peer"
-    assert client.asked == ["n2", "n1"]  # n2 held it ring_wait_s, then the owner
+    assert client.asked == ["n2", "n1"]  # n2 held it relay_wait_s, then the owner
 
 
 def test_the_node_before_that_owns_the_chunk_is_asked_once(tmp_path: Path) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=1)
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
         assert fetcher.fetch(owned_by(fetcher, m, "n2")) == "peer"
@@ -975,7 +1002,7 @@ def test_the_node_before_that_owns_the_chunk_is_asked_once(tmp_path: Path) -> No
 
 
 def test_without_a_ring_the_owner_is_asked_first(tmp_path: Path) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=0.1, ring_wait_s=None)
+    policy = dataclasses.replace(FAST, long_poll_s=0.1, relay_wait_s=None)
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n2"], policy)
         assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
@@ -983,7 +1010,7 @@ def test_without_a_ring_the_owner_is_asked_first(tmp_path: Path) -> None:
 
 
 def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=2.0, ring_wait_s=2.0)
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=1)
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(tmp_path, stack, ["n1"], policy)
         dead = socket.socket()
@@ -1061,7 +1088,7 @@ def test_a_trickling_node_before_in_the_ring_gets_help_not_waited_on(
     the chunk still verifies."""
     dataplane, registry = metrics()
     policy = dataclasses.replace(
-        FAST, long_poll_s=2.0, ring_wait_s=2.0, split_after_s=0.3, split_eta_s=0.5
+        FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=1, split_after_s=0.3, split_eta_s=0.5
     )
     with ExitStack() as stack:
         fetcher, client, m = ring_of_three(

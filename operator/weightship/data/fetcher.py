@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from weightship.data import rendezvous
+from weightship.data import rendezvous, schedule
 from weightship.data.chunkstore import Buffer
 from weightship.data.claims import ClaimBoard
 from weightship.data.metrics import DataPlaneMetrics
@@ -176,13 +176,19 @@ class FetchPolicy:
     # all, and then wait for it (owner_wait_s bounds every other chunk).
     late_wait_s: float = 30.0
     late_probes: int = 3  # chunks of its own it asks about at stage start (HEAD, no wait)
-    # A ring: a chunk this node does not own is asked first of the live node before it
-    # (sorted names), which streams it on as it lands, waiting this long at most for it
-    # to start landing there; then its owner (None: owners only). Each uplink then
-    # carries one stream of the others' chunks, whatever share of the origin each owner
-    # gets (the fleet benchmark, interleaved rounds: 1.10x S/B against 1.15x asking
-    # owners first; docs/benchmarks.md).
-    ring_wait_s: float | None = 4.5
+    # Relays (schedule.py): a chunk this node does not own is asked first of its parent
+    # in the owner's tree (a fanout-ary heap over the live nodes, rotated to start at the
+    # owner), which streams it on as it lands, waiting this long at most for it to start
+    # landing there; then its owner (None: owners only). Each uplink carries one stream
+    # of the others' chunks on average, whatever share of the origin each owner gets, and
+    # a chunk crosses about log2(n) hops. Fanout 1 is the ring of before (n - 1 hops: the
+    # fleet benchmark at 48 hosts took 4.17x S/B; docs/benchmarks.md).
+    relay_wait_s: float | None = 4.5
+    relay_fanout: int = 2
+    # At most this many nodes fetch chunks from the origin (schedule.origin_fetchers):
+    # every node follows every chunk that is arriving, and a peer lane follows a bounded
+    # number at once (stage.PEER_LANE_MAX), so the origin's streams must not grow with n.
+    origin_fetchers: int = 8
     # With peers, each origin chunk on a new connection (where that is cheap:
     # RENEW_AFTER_ROUND_TRIPS). The owners' origin flows share one origin link, and a
     # flow that starts with a small share keeps it while its connection lives (BBR keeps
@@ -264,7 +270,11 @@ def fetch_order(
 
 
 def late_probes(
-    owned: Sequence[str], others: Sequence[str], keys: Sequence[str], count: int
+    owned: Sequence[str],
+    others: Sequence[str],
+    keys: Sequence[str],
+    count: int,
+    fetchers: int = FetchPolicy.origin_fetchers,
 ) -> list[tuple[str, list[str]]]:
     """What a node asks at stage start to find out whether it joined late.
 
@@ -280,7 +290,7 @@ def late_probes(
     unique = list(dict.fromkeys(keys))
     where = {k: i for i, k in enumerate(unique)}
     upto = max((where[k] for k in probed if k in where), default=-1) + 1
-    owners = rendezvous.balanced_owners(unique, others, first=upto)
+    owners = schedule.plan_owners(unique, others, fetchers, first=upto)
     return [(k, rendezvous.rank_with_owner(others, k, owners.get(k))) for k in probed]
 
 
@@ -311,16 +321,22 @@ class ChunkFetcher:
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
         self._keys = [c.key for c in chunks]
-        self.owners = rendezvous.balanced_owners(self._keys, self.nodes)
+        self.policy = policy or FetchPolicy()
+        fetchers = self.policy.origin_fetchers
+        self.fetchers = schedule.origin_fetchers(self.nodes, self._keys, fetchers)
+        self.owners = rendezvous.balanced_owners(self._keys, self.fetchers)
         # The owners in this node's view, kept when it joins late (``join_late``).
         self.planned = self.owners
         self.late = False
-        self._ranked = self.nodes  # who the rankings rank: the view without it, once late
+        # Who the rankings rank: the view without it, once late.
+        self._ranker = rendezvous.Ranker(self.nodes)
+        self._peers = rendezvous.Ranker(self.address)  # every other node
         self.holders = sorted(set(holders) & set(self.address))
+        self._holders = rendezvous.Ranker(self.holders)
+        self._members = (frozenset[str](), self._ranker.nodes, self._ranker.index)
         self.origin = origin
         self.sink = sink
         self.metrics = metrics
-        self.policy = policy or FetchPolicy()
         self.client = client or PeerClient(self.policy.peer_timeout_s)
         self.bandwidth = bandwidth
         self.cancel = cancel or threading.Event()
@@ -355,7 +371,22 @@ class ChunkFetcher:
         then its rendezvous ranking, which a dead owner's chunk falls through. A chunk
         this node gave away (claims) has its claimant first."""
         owner = self.claims.claimant(key) or self.owners.get(key)
-        return rendezvous.rank_with_owner(self._ranked, key, owner)
+        return rendezvous.rank_with_owner(self._ranker.nodes, key, owner)
+
+    def live_ranking(self, key: str, avoided: Collection[str], count: int) -> list[str]:
+        """The first ``count`` nodes of ``ranking(key)`` not in ``avoided``: one vector
+        pass over the node set, not a sort of it (every chunk asks this every round)."""
+        owner = self.claims.claimant(key) or self.owners.get(key)
+        head = [owner] if owner in self._ranker.index and owner not in avoided else []
+        return head + self._ranker.top(key, count - len(head), skip={*avoided, *head})
+
+    def live_members(self, avoided: frozenset[str]) -> tuple[list[str], dict[str, int]]:
+        """The ranked nodes not in ``avoided``, sorted (the relay trees' layout), and
+        their indexes; kept while the avoided set stays the same."""
+        if self._members[0] != avoided:
+            members = [n for n in self._ranker.nodes if n not in avoided]
+            self._members = (avoided, members, {n: i for i, n in enumerate(members)})
+        return self._members[1], self._members[2]
 
     def join_late(self, owned: Sequence[ChunkEntry]) -> bool:
         """Called before the stage plans, with this node's own chunks in fetch order:
@@ -374,7 +405,9 @@ class ChunkFetcher:
         others = [n for n in self.nodes if n != self.node]
         owned_keys = [c.key for c in owned]
         limit = self.policy.peers_per_round
-        probes = late_probes(owned_keys, others, self._keys, self.policy.late_probes)
+        probes = late_probes(
+            owned_keys, others, self._keys, self.policy.late_probes, self.policy.origin_fetchers
+        )
         for key, ranked in probes:
             asked = 0
             for peer in ranked:
@@ -394,8 +427,10 @@ class ChunkFetcher:
                         key,
                         len(others),
                     )
-                    self.late, self._ranked = True, others
-                    self.owners = rendezvous.balanced_owners(self._keys, others)
+                    self.late, self._ranker = True, rendezvous.Ranker(others)
+                    fetchers = self.policy.origin_fetchers
+                    self.fetchers = schedule.origin_fetchers(others, self._keys, fetchers)
+                    self.owners = rendezvous.balanced_owners(self._keys, self.fetchers)
                     self._queue_owners()
                     return True
                 break
@@ -417,7 +452,7 @@ class ChunkFetcher:
         owner = self.claims.claimant(key) or self.owners.get(key)
         if owner is not None and (owner == self.node or owner in self.address):
             return owner
-        return self.ranking(key)[0]
+        return self.live_ranking(key, (), 1)[0]
 
     def fetch(self, chunk: ChunkEntry) -> Source:
         """Get one chunk into the store, verified; say where it came from."""
@@ -447,7 +482,7 @@ class ChunkFetcher:
                 if not claimed.is_set():
                     continue
             avoided = self.health.avoided()
-            live = [n for n in self.ranking(chunk.key) if n not in avoided]
+            live = self.live_ranking(chunk.key, avoided, self.policy.peers_per_round + 2)
             if not live or live[0] == self.node:
                 claimant = self.claims.start(chunk.key)
                 if claimant is None or claimant not in self.address or claimant in avoided:
@@ -456,18 +491,18 @@ class ChunkFetcher:
                     self._from_origin(chunk)
                     return "origin"
                 continue  # granted to a peer meanwhile: the ranking now starts with it
-            if not rounds and self._from_predecessor(chunk, live, deadline):
+            if not rounds and self._from_relay_parent(chunk, live[0], avoided, deadline):
                 return "peer"
             round_started = time.monotonic()
             if (rounds or self.behind_on.get(live[0], False)) and any(
                 self._from_peer(n, chunk, spare_only=True)
-                for n in self._holder_candidates(chunk.key, live)
+                for n in self._holder_candidates(chunk.key, live[0], avoided)
             ):
                 return "peer"
             rounds += 1
             asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
             hint = self._holder_hint.get(chunk.key)
-            if hint in live and hint != self.node:
+            if hint is not None and hint in self.address and hint not in avoided:
                 # The node that claimed it from the owner fetches it from the origin: the
                 # owner gets it from there too, so that node is asked first (long-poll).
                 asked = [hint, *(n for n in asked if n != hint)]
@@ -492,28 +527,33 @@ class ChunkFetcher:
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
 
-    def _from_predecessor(self, chunk: ChunkEntry, live: Sequence[str], deadline: float) -> bool:
-        """With a ring (``ring_wait_s``), ask the live node before this one first: it gets
-        the chunk from the node before it, or from the origin when it owns it, and each
-        uplink carries one stream of the others' chunks whatever share of the origin
-        each owner gets. Not when that node is the owner (the owner is asked next)."""
-        ring_wait = self.policy.ring_wait_s
-        if ring_wait is None or self.late or self.node not in live:
+    def _from_relay_parent(
+        self, chunk: ChunkEntry, owner: str, avoided: set[str], deadline: float
+    ) -> bool:
+        """With relays (``relay_wait_s``), ask this node's parent in the tree of the
+        chunk's ``owner`` (the first live node of its ranking) over the live nodes first:
+        it gets the chunk from its own parent, or from the origin when it is the owner,
+        and streams it on as it lands. Not when the parent is the owner (the owner is
+        asked next)."""
+        wait_s = self.policy.relay_wait_s
+        if wait_s is None or self.late:
             return False
-        members = sorted(live)
-        pred = members[members.index(self.node) - 1]
-        if pred == self.node or pred == live[0]:
+        members, index = self.live_members(frozenset(avoided))
+        planned = self.owners.get(chunk.key, owner)
+        offset = schedule.tree_offset(members, self.fetchers, planned)
+        fanout = self.policy.relay_fanout
+        parent = schedule.relay_parent(members, owner, self.node, fanout, offset, index)
+        if parent is None or parent == owner:
             return False
-        wait = min(ring_wait, max(0.0, deadline - time.monotonic()))
-        return self._from_peer(pred, chunk, wait)
+        return self._from_peer(parent, chunk, min(wait_s, max(0.0, deadline - time.monotonic())))
 
-    def _holder_candidates(self, key: str, live: Sequence[str]) -> list[str]:
-        """The peers asked whether they hold ``key`` whole before its owner (``live[0]``):
+    def _holder_candidates(self, key: str, owner: str, avoided: set[str]) -> list[str]:
+        """The live peers asked whether they hold ``key`` whole before its ``owner``:
         ranked by this node and the key, so the nodes behind on one owner ask different
         peers."""
         count = self.policy.holder_probes
-        others = [n for n in live[1:] if n != self.node]
-        return rendezvous.rank(others, f"{self.node}\0{key}")[:count] if count else []
+        skip = {*avoided, owner}
+        return self._peers.top(f"{self.node}\0{key}", count, skip) if count else []
 
     def _granted_from_here(self, key: str) -> str | None:
         """The live peer this node granted ``key`` to, when it joined late and owns the
@@ -537,8 +577,8 @@ class ChunkFetcher:
         claimed chunk from the origin would leave the chunk it waits for, and its owner's
         lane, idle meanwhile. A node joining late claims nothing: nobody counts it, so
         its claims would be refused (403)."""
-        if not self.policy.claims or self.late:
-            return
+        if not self.policy.claims or self.late or self.node not in self.fetchers:
+            return  # a node that fetches nothing from the origin claims nothing either
         while not self.cancel.is_set() and (owner := self._most_behind()) is not None:
             self._claim_next(owner)
 
@@ -598,8 +638,8 @@ class ChunkFetcher:
     def _from_holders(self, chunk: ChunkEntry, avoided: set[str]) -> bool:
         """Ask up to ``peers_per_round`` live holders of the whole model (rendezvous order,
         so the load spreads) before this node fetches a chunk from the origin."""
-        ranked = [n for n in rendezvous.rank(self.holders, chunk.key) if n not in avoided]
-        return any(self._from_peer(n, chunk) for n in ranked[: self.policy.peers_per_round])
+        ranked = self._holders.top(chunk.key, self.policy.peers_per_round, avoided)
+        return any(self._from_peer(n, chunk) for n in ranked)
 
     def _from_peer(
         self, node: str, chunk: ChunkEntry, wait_s: float = 0.0, *, spare_only: bool = False
@@ -716,9 +756,8 @@ class ChunkFetcher:
             return None
         try:
             avoided = self.health.avoided()
-            others = [n for n in self.address if n != source and n not in avoided]
-            ranked = rendezvous.rank(others, f"{self.node}\0{chunk.key}")
-            for n in ranked[: self.policy.split_peers]:
+            skip = {*avoided, source}
+            for n in self._peers.top(f"{self.node}\0{chunk.key}", self.policy.split_peers, skip):
                 try:
                     data = self.client.fetch(self.address[n], chunk.key, start=begin, end=end)
                 except PeerError as exc:
