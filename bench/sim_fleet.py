@@ -87,10 +87,17 @@ class Scenario:
     def bound_s(self) -> float:
         return self.size / self.link
 
+    fanout: int | None = None  # the policy's, unless set (exploring)
+    fetchers: int | None = None
+
     def policy(self) -> FetchPolicy:
         if self.schedule == "ring":
             return FetchPolicy(relay_fanout=1, origin_fetchers=1 << 30)
-        return FetchPolicy()
+        base = FetchPolicy()
+        return FetchPolicy(
+            relay_fanout=self.fanout or base.relay_fanout,
+            origin_fetchers=self.fetchers or base.origin_fetchers,
+        )
 
 
 @dataclass
@@ -239,7 +246,7 @@ class Fleet:
         if self.policy.relay_wait_s is None:
             return None
         planned = self.names[int(self.owner[c])]
-        offset = schedule.tree_offset(self.members, self.fetchers, planned)
+        offset = schedule.tree_offset(self.member_index, planned)
         p = schedule.relay_parent(
             self.members,
             self.names[root],

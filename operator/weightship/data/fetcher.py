@@ -527,25 +527,29 @@ class ChunkFetcher:
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 time.sleep(self.policy.poll_interval_s)
 
-    def _from_relay_parent(
-        self, chunk: ChunkEntry, owner: str, avoided: set[str], deadline: float
-    ) -> bool:
-        """With relays (``relay_wait_s``), ask this node's parent in the tree of the
-        chunk's ``owner`` (the first live node of its ranking) over the live nodes first:
-        it gets the chunk from its own parent, or from the origin when it is the owner,
-        and streams it on as it lands. Not when the parent is the owner (the owner is
-        asked next)."""
-        wait_s = self.policy.relay_wait_s
-        if wait_s is None or self.late:
-            return False
+    def relay_source(self, key: str, root: str, avoided: Collection[str]) -> str | None:
+        """With relays (``relay_wait_s``), the node asked for ``key`` before its ``root``
+        (the first live node of its ranking): this node's parent in the tree of the
+        chunk's owner over the live nodes, which gets the chunk from its own parent, or
+        from the origin when it is the root, and streams it on as it lands. None when
+        that is the root itself (asked next anyway), or with no relays."""
+        if self.policy.relay_wait_s is None or self.late:
+            return None
         members, index = self.live_members(frozenset(avoided))
-        planned = self.owners.get(chunk.key, owner)
-        offset = schedule.tree_offset(members, self.fetchers, planned)
+        offset = schedule.tree_offset(index, self.owners.get(key, root))
         fanout = self.policy.relay_fanout
-        parent = schedule.relay_parent(members, owner, self.node, fanout, offset, index)
-        if parent is None or parent == owner:
+        parent = schedule.relay_parent(members, root, self.node, fanout, offset, index)
+        return None if parent == root else parent
+
+    def _from_relay_parent(
+        self, chunk: ChunkEntry, root: str, avoided: set[str], deadline: float
+    ) -> bool:
+        """Ask ``relay_source`` first, ``relay_wait_s`` at most."""
+        parent = self.relay_source(chunk.key, root, avoided)
+        if parent is None or self.policy.relay_wait_s is None:
             return False
-        return self._from_peer(parent, chunk, min(wait_s, max(0.0, deadline - time.monotonic())))
+        wait_s = min(self.policy.relay_wait_s, max(0.0, deadline - time.monotonic()))
+        return self._from_peer(parent, chunk, wait_s)
 
     def _holder_candidates(self, key: str, owner: str, avoided: set[str]) -> list[str]:
         """The live peers asked whether they hold ``key`` whole before its ``owner``:

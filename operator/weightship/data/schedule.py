@@ -4,24 +4,27 @@ every node, with no coordinator.
 Pure functions of the node set and the manifest's chunk keys, shared by the agent's
 fetcher and the fleet simulator (bench/sim_fleet.py), so the two cannot drift apart.
 
-**Origin fetchers.** At most ``count`` nodes fetch from the origin (the first of a
-rendezvous ranking over the manifest), and the chunks are balanced among them
-(``plan_owners``). Every node must follow every chunk that is arriving somewhere, and
-each peer lane follows a bounded number at once: with every node an owner, a fleet of 32
-had 32 origin streams at a 32nd of the origin's rate each, and a node following 16 of
-them took 53 % of its link for the first 6 s (the fleet benchmark, 2026-12-06). With
-``count`` fetchers each stream is faster and every node follows all of them, whatever the
-fleet's size. Adding or removing a node changes the fetchers only when it ranks among
-them.
+**Origin fetchers.** At most ``count`` nodes fetch from the origin, spread evenly over
+the sorted node set, and the chunks are balanced among them (``plan_owners``). Every
+node must follow every chunk that is arriving somewhere, and a peer lane follows a
+bounded number at once: with every node an owner, a fleet of 32 had 32 origin streams
+at a 32nd of the origin's rate each, and a node following 16 of them took 53 % of its
+link for the first 6 s (the fleet benchmark, 2026-12-06). With ``count`` fetchers each
+stream is faster and every node follows all of them, whatever the fleet's size. Nodes
+must agree on the node set to agree on the fetchers (as on the owners before: the
+balanced map's cap depends on it); where they do not, a chunk's fetcher is waited for
+``owner_wait_s`` at most, then fetched from the origin.
 
 **Relay trees.** Every node takes a chunk it does not own from its parent in the tree of
-the chunk's fetcher, which streams it on as it lands (cut-through). A tree is the node
-set, sorted by name, rotated to start at an offset of its own and read as a
-``fanout``-ary heap, with the tree's root (the fetcher, or whoever fetches in its place)
-swapped to the front. The fetchers' offsets are spread evenly over the node set, so every
-node sits at each depth in about the same number of trees, and uploads the same share:
-one child per tree on average. Fanout 1 is a ring (each node asks the node before it): a
-chunk crosses up to n - 1 hops; a fanout of 2 takes about log2(n).
+the chunk's fetcher, which streams it on as it lands (cut-through). A tree is the sorted
+node set rotated to start at its root (the fetcher, or the node that fetches in place
+of a dead one) and read as a ``fanout``-ary heap. The fetchers' trees start at evenly
+spaced places, so every node sits at each depth in about the same number of the busy
+trees and uploads one child's stream per tree on average, as in a ring: with the
+fetchers picked by rendezvous instead and swapped to the front of evenly spaced
+rotations, some nodes fed 10 children where the mean was 8 (25 % over their uplink,
+and everything below them slowed). Fanout 1 is a ring (each node asks the node before
+it): a chunk crosses up to n - 1 hops; a fanout of 2 takes about log2(n).
 """
 
 from __future__ import annotations
@@ -32,15 +35,18 @@ from weightship.data import rendezvous
 
 
 def origin_fetchers(nodes: Sequence[str], keys: Sequence[str], count: int) -> list[str]:
-    """The nodes that fetch chunks from the origin, in slot order (the order of their
-    trees' offsets): every node when there are at most ``count``, sorted; else the first
-    ``count`` of the rendezvous ranking for the manifest's first chunk key."""
+    """The nodes that fetch chunks from the origin: every node when there are at most
+    ``count``; else ``count`` nodes spread evenly over the sorted node set, from an index
+    the manifest's first chunk key picks (so models spread over different nodes). Each
+    fetcher's tree starts at its own index, so the trees' starts are spread evenly too."""
     members = sorted(set(nodes))
     if count < 1:
         raise ValueError("count must be at least 1")
-    if len(members) <= count or not keys:
+    n = len(members)
+    if n <= count or not keys:
         return members
-    return rendezvous.Ranker(members).top(f"origin\0{keys[0]}", count)
+    base = rendezvous.hash64(f"origin\0{keys[0]}") % n
+    return [members[(base + t * n // count) % n] for t in range(count)]
 
 
 def plan_owners(
@@ -52,13 +58,11 @@ def plan_owners(
     return rendezvous.balanced_owners(keys, chosen, first=first)
 
 
-def tree_offset(members: Sequence[str], fetchers: Sequence[str], owner: str) -> int:
-    """Where ``owner``'s tree starts in ``members`` (sorted): the owner's own index while
-    every node fetches (the rotation that starts at it), else its slot's share of the
-    node set, so the fetchers' trees are spread evenly over it."""
-    if len(fetchers) >= len(members) or owner not in fetchers:
-        return members.index(owner) if owner in members else 0
-    return fetchers.index(owner) * len(members) // len(fetchers)
+def tree_offset(index: Mapping[str, int], owner: str) -> int | None:
+    """Where ``owner``'s tree starts among the sorted live nodes (``index``: each one's
+    place): at the owner; None when it is dead (the tree then starts at the node that
+    fetches in its place)."""
+    return index.get(owner)
 
 
 def relay_parent(
