@@ -37,7 +37,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -183,8 +183,6 @@ class Fleet:
         self.waiters: dict[tuple[int, int], list[tuple[Task, int]]] = {}
         self.timers: list[tuple[float, int, Task, int]] = []
         self.seq = 0
-        self.members = list(self.names)
-        self.member_index = dict(self.index)
         self._plan_lanes()
 
     # The lanes, as stage() builds them.
@@ -243,19 +241,17 @@ class Fleet:
         return self.index[self.ranker.top(self.keys[c], 1, dead)[0]]
 
     def parent(self, d: int, c: int, root: int) -> int | None:
+        """``ChunkFetcher.relay_source``: the nearest live ancestor in the owner's tree."""
         if self.policy.relay_wait_s is None:
             return None
         planned = self.names[int(self.owner[c])]
-        offset = schedule.tree_offset(self.member_index, planned)
-        p = schedule.relay_parent(
-            self.members,
-            self.names[root],
-            self.names[d],
-            self.policy.relay_fanout,
-            offset,
-            self.member_index,
-        )
-        return None if p is None or self.index[p] == root else self.index[p]
+        offset = schedule.tree_offset(self.index, planned)
+        fanout = self.policy.relay_fanout
+        names, index, r = self.names, self.index, self.names[root]
+        p = schedule.relay_parent(names, r, names[d], fanout, offset, index)
+        while p is not None and p != r and not self.alive[index[p]]:
+            p = schedule.relay_parent(names, r, p, fanout, offset, index)
+        return None if p is None or p == r else index[p]
 
     # Tasks.
     def next_tasks(self, d: int) -> None:
@@ -450,8 +446,6 @@ class Fleet:
         self.alive[nodes] = False
         for d in nodes:
             self.finish.pop(int(d), None)
-        self.members = [m for i, m in enumerate(self.names) if self.alive[i]]
-        self.member_index = {m: i for i, m in enumerate(self.members)}
         cut = [
             i
             for i in range(len(self.f_dst))
@@ -534,6 +528,16 @@ def waterfill(
     return rate
 
 
+def report(r: Result) -> None:
+    print(
+        f"  p50 {r.ratio(0.5):.2f}x S/B, {len(r.dead)} killed, {r.unstaged} survivors "
+        f"unstaged, agent CPU {r.cpu_per_gb:.2f} s/GB, {r.asks / r.scenario.nodes:.0f} asks "
+        f"per node, simulated in {r.sim_wall_s:.0f} s",
+        flush=True,
+    )
+    print(r.line(), flush=True)
+
+
 def run(s: Scenario) -> Result:
     result = Fleet(s).run()
     print(result.line(), flush=True)
@@ -568,6 +572,29 @@ def validate(measured: dict[str, dict[int, float]]) -> None:
             )
 
 
+def scale_scenarios(nodes: list[int], size_gib: float, big_gib: float) -> list[Scenario]:
+    """The issue-38 scenarios: 10 and 100 Gbit/s links, the origin at one link's speed;
+    every node healthy, 10 % killed halfway through S/B, 5 % at a tenth of the link.
+    ``big_gib`` at 1,000 nodes, ``size_gib`` beyond."""
+    out = []
+    for n in nodes:
+        size = int((big_gib if n <= 1000 else size_gib) * GiB)
+        for gbit in (10, 100):
+            link = gbit * 1e9 / 8
+            base = Scenario(n, size, 16 * MiB, link, link, rtt_s=0.0005, origin_latency_s=0.02)
+            out += [base, replace(base, kill_fraction=0.1), replace(base, slow_fraction=0.05)]
+    return out
+
+
+def describe(s: Scenario) -> str:
+    what = [f"{s.nodes} nodes", f"{s.size / GiB:.0f} GiB", f"{s.link * 8 / 1e9:.0f} Gbit/s"]
+    if s.kill_fraction:
+        what.append(f"{s.kill_fraction:.0%} killed at {s.kill_at:.0%} of S/B")
+    if s.slow_fraction:
+        what.append(f"{s.slow_fraction:.0%} at {s.slow_factor:.0%} speed")
+    return ", ".join(what)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -582,6 +609,9 @@ def main() -> None:
         "--slow", type=float, default=0.0, help="fraction of nodes at a tenth of the link"
     )
     p.add_argument("--validate", action="store_true")
+    p.add_argument("--scale", action="store_true", help="the issue-38 scenarios at scale")
+    p.add_argument("--scale-nodes", default="1000,5000,10000")
+    p.add_argument("--big-gib", type=float, default=140, help="the model at 1,000 nodes")
     p.add_argument("--measured", default="", help="tree=8:1.1,16:1.1 ... (slowest ÷ S/B, measured)")
     args = p.parse_args()
     if args.validate:
@@ -592,6 +622,12 @@ def main() -> None:
                 n, _, x = pair.partition(":")
                 measured.setdefault(name, {})[int(n)] = float(x)
         validate(measured)
+        return
+    if args.scale:
+        nodes = [int(n) for n in args.scale_nodes.split(",")]
+        for scenario in scale_scenarios(nodes, args.size_gib, args.big_gib):
+            print(f"## {describe(scenario)}", flush=True)
+            report(Fleet(scenario).run())
         return
     link = args.link_gbit * 1e9 / 8
     s = Scenario(
@@ -606,12 +642,7 @@ def main() -> None:
         slow_fraction=args.slow,
         schedule=args.schedule,
     )
-    r = run(s)
-    print(
-        f"  p50 {r.ratio(0.5):.2f}x S/B, agent CPU {r.cpu_per_gb:.2f} s/GB, "
-        f"{r.unstaged} survivors unstaged, simulated in {r.sim_wall_s:.0f} s",
-        flush=True,
-    )
+    report(Fleet(s).run())
 
 
 if __name__ == "__main__":

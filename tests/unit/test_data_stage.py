@@ -24,6 +24,7 @@ from weightship.data.fetcher import (
     FetchCancelledError,
     FetchPolicy,
     Peer,
+    PeerHealth,
     TokenBucket,
 )
 from weightship.data.metrics import DataPlaneMetrics
@@ -1025,6 +1026,30 @@ def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
     # and the chunks' owner, is asked next, and for the next chunk at once.
     assert client.asked == ["n2", "n1", "n1"]
     assert "n2" in fetcher.health.avoided()
+
+
+def test_a_peer_that_refused_twice_is_dropped_for_the_rest_of_the_stage() -> None:
+    now = [0.0]
+    health = PeerHealth(clock=lambda: now[0])
+    health.mark_dead("n2", 30.0, refused=True)
+    health.mark_dead("n2", 30.0, refused=True)  # another worker, the same death
+    assert health.avoided() == {"n2"}
+    now[0] = 31.0
+    assert health.avoided() == set()  # asked again once: it may have restarted
+    health.mark_dead("n2", 30.0, refused=True)
+    now[0] = 10_000.0
+    assert health.avoided() == {"n2"}
+    assert health.deaths == {"n2": 2}
+
+
+def test_a_peer_that_only_timed_out_is_asked_again_after_each_cooldown() -> None:
+    now = [0.0]
+    health = PeerHealth(clock=lambda: now[0])
+    for _ in range(5):
+        health.mark_dead("n3", 30.0)  # a busy peer, a slow relay: no proof of death
+        assert health.avoided() == {"n3"}
+        now[0] += 31.0
+        assert health.avoided() == set()
 
 
 class TricklingProxy:

@@ -24,6 +24,7 @@ fetches it, falling back to the origin only when no live node has or gets it in 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -53,6 +54,8 @@ Source = Literal["origin", "peer", "local"]
 
 
 SPLITS_IN_FLIGHT = 2  # second parts of split transfers fetched at once, per node
+# A peer that refused connections this often is dropped for the rest of the stage.
+DROP_AFTER_DEATHS = 2
 # The smallest origin read step (a manifest may have smaller pieces: they are verified
 # a few at a time then, and a tiny piece size never means a read call per few bytes).
 MIN_ORIGIN_STEP = 64 * 1024
@@ -200,17 +203,31 @@ class FetchPolicy:
 
 
 class PeerHealth:
-    """Peers this node currently avoids: dead (unreachable) or demoted (bad bytes)."""
+    """Peers this node currently avoids: dead (unreachable) or demoted (bad bytes).
+
+    One per stage. A peer found dead is avoided for a cooldown. One that refused the
+    connection (nothing listens there: the node or its agent is gone) is asked again once
+    after it (an agent restarting comes back on the same node name), and, refused again,
+    dropped for the rest of the stage: it is not retried every cooldown, by every node,
+    for as long as the stage lasts. A timeout or a transfer cut short is no proof of
+    death (a busy peer, a slow relay), and costs a cooldown only."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._avoid_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self.demotions: dict[str, int] = {}
+        self.deaths: dict[str, int] = {}
 
-    def mark_dead(self, node: str, cooldown_s: float) -> None:
+    def mark_dead(self, node: str, cooldown_s: float, *, refused: bool = False) -> None:
         with self._lock:
-            self._avoid_until[node] = self._clock() + cooldown_s
+            now = self._clock()
+            if self._avoid_until.get(node, 0.0) > now:
+                return  # the same death, seen by another worker
+            if refused:
+                self.deaths[node] = self.deaths.get(node, 0) + 1
+            gone = self.deaths.get(node, 0) >= DROP_AFTER_DEATHS
+            self._avoid_until[node] = math.inf if gone else now + cooldown_s
 
     def demote(self, node: str, cooldown_s: float) -> None:
         with self._lock:
@@ -333,7 +350,6 @@ class ChunkFetcher:
         self._peers = rendezvous.Ranker(self.address)  # every other node
         self.holders = sorted(set(holders) & set(self.address))
         self._holders = rendezvous.Ranker(self.holders)
-        self._members = (frozenset[str](), self._ranker.nodes, self._ranker.index)
         self.origin = origin
         self.sink = sink
         self.metrics = metrics
@@ -379,14 +395,6 @@ class ChunkFetcher:
         owner = self.claims.claimant(key) or self.owners.get(key)
         head = [owner] if owner in self._ranker.index and owner not in avoided else []
         return head + self._ranker.top(key, count - len(head), skip={*avoided, *head})
-
-    def live_members(self, avoided: frozenset[str]) -> tuple[list[str], dict[str, int]]:
-        """The ranked nodes not in ``avoided``, sorted (the relay trees' layout), and
-        their indexes; kept while the avoided set stays the same."""
-        if self._members[0] != avoided:
-            members = [n for n in self._ranker.nodes if n not in avoided]
-            self._members = (avoided, members, {n: i for i, n in enumerate(members)})
-        return self._members[1], self._members[2]
 
     def join_late(self, owned: Sequence[ChunkEntry]) -> bool:
         """Called before the stage plans, with this node's own chunks in fetch order:
@@ -529,16 +537,25 @@ class ChunkFetcher:
 
     def relay_source(self, key: str, root: str, avoided: Collection[str]) -> str | None:
         """With relays (``relay_wait_s``), the node asked for ``key`` before its ``root``
-        (the first live node of its ranking): this node's parent in the tree of the
-        chunk's owner over the live nodes, which gets the chunk from its own parent, or
-        from the origin when it is the root, and streams it on as it lands. None when
-        that is the root itself (asked next anyway), or with no relays."""
+        (the first live node of its ranking): this node's nearest live ancestor in the
+        tree of the chunk's owner, which gets the chunk from its own parent, or from the
+        origin when it is the root, and streams it on as it lands. None when that is the
+        root itself (asked next anyway), or with no relays.
+
+        The trees are laid out over the stage's whole node set, dead nodes included, and
+        a dead parent is skipped for its own parent: which nodes one node finds dead
+        changes whom it asks, never anyone else's tree. (Laid out over the live nodes
+        only, one peer that timed out moved every position after it in that node's view:
+        it asked nodes that were not its parents in anyone else's, waited, and fell back
+        to the owners, whose uplinks then carried the fleet: 2.4-5.1x S/B at 48 hosts.)"""
         if self.policy.relay_wait_s is None or self.late:
             return None
-        members, index = self.live_members(frozenset(avoided))
+        members, index = self._ranker.nodes, self._ranker.index
         offset = schedule.tree_offset(index, self.owners.get(key, root))
         fanout = self.policy.relay_fanout
         parent = schedule.relay_parent(members, root, self.node, fanout, offset, index)
+        while parent is not None and parent != root and parent in avoided:
+            parent = schedule.relay_parent(members, root, parent, fanout, offset, index)
         return None if parent == root else parent
 
     def _from_relay_parent(
@@ -792,13 +809,11 @@ class ChunkFetcher:
         if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
             return
         if isinstance(exc, PeerUnavailableError):
-            log.info(
-                "peer %s unreachable, skipping it for %ss: %s",
-                node,
-                self.policy.dead_cooldown_s,
-                exc,
-            )
-            self.health.mark_dead(node, self.policy.dead_cooldown_s)
+            refused = isinstance(exc.__cause__, (ConnectionRefusedError, ConnectionResetError))
+            self.health.mark_dead(node, self.policy.dead_cooldown_s, refused=refused)
+            dropped = self.health.deaths.get(node, 0) >= DROP_AFTER_DEATHS
+            for_how_long = "the rest of the stage" if dropped else f"{self.policy.dead_cooldown_s}s"
+            log.info("peer %s unreachable, skipping it for %s: %s", node, for_how_long, exc)
             return
         log.warning("peer %s: %s", node, exc)
 

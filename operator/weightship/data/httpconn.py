@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import ssl
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 # A reused connection the server closed meanwhile (idle timeout) fails with one of these
@@ -18,7 +19,12 @@ _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
 class ThreadConnections:
-    """One keep-alive connection per (scheme, host:port) per thread."""
+    """One keep-alive connection per (scheme, host:port) per thread, ``per_thread`` at
+    most: past that, opening one closes the one used least recently (a node asks a few
+    peers of its trees over and over, and many others once: a fleet's worth of idle
+    sockets, and the peer-server threads holding their other ends, would grow with it)."""
+
+    per_thread = 8
 
     def __init__(self, timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self.timeout_s = timeout_s
@@ -26,11 +32,10 @@ class ThreadConnections:
         self._local = threading.local()
 
     @property
-    def conns(self) -> dict[tuple[str, str], http.client.HTTPConnection]:
-        """This thread's connections."""
-        found: dict[tuple[str, str], http.client.HTTPConnection] = self._local.__dict__.setdefault(
-            "conns", {}
-        )
+    def conns(self) -> OrderedDict[tuple[str, str], http.client.HTTPConnection]:
+        """This thread's connections, the one used last at the end."""
+        found: OrderedDict[tuple[str, str], http.client.HTTPConnection]
+        found = self._local.__dict__.setdefault("conns", OrderedDict())
         return found
 
     def request(
@@ -84,9 +89,13 @@ class ThreadConnections:
         self.conns.clear()
 
     def _connection(self, scheme: str, host: str) -> tuple[http.client.HTTPConnection, bool]:
-        conn = self.conns.get((scheme, host))
+        conns = self.conns
+        conn = conns.get((scheme, host))
         if conn is not None:
+            conns.move_to_end((scheme, host))
             return conn, True
+        while len(conns) >= self.per_thread:
+            conns.popitem(last=False)[1].close()
         if scheme == "https":
             context = self._ssl or ssl.create_default_context()
             conn = http.client.HTTPSConnection(host, timeout=self.timeout_s, context=context)

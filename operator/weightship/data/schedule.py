@@ -17,8 +17,10 @@ balanced map's cap depends on it); where they do not, a chunk's fetcher is waite
 
 **Relay trees.** Every node takes a chunk it does not own from its parent in the tree of
 the chunk's fetcher, which streams it on as it lands (cut-through). A tree is the sorted
-node set rotated to start at its root (the fetcher, or the node that fetches in place
-of a dead one) and read as a ``fanout``-ary heap. The fetchers' trees start at evenly
+node set, dead nodes included, rotated to start at its fetcher and read as a
+``fanout``-ary heap; a node that fetches in place of a dead fetcher takes the front, and
+a node whose parent is dead asks that parent's parent, so one node's view of who is dead
+changes whom it asks, never anyone else's tree. The fetchers' trees start at evenly
 spaced places, so every node sits at each depth in about the same number of the busy
 trees and uploads one child's stream per tree on average, as in a ring: with the
 fetchers picked by rendezvous instead and swapped to the front of evenly spaced
@@ -59,9 +61,9 @@ def plan_owners(
 
 
 def tree_offset(index: Mapping[str, int], owner: str) -> int | None:
-    """Where ``owner``'s tree starts among the sorted live nodes (``index``: each one's
-    place): at the owner; None when it is dead (the tree then starts at the node that
-    fetches in its place)."""
+    """Where ``owner``'s tree starts among the sorted nodes (``index``: each one's place):
+    at the owner, also when it is dead (the node that fetches in its place then takes the
+    front: ``relay_parent``); None when it is not one of them."""
     return index.get(owner)
 
 
