@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 import traceback
@@ -272,6 +273,8 @@ def main() -> None:
         help="whole chunks its peer server sends at once (0: no limit of its own)",
     )
     args = p.parse_args()
+    if os.environ.get("WSBENCH_LOG") == "1":  # the data plane's INFO lines in nI.log
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(message)s")
     run_dir = Path(args.run_dir)
     try:
         run(args, run_dir)
