@@ -57,11 +57,12 @@ GiB = 1024 * MiB
 BENCH_WHOLE_UPLOADS = 3
 BENCH_WORKERS = 4
 # Measured by bench/bench_fleet.py --modes p2p,p2p-ring --nodes N --size-mib 128
-# --chunk-mib 1 --rate-mbit 50 (slowest ÷ S/B): "ring" the schedule before 2026-12-06
-# (every node an origin fetcher, relays in a ring), "tree" today's (docs/benchmarks.md).
+# --chunk-mib 1 --rate-mbit 50 with static neighbours (2026-12-06 07:09-07:16 UTC; 32: the
+# median of 2 rounds, else 1; slowest ÷ S/B): "ring" the schedule before 2026-12-06 (every
+# node an origin fetcher, relays in a ring), "tree" today's (docs/benchmarks.md).
 MEASURED = {
-    "ring": {8: 1.10, 16: 1.14, 32: 1.67, 48: 4.17},
-    "tree": {},
+    "ring": {8: 1.19, 16: 1.19, 32: 1.345, 48: 1.56},
+    "tree": {8: 1.23, 16: 1.19, 32: 1.28, 48: 1.74},
 }
 
 
