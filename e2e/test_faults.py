@@ -192,8 +192,8 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
     """v1 serves on two nodes; v2 is staged on the liar and an honest node, then one piece
     of every v2 chunk in the liar's copy is damaged (its agent still lists them as verified
     and serves them), and v2 goes on to the late node while the canary runs: whatever the
-    late node asks the liar for (as the node before it in the ring, as the owner, or as a
-    holder), it catches the piece, demotes the liar, takes the chunk elsewhere, and every
+    late node asks the liar for (as its relay parent, as the owner, or as a holder), it
+    catches the piece, demotes the liar, takes the chunk elsewhere, and every
     canary pod loads only verified bytes (the reference server's verified loader and
     golden prompts). The liar stages and serves chunks but runs no inference pod."""
     only_these_agents(cluster, agents)
@@ -202,11 +202,10 @@ def test_a_corrupt_peer_in_a_live_fleet_is_demoted_and_every_pod_loads_verified_
     assert manifest.piece_size and manifest.piece_layer_path
     # Chunks v1 has too are on every node already (staged locally, never asked of a peer).
     in_v1 = {c.key for c in S3Origin(s3, S3Location.parse(tiny["v1"])).read_manifest().chunks}
-    # The liar is the node before the late one in the ring (sorted names,
-    # docs/data-plane.md): the late node asks it first for every chunk it does not own
-    # (the honest node's, relayed, and the liar's own), whatever the chunks' owners, so
-    # the liar is asked on any lane's node names. Its own chunks it takes from the two
-    # holders in rendezvous order: the liar, when ranked first, is caught there too.
+    # With three nodes every tree is a star (docs/data-plane.md, the relay trees): the
+    # late node asks each chunk's owner first, and the liar owns about half of them in
+    # any view; its own chunks it takes from the two holders in rendezvous order: the
+    # liar, when ranked first, is caught there too.
     honest, liar, late = sorted(cluster.process_nodes)
     piece = 1
     # Every chunk the late node will ask of a peer: whichever the liar serves first is
