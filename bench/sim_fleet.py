@@ -37,7 +37,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +113,6 @@ class Result:
     asks: int
     sim_wall_s: float
     cpu_per_gb: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
     def ratio(self, q: float) -> float:
         times = sorted(self.finish.values())
@@ -157,9 +156,8 @@ class Fleet:
         self.sizes = np.full(self.k, float(s.chunk))
         self.sizes[-1] = s.size - s.chunk * (self.k - 1)
         started = time.process_time()
-        owners = schedule.plan_owners(self.keys, self.names, self.policy.origin_fetchers)
+        _, owners = schedule.plan_owners(self.keys, self.names, self.policy.origin_fetchers)
         self.plan_s = time.process_time() - started  # every agent pays this once
-        self.fetchers = schedule.origin_fetchers(self.names, self.keys, self.policy.origin_fetchers)
         self.owner = np.array([self.index[owners[key]] for key in self.keys])
         self.ranker = rendezvous.Ranker(self.names)
         self.got = np.zeros((self.n, self.k))  # bytes in, verified or not
@@ -186,6 +184,7 @@ class Fleet:
         self.waiters: dict[tuple[int, int], list[tuple[Task, int]]] = {}
         self.timers: list[tuple[float, int, Task, int]] = []
         self.seq = 0
+        self.cancelled: set[int] = set()  # timers of long-polls answered meanwhile
         self._plan_lanes()
 
     # The lanes, as stage() builds them.
@@ -343,11 +342,8 @@ class Fleet:
         self.f_from.append(self.now + latency)
         self.f_task.append(task)
 
-    cancelled: set[int]
-
     def run(self) -> Result:
         wall = time.monotonic()
-        self.cancelled = set()
         for d in range(self.n):
             for _ in range(self.origin_slots[d]):
                 self.next_origin(d)
@@ -547,12 +543,6 @@ def report(r: Result) -> None:
         flush=True,
     )
     print(r.line(), flush=True)
-
-
-def run(s: Scenario) -> Result:
-    result = Fleet(s).run()
-    print(result.line(), flush=True)
-    return result
 
 
 # The fleet benchmark's origin carries 1.035-1.057x S on the wire for S of chunks (a

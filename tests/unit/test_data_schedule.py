@@ -79,7 +79,8 @@ def test_at_most_count_nodes_fetch_from_the_origin_and_all_nodes_agree() -> None
     # Spread evenly over the sorted nodes: 48 / 8 apart.
     places = sorted(NODES.index(n) for n in chosen)
     assert {(b - a) for a, b in itertools.pairwise(places)} == {6}
-    owners = plan_owners(keys, NODES, 8)
+    planned, owners = plan_owners(keys, NODES, 8)
+    assert planned == chosen
     assert set(owners.values()) == set(chosen)
     assert max(Counter(owners.values()).values()) == 13  # ceil(100 / 8)
     # A small fleet: every node fetches.

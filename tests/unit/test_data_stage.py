@@ -959,28 +959,26 @@ def test_a_chunk_is_asked_of_the_node_before_this_one_first(tmp_path: Path) -> N
     assert client.asked == ["n2"]  # the node before n3; the owner is never asked
 
 
-def test_a_chunk_is_asked_of_the_parent_in_its_owners_tree_first(tmp_path: Path) -> None:
-    """Fanout 2 over n1..n4, n1's tree: n2 and n3 take from n1, n4 from n2 (the ring
-    would have n4 ask n3, which does not have it)."""
+@pytest.mark.parametrize(
+    ("node", "serving", "holder", "asked"),
+    [
+        # Fanout 2 over n1..n4, n1's tree: n4 sits at position 3 and takes from n2 (the
+        # ring would have it ask n3, which does not have the chunk).
+        ("n4", ("n1", "n2", "n3"), "n2", ["n2"]),
+        # n3 sits at position 2: the owner's child asks the owner first.
+        ("n3", ("n1", "n2", "n4"), "n1", ["n1"]),
+    ],
+)
+def test_a_chunk_is_asked_of_the_parent_in_its_owners_tree_first(
+    tmp_path: Path, node: str, serving: tuple[str, ...], holder: str, asked: list[str]
+) -> None:
     policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=2)
     with ExitStack() as stack:
-        serving = ("n1", "n2", "n3")
         fetcher, client, m = ring_of_three(
-            tmp_path, stack, ["n2"], policy, serving=serving, node="n4"
+            tmp_path, stack, [holder], policy, serving=serving, node=node
         )
         assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
-    assert client.asked == ["n2"]
-
-
-def test_a_child_of_the_owner_asks_the_owner_first(tmp_path: Path) -> None:
-    policy = dataclasses.replace(FAST, long_poll_s=0.1, relay_wait_s=2.0, relay_fanout=2)
-    with ExitStack() as stack:
-        serving = ("n1", "n2", "n4")
-        fetcher, client, m = ring_of_three(
-            tmp_path, stack, ["n1"], policy, serving=serving, node="n3"
-        )
-        assert fetcher.fetch(owned_by(fetcher, m, "n1")) == "peer"
-    assert client.asked == ["n1"]  # n3 sits at position 2 of n1's tree: the owner's child
+    assert client.asked == asked
 
 
 def test_the_owner_is_asked_when_the_node_before_does_not_get_the_chunk(

@@ -180,12 +180,12 @@ class FetchPolicy:
     late_wait_s: float = 30.0
     late_probes: int = 3  # chunks of its own it asks about at stage start (HEAD, no wait)
     # Relays (schedule.py): a chunk this node does not own is asked first of its parent
-    # in the owner's tree (a fanout-ary heap over the live nodes, rotated to start at the
-    # owner), which streams it on as it lands, waiting this long at most for it to start
-    # landing there; then its owner (None: owners only). Each uplink carries one stream
-    # of the others' chunks on average, whatever share of the origin each owner gets, and
-    # a chunk crosses about log2(n) hops. Fanout 1 is the ring of before (n - 1 hops: the
-    # fleet benchmark at 48 hosts took 4.17x S/B; docs/benchmarks.md).
+    # in the owner's tree (a fanout-ary heap over the stage's nodes, rotated to start at
+    # the owner; a dead parent skipped for its own), which streams it on as it lands,
+    # waiting this long at most for it to start landing there; then its owner (None:
+    # owners only). Each uplink carries one stream of the others' chunks on average,
+    # whatever share of the origin each owner gets, and a chunk crosses about log2(n)
+    # hops. Fanout 1 is the ring of before (n - 1 hops; docs/benchmarks.md).
     relay_wait_s: float | None = 4.5
     relay_fanout: int = 2
     # At most this many nodes fetch chunks from the origin (schedule.origin_fetchers):
@@ -219,15 +219,16 @@ class PeerHealth:
         self.demotions: dict[str, int] = {}
         self.deaths: dict[str, int] = {}
 
-    def mark_dead(self, node: str, cooldown_s: float, *, refused: bool = False) -> None:
+    def mark_dead(self, node: str, cooldown_s: float, *, refused: bool = False) -> bool:
+        """Avoid ``node``; whether it is now dropped for the rest of the stage."""
         with self._lock:
             now = self._clock()
-            if self._avoid_until.get(node, 0.0) > now:
-                return  # the same death, seen by another worker
-            if refused:
-                self.deaths[node] = self.deaths.get(node, 0) + 1
-            gone = self.deaths.get(node, 0) >= DROP_AFTER_DEATHS
-            self._avoid_until[node] = math.inf if gone else now + cooldown_s
+            if self._avoid_until.get(node, 0.0) <= now:  # else the same death, seen again
+                if refused:
+                    self.deaths[node] = self.deaths.get(node, 0) + 1
+                gone = self.deaths.get(node, 0) >= DROP_AFTER_DEATHS
+                self._avoid_until[node] = math.inf if gone else now + cooldown_s
+            return self._avoid_until[node] == math.inf
 
     def demote(self, node: str, cooldown_s: float) -> None:
         with self._lock:
@@ -307,7 +308,7 @@ def late_probes(
     unique = list(dict.fromkeys(keys))
     where = {k: i for i, k in enumerate(unique)}
     upto = max((where[k] for k in probed if k in where), default=-1) + 1
-    owners = schedule.plan_owners(unique, others, fetchers, first=upto)
+    _, owners = schedule.plan_owners(unique, others, fetchers, first=upto)
     return [(k, rendezvous.rank_with_owner(others, k, owners.get(k))) for k in probed]
 
 
@@ -340,8 +341,7 @@ class ChunkFetcher:
         self._keys = [c.key for c in chunks]
         self.policy = policy or FetchPolicy()
         fetchers = self.policy.origin_fetchers
-        self.fetchers = schedule.origin_fetchers(self.nodes, self._keys, fetchers)
-        self.owners = rendezvous.balanced_owners(self._keys, self.fetchers)
+        self.fetchers, self.owners = schedule.plan_owners(self._keys, self.nodes, fetchers)
         # The owners in this node's view, kept when it joins late (``join_late``).
         self.planned = self.owners
         self.late = False
@@ -437,8 +437,7 @@ class ChunkFetcher:
                     )
                     self.late, self._ranker = True, rendezvous.Ranker(others)
                     fetchers = self.policy.origin_fetchers
-                    self.fetchers = schedule.origin_fetchers(others, self._keys, fetchers)
-                    self.owners = rendezvous.balanced_owners(self._keys, self.fetchers)
+                    self.fetchers, self.owners = schedule.plan_owners(self._keys, others, fetchers)
                     self._queue_owners()
                     return True
                 break
@@ -810,8 +809,7 @@ class ChunkFetcher:
             return
         if isinstance(exc, PeerUnavailableError):
             refused = isinstance(exc.__cause__, (ConnectionRefusedError, ConnectionResetError))
-            self.health.mark_dead(node, self.policy.dead_cooldown_s, refused=refused)
-            dropped = self.health.deaths.get(node, 0) >= DROP_AFTER_DEATHS
+            dropped = self.health.mark_dead(node, self.policy.dead_cooldown_s, refused=refused)
             for_how_long = "the rest of the stage" if dropped else f"{self.policy.dead_cooldown_s}s"
             log.info("peer %s unreachable, skipping it for %s: %s", node, for_how_long, exc)
             return

@@ -53,11 +53,11 @@ def origin_fetchers(nodes: Sequence[str], keys: Sequence[str], count: int) -> li
 
 def plan_owners(
     keys: Sequence[str], nodes: Sequence[str], fetchers: int, *, first: int | None = None
-) -> dict[str, str]:
-    """Each chunk's owner: balanced among the ``origin_fetchers`` of the node set
-    (``first``: only the first that many unique keys, as ``balanced_owners``)."""
+) -> tuple[list[str], dict[str, str]]:
+    """The ``origin_fetchers`` of the node set, and each chunk's owner, balanced among
+    them (``first``: only the first that many unique keys, as ``balanced_owners``)."""
     chosen = origin_fetchers(nodes, keys, fetchers)
-    return rendezvous.balanced_owners(keys, chosen, first=first)
+    return chosen, rendezvous.balanced_owners(keys, chosen, first=first)
 
 
 def tree_offset(index: Mapping[str, int], owner: str) -> int | None:
