@@ -6,7 +6,7 @@ What is the product's, called as the agent calls it (nothing re-implemented):
 - each node's fetch order (``fetcher.fetch_order``, lag = the stage's workers),
 - whom a node asks for a chunk first: its parent in the owner's relay tree
   (``schedule.relay_parent`` at ``schedule.tree_offset``), then the chunk's owner, or
-  whoever ranks first among the live nodes when the owner is dead (``rendezvous.Ranker``),
+  the node standing in for it when it is dead (``schedule.stand_in``),
 - how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s),
 - the lanes: one origin worker, the peer lane's size and its per-owner limit
   (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the peer server's whole-chunk uploads.
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule
 from weightship.data.fetcher import FetchPolicy, fetch_order
+from weightship.data.peer import STREAM_STALL_S
 from weightship.data.stage import ORIGIN_LANE_WORKERS, PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
 from weightship.weightformat.entries import ChunkEntry
@@ -113,9 +114,11 @@ class Result:
     asks: int
     sim_wall_s: float
     cpu_per_gb: float = 0.0
+    slowed: frozenset[int] = frozenset()  # nodes at slow_factor
 
-    def ratio(self, q: float) -> float:
-        times = sorted(self.finish.values())
+    def ratio(self, q: float, *, healthy: bool = False) -> float:
+        """The ``q`` quantile of finish times ÷ S/B; ``healthy``: of the nodes not slowed."""
+        times = sorted(t for d, t in self.finish.items() if not (healthy and d in self.slowed))
         if not times:
             return math.inf
         return times[min(len(times) - 1, int(q * len(times)))] / self.scenario.bound_s
@@ -132,10 +135,11 @@ class Result:
 class Task:
     """A peer-lane fetch of one chunk by one node."""
 
-    __slots__ = ("chunk", "deadline", "node", "round", "waiting")
+    __slots__ = ("chunk", "deadline", "node", "relayed", "waiting")
 
     def __init__(self, node: int, chunk: int, deadline: float) -> None:
-        self.node, self.chunk, self.round, self.deadline = node, chunk, 0, deadline
+        self.node, self.chunk, self.deadline = node, chunk, deadline
+        self.relayed: set[tuple[int, int]] = set()  # (relay, root) asked, as the fetcher's
         self.waiting: int | None = None  # the source it long-polls
 
 
@@ -167,6 +171,7 @@ class Fleet:
         self.link_up = np.full(self.n, s.link)
         slow = rng.choice(self.n, int(s.slow_fraction * self.n), replace=False)
         self.link_up[slow] *= s.slow_factor
+        self.slowed = frozenset(int(d) for d in slow)
         self.link_down = self.link_up.copy()
         self.to_kill = rng.choice(self.n, int(s.kill_fraction * self.n), replace=False)
         self.now = 0.0
@@ -178,6 +183,7 @@ class Fleet:
         self.f_dst: list[int] = []
         self.f_chunk: list[int] = []
         self.f_from: list[float] = []  # first byte at
+        self.f_moved: list[float] = []  # last moved at (first byte at, before it moves)
         self.f_task: list[Task | None] = []  # None: the origin lane's
         self.f_whole: list[bool] = []  # counted in its source's whole uploads
         self.uploads_whole = np.zeros(self.n, dtype=np.int64)
@@ -245,7 +251,8 @@ class Fleet:
         if self.alive[o]:
             return o
         dead = {self.names[i] for i in np.flatnonzero(~self.alive)}
-        return self.index[self.ranker.top(self.keys[c], 1, dead)[0]]
+        stand_in = schedule.stand_in(self.names, self.index, self.names[o], dead)
+        return self.index[stand_in] if stand_in is not None else o
 
     def parent(self, d: int, c: int, root: int) -> int | None:
         """``ChunkFetcher.relay_source``: the nearest live ancestor in the owner's tree."""
@@ -297,9 +304,9 @@ class Fleet:
         if root == d or self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
             return
-        parent = self.parent(d, c, root) if task.round == 0 else None
-        task.round += 1
-        if parent is not None:
+        parent = self.parent(d, c, root)
+        if parent is not None and (parent, root) not in task.relayed:
+            task.relayed.add((parent, root))
             self.ask(task, parent, self.policy.relay_wait_s or 0.0)
         else:
             self.ask(task, root, self.policy.long_poll_s)
@@ -340,6 +347,7 @@ class Fleet:
         self.f_dst.append(dst)
         self.f_chunk.append(c)
         self.f_from.append(self.now + latency)
+        self.f_moved.append(self.now + latency)
         self.f_task.append(task)
 
     def run(self) -> Result:
@@ -368,6 +376,7 @@ class Fleet:
             time.monotonic() - wall,
         )
         result.cpu_per_gb = self.cpu_per_gb()
+        result.slowed = self.slowed
         return result
 
     def next_origin(self, d: int) -> None:
@@ -414,6 +423,9 @@ class Fleet:
         down = 1 + n + dst
         capacity = np.concatenate(([self.s.origin], self.link_up, self.link_down))
         rate = waterfill(up, down, cap, capacity)
+        moved = np.array(self.f_moved)
+        moved[rate > 0] = now
+        self.f_moved = moved.tolist()  # before wake() adds transfers
         before = self.got[dst, chunk]
         after = np.minimum(before + rate * dt, self.sizes[chunk])
         self.got[dst, chunk] = after
@@ -425,8 +437,27 @@ class Fleet:
         for i in first:
             self.wake(int(dst[i]), int(chunk[i]))
         ended = np.flatnonzero(after >= self.sizes[chunk] - 1e-6)
+        # A stream from a source still receiving the chunk that has sent nothing for
+        # STREAM_STALL_S ends (the peer server's rule); its receiver asks again.
+        stalled = np.flatnonzero(
+            live
+            & (rate <= 0)
+            & ~src_done
+            & (now - moved >= STREAM_STALL_S)
+            & (after < self.sizes[chunk])
+        )
         if len(ended):
             self.end(ended, src, dst, chunk)
+        if len(stalled):
+            rows = set(stalled.tolist())  # the ended rows are gone: find these again
+            keys = {(int(src[i]), int(dst[i]), int(chunk[i])) for i in rows}
+            self.cut(
+                [
+                    i
+                    for i in range(len(self.f_dst))
+                    if (self.f_src[i], self.f_dst[i], self.f_chunk[i]) in keys
+                ]
+            )
 
     def end(self, ended: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> None:
         gone = set(ended.tolist())
@@ -453,26 +484,15 @@ class Fleet:
         self.alive[nodes] = False
         for d in nodes:
             self.finish.pop(int(d), None)
-        cut = [
-            i
-            for i in range(len(self.f_dst))
-            if not self.alive[self.f_dst[i]]
-            or (self.f_src[i] >= 0 and not self.alive[self.f_src[i]])
-        ]
-        restart: list[Task | None] = []
-        for i in cut:
-            s, c = self.f_src[i], self.f_chunk[i]
-            if self.f_whole[i]:
-                self.uploads_whole[s] -= 1
-            task = self.f_task[i]
-            if self.alive[self.f_dst[i]]:
-                # What verified is kept; the rest comes from the next source.
-                self.got[self.f_dst[i], c] = (
-                    math.floor(self.got[self.f_dst[i], c] / self.piece) * self.piece
-                )
-                restart.append(task)
-        dropped = set(cut)
-        self.keep([i for i in range(len(self.f_dst)) if i not in dropped])
+        restart = self.cut(
+            [
+                i
+                for i in range(len(self.f_dst))
+                if not self.alive[self.f_dst[i]]
+                or (self.f_src[i] >= 0 and not self.alive[self.f_src[i]])
+            ],
+            start=False,
+        )
         for key in [k for k in self.waiters if not self.alive[k[0]]]:
             for task, token in self.waiters.pop(key):
                 self.cancelled.add(token)
@@ -483,8 +503,28 @@ class Fleet:
             if task is not None:  # an origin lane's transfer is only cut when its node died
                 self.start(task)
 
+    def cut(self, rows: list[int], *, start: bool = True) -> list[Task | None]:
+        """End transfers ``rows`` short: the receiver keeps what verified (whole pieces),
+        and its task starts again (``start``), or is returned to start later."""
+        restart: list[Task | None] = []
+        for i in rows:
+            s, c = self.f_src[i], self.f_chunk[i]
+            if self.f_whole[i]:
+                self.uploads_whole[s] -= 1
+            if self.alive[self.f_dst[i]]:
+                d = self.f_dst[i]
+                self.got[d, c] = math.floor(self.got[d, c] / self.piece) * self.piece
+                restart.append(self.f_task[i])
+        dropped = set(rows)
+        self.keep([i for i in range(len(self.f_dst)) if i not in dropped])
+        if start:
+            for task in restart:
+                if task is not None:
+                    self.start(task)
+        return restart
+
     def keep(self, rows: list[int]) -> None:
-        for name in ("f_src", "f_dst", "f_chunk", "f_from", "f_task", "f_whole"):
+        for name in ("f_src", "f_dst", "f_chunk", "f_from", "f_moved", "f_task", "f_whole"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
 
@@ -542,6 +582,13 @@ def report(r: Result) -> None:
         f"per node, simulated in {r.sim_wall_s:.0f} s",
         flush=True,
     )
+    if r.slowed:  # a slowed node itself takes 1 / slow_factor x S/B at least
+        print(
+            f"  the {r.scenario.nodes - len(r.slowed)} nodes not slowed: slowest "
+            f"{r.ratio(1.0, healthy=True):.2f}x, p99 {r.ratio(0.99, healthy=True):.2f}x, "
+            f"p50 {r.ratio(0.5, healthy=True):.2f}x S/B",
+            flush=True,
+        )
     print(r.line(), flush=True)
 
 

@@ -13,6 +13,7 @@ from weightship.data.schedule import (
     plan_owners,
     relay_depth,
     relay_parent,
+    stand_in,
     tree_offset,
 )
 
@@ -112,7 +113,7 @@ def test_the_fetchers_trees_spread_the_uplinks_evenly(nodes: int, fanout: int) -
 
 
 def test_a_stand_in_root_takes_the_front_of_the_tree_and_the_rest_stays() -> None:
-    """A dead fetcher's chunk comes from the next node of its ranking: that node is the
+    """A dead fetcher's chunk comes from the node standing in for it: that node is the
     root of the same tree, and it swaps places with the node that was at the front."""
     members = NODES[:7]
     offset = 3  # n03 at the front
@@ -123,3 +124,41 @@ def test_a_stand_in_root_takes_the_front_of_the_tree_and_the_rest_stays() -> Non
     assert after["n06"] == before["n06"] == "n04"
     assert tree_offset({"n03": 3}, "n03") == 3
     assert tree_offset({"n03": 3}, "gone") is None
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_a_dead_owners_first_live_child_stands_in_and_no_other_parent_changes(
+    fanout: int,
+) -> None:
+    members = NODES[:20]
+    index = {n: i for i, n in enumerate(members)}
+    for owner, dead in [("n03", set()), ("n03", {"n04"}), ("n19", {"n00", "n01"})]:
+        avoided = {owner, *dead}
+        chosen = stand_in(members, index, owner, avoided)
+        assert chosen is not None and chosen not in avoided
+        # The first live node in the tree's order: the owner's child, or, its children
+        # dead too, the next in line (the rotation wraps around the sorted nodes).
+        start = index[owner]
+        line = [members[(start + k) % len(members)] for k in range(1, len(members))]
+        assert chosen == next(n for n in line if n not in avoided)
+        if not dead:
+            assert relay_parent(members, owner, chosen, fanout) == owner
+
+        # Rooted at the stand-in, every live node other than the dead owner's old
+        # children keeps its parent, the dead ones skipped for theirs.
+        def parent(
+            root: str, node: str, start: int = start, avoided: set[str] = avoided
+        ) -> str | None:
+            p = relay_parent(members, root, node, fanout, start, index)
+            while p is not None and p != root and p in avoided:
+                p = relay_parent(members, root, p, fanout, start, index)
+            return p
+
+        moved = {
+            n
+            for n in members
+            if n not in avoided and n != chosen and parent(owner, n) != parent(chosen, n)
+        }
+        assert all(parent(owner, n) in avoided for n in moved), moved
+    assert stand_in(members, index, "n03", set(members)) is None
+    assert stand_in(members, index, "stranger", set()) is None

@@ -1026,6 +1026,37 @@ def test_a_dead_node_before_drops_out_of_the_ring(tmp_path: Path) -> None:
     assert "n2" in fetcher.health.avoided()
 
 
+def test_a_dead_relay_is_skipped_for_its_parent_at_once_not_for_the_root(
+    tmp_path: Path,
+) -> None:
+    policy = dataclasses.replace(FAST, long_poll_s=2.0, relay_wait_s=2.0, relay_fanout=2)
+    serving = tuple(f"n{i:02d}" for i in range(1, 16))
+    with ExitStack() as stack:  # where n16 sits: a chunk it is 3 hops below the root of
+        fetcher, _, m = ring_of_three(
+            tmp_path / "a", stack, [], policy, serving=serving, node="n16"
+        )
+        for chunk in m.chunks:
+            root = fetcher.owner_of(chunk.key)
+            parent = fetcher.relay_source(chunk.key, root, ())
+            grandparent = fetcher.relay_source(chunk.key, root, {parent} if parent else ())
+            if grandparent is not None:
+                break
+        assert parent and grandparent, "no chunk puts n16 three hops down"
+    with ExitStack() as stack:  # the parent dead, the grandparent holding the chunk
+        fetcher, client, m = ring_of_three(
+            tmp_path / "b", stack, [grandparent], policy, serving=serving, node="n16"
+        )
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        stack.callback(dead.close)
+        fetcher.address[parent] = f"127.0.0.1:{dead.getsockname()[1]}"
+        client.names[fetcher.address[parent]] = parent
+        assert fetcher.fetch(chunk) == "peer"
+    # Not the root (which does not have it and would hold the request): the children of
+    # a node killed mid-stage go on down its tree.
+    assert client.asked == [parent, grandparent]
+
+
 def test_a_peer_that_refused_twice_is_dropped_for_the_rest_of_the_stage() -> None:
     now = [0.0]
     health = PeerHealth(clock=lambda: now[0])
