@@ -135,11 +135,14 @@ class Result:
 class Task:
     """A peer-lane fetch of one chunk by one node."""
 
-    __slots__ = ("chunk", "deadline", "node", "relayed", "waiting")
+    __slots__ = ("asked", "chunk", "deadline", "node", "relayed", "waiting")
 
     def __init__(self, node: int, chunk: int, deadline: float) -> None:
         self.node, self.chunk, self.deadline = node, chunk, deadline
-        self.relayed: set[tuple[int, int]] = set()  # (relay, root) asked, as the fetcher's
+        # As the fetcher's rounds: the relays asked this round (None: the root's turn),
+        # and the (relay, root) pairs asked with a wait.
+        self.asked: set[int] | None = set()
+        self.relayed: set[tuple[int, int]] = set()
         self.waiting: int | None = None  # the source it long-polls
 
 
@@ -304,12 +307,22 @@ class Fleet:
         if root == d or self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
             return
-        parent = self.parent(d, c, root)
-        if parent is not None and (parent, root) not in task.relayed:
-            task.relayed.add((parent, root))
-            self.ask(task, parent, self.policy.relay_wait_s or 0.0)
-        else:
+        # ``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
+        # time for that relay and root with a wait; then the root.
+        parent = self.parent(d, c, root) if task.asked is not None else None
+        if parent is not None and task.asked is not None and parent not in task.asked:
+            task.asked.add(parent)
+            wait_s = 0.0
+            if (parent, root) not in task.relayed:
+                task.relayed.add((parent, root))
+                wait_s = self.policy.relay_wait_s or 0.0
+            self.ask(task, parent, wait_s)
+            return
+        task.asked = None if task.asked is not None else set()
+        if task.asked is None:
             self.ask(task, root, self.policy.long_poll_s)
+        else:
+            self.start(task)  # the root asked: a new round
 
     def ask(self, task: Task, src: int, wait_s: float) -> None:
         self.asks += 1
