@@ -183,6 +183,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             progress=progress,
             policy=policy(args),
             per_owner=args.per_owner or None,
+            origin_requests=args.origin_requests,
             pace_intake=False if args.no_pacing else (True if args.pace else None),
         )
         seconds = time.time() - start_at
@@ -258,6 +259,11 @@ def main() -> None:
         "--relay-fanout", type=int, help="children per node in each owner's relay tree (1: a ring)"
     )
     p.add_argument("--origin-fetchers", type=int, help="nodes that fetch from the origin, at most")
+    p.add_argument(
+        "--origin-requests",
+        type=int,
+        help="origin fetches in flight per fetcher (default: stage's)",
+    )
     p.add_argument(
         "--keep-origin-connections",
         action="store_true",

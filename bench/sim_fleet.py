@@ -8,8 +8,9 @@ What is the product's, called as the agent calls it (nothing re-implemented):
   (``schedule.relay_parent`` at ``schedule.tree_offset``), then the chunk's owner, or
   the node standing in for it when it is dead (``schedule.stand_in``),
 - how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s),
-- the lanes: one origin worker, the peer lane's size and its per-owner limit
-  (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the peer server's whole-chunk uploads.
+- the lanes: the origin requests in flight (``schedule.origin_requests``), the peer
+  lane's size and its per-owner limit (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the
+  peer server's whole-chunk uploads.
 
 What is faked, the world: every link (each node's up and down, the origin's egress) is a
 capacity shared max-min fairly by the transfers crossing it (water-filling, recomputed
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from weightship.data import rendezvous, schedule
 from weightship.data.fetcher import FetchPolicy, fetch_order
 from weightship.data.peer import STREAM_STALL_S
-from weightship.data.stage import ORIGIN_LANE_WORKERS, PEER_LANE_MAX, PER_OWNER
+from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
 from weightship.weightformat.entries import ChunkEntry
 
@@ -198,7 +199,8 @@ class Fleet:
 
     # The lanes, as stage() builds them.
     def _plan_lanes(self) -> None:
-        self.origin_lane = self.s.origin_workers or ORIGIN_LANE_WORKERS
+        fetchers = len(set(self.owner.tolist()))
+        self.origin_lane = self.s.origin_workers or schedule.origin_requests(self.n, fetchers)
         self.per_owner = self.s.per_owner or PER_OWNER
         self.origin_slots: list[int] = []
         self.origin_queue: list[deque[int]] = []

@@ -10,6 +10,7 @@ import pytest
 
 from weightship.data.schedule import (
     origin_fetchers,
+    origin_requests,
     plan_owners,
     relay_depth,
     relay_parent,
@@ -162,3 +163,10 @@ def test_a_dead_owners_first_live_child_stands_in_and_no_other_parent_changes(
         assert all(parent(owner, n) in avoided for n in moved), moved
     assert stand_in(members, index, "n03", set(members)) is None
     assert stand_in(members, index, "stranger", set()) is None
+
+
+def test_fetchers_pipeline_their_origin_requests_only_where_some_nodes_fetch() -> None:
+    # Every node a fetcher: one request each (two flows per node shared the origin
+    # unevenly); a few fetchers for the fleet: two, so a first byte never idles a stream.
+    assert [origin_requests(n, 8) for n in (1, 8, 9, 10_000)] == [1, 1, 2, 2]
+    assert origin_requests(48, len(origin_fetchers(NODES, ["k"], 8))) == 2

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightship.data import schedule
 from weightship.data.chunkstore import ChunkStore, InFlight
 from weightship.data.fetcher import (
     ChunkFetcher,
@@ -39,7 +40,6 @@ from weightship.weightformat.manifest import Manifest, ManifestError
 
 log = logging.getLogger(__name__)
 
-ORIGIN_LANE_WORKERS = 1  # with peers: workers fetching this node's own chunks from origin
 PEER_LANE_MAX = 16  # peer-lane workers at most (PER_OWNER per other owner below that)
 PER_OWNER = 2  # peer-lane fetches in flight from one owner (lanes.py says why two)
 # An own chunk is not asked of the origin while this many whole chunks are going up to
@@ -113,6 +113,7 @@ def stage(
     policy: FetchPolicy | None = None,
     workers: int = 4,
     per_owner: int | None = PER_OWNER,
+    origin_requests: int | None = None,
     pace_intake: bool | None = None,
     bandwidth: TokenBucket | None = None,
     client: PeerClient | None = None,
@@ -125,11 +126,13 @@ def stage(
 
     ``peers`` are the live agents (this node may be among them), ``holders`` those of
     them known to have the whole model staged, ``pinned`` the models that must not be
-    evicted to make room. ``per_owner``: peer fetches in flight from one
-    owner at most (None: no limit, a worker per other owner); ``pace_intake``: peer fetches
-    keep pace with this node's own origin queue (lanes.IntakePacer). Both are on by
-    default; the benchmark turns them off for its baseline. ``hash_threads``: BLAKE3
-    threads for a chunk verified whole (resume, dedupe, a manifest without pieces).
+    evicted to make room. ``origin_requests``: this node's own chunks fetched from the
+    origin at once (None: ``schedule.origin_requests``). ``per_owner``: peer fetches in
+    flight from one owner at most (None: no limit, a worker per other owner);
+    ``pace_intake``: peer fetches keep pace with this node's own origin queue
+    (lanes.IntakePacer). Both are on by default; the benchmark turns them off for its
+    baseline. ``hash_threads``: BLAKE3 threads for a chunk verified whole (resume,
+    dedupe, a manifest without pieces).
     Raises InsufficientSpaceError before fetching anything when the model cannot fit.
     """
     started = time.monotonic()
@@ -158,7 +161,7 @@ def stage(
                 # After the claims open: until then every claim would be granted.
                 staging.pieces = load_piece_layer(staging, origin)
                 pace = staging.pieces is None if pace_intake is None else pace_intake
-                _stage(staging, fetcher, tally, pinned, workers, per_owner, pace)
+                _stage(staging, fetcher, tally, pinned, workers, per_owner, pace, origin_requests)
             finally:
                 store.claims.forget(c.key for c in manifest.chunks)
         else:
@@ -220,6 +223,7 @@ def _stage(
     workers: int,
     per_owner: int | None,
     pace_intake: bool,
+    origin_requests: int | None,
 ) -> None:
     manifest, store, cancel = staging.manifest, staging.store, fetcher.cancel
     chunks = manifest.chunks
@@ -264,7 +268,9 @@ def _stage(
     # The peer lane runs at most PER_OWNER fetches per owner, so the workers waiting on
     # a slow owner never hold up the chunks the others already have (lanes.py).
     other_owners = len({fetcher.owner_of(c.key) for c in others})
-    origin_workers = max(1, ORIGIN_LANE_WORKERS if others else workers)
+    if origin_requests is None:
+        origin_requests = schedule.origin_requests(len(fetcher.nodes), len(fetcher.fetchers))
+    origin_workers = max(1, origin_requests if others else workers)
     per_owner_workers = per_owner or 1  # None: a worker per other owner, one FIFO queue
     peer_workers = max(
         1, workers - origin_workers, min(PEER_LANE_MAX, per_owner_workers * other_owners)
