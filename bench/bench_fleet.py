@@ -296,6 +296,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--node-args", default="", help="more fleet_node.py flags for every node (exploring)"
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
+    p.add_argument(
+        "--settle-load",
+        type=float,
+        default=0.5,
+        help="start each round once the 1-minute load average is below this (0: at once)",
+    )
+    p.add_argument("--settle-max-s", type=float, default=300, help="... waiting this long at most")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
     args = p.parse_args(argv)
@@ -337,14 +344,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for _ in range(args.rounds):  # interleaved, so load drifts hit every mode alike
                 for mode in args.modes.split(","):
                     chosen = v1_file if mode == "p2p-v1" and v1_file else manifest_file
+                    started_at_load = settle(args.settle_load, args.settle_max_s)
                     results[mode] = run_fleet(mode, args, chosen, endpoint)
-                    results["rounds"].append(summary(results[mode], manifest.total_size, rate))
+                    results["rounds"].append(
+                        summary(results[mode], manifest.total_size, rate)
+                        | {"load_at_start": started_at_load}
+                    )
     finally:
         cleanup()
     results["loadavg_after"] = os.getloadavg()[0]
     (WORK / "fleet-results.json").write_text(json.dumps(results, indent=1))
     report(results)
     return results
+
+
+def settle(below: float, max_s: float) -> float:
+    """Wait, ``max_s`` at most, for the 1-minute load average to fall below ``below`` (the
+    last round's node processes push it to 3-11 on 2 cores, and load slows some modes more
+    than others); return the load average the round starts at."""
+    deadline = time.monotonic() + max_s
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
 
 
 def link_use(
@@ -482,7 +503,10 @@ def report(r: dict[str, Any]) -> None:
                         + " ".join(f"{x:.0%}".rstrip("%") for x in use[: int(node["seconds"])])
                     )
     if len(r["rounds"]) > len({x["mode"] for x in r["rounds"]}):
-        print("\nevery round (x S/B; origin wire x S; load average after the run):\n")
+        print(
+            "\nevery round (x S/B; origin wire x S; 1-minute load average at the round's "
+            "start/end):\n"
+        )
         modes = list(dict.fromkeys(x["mode"] for x in r["rounds"]))
         rows = []
         for mode in modes:
@@ -494,7 +518,7 @@ def report(r: dict[str, Any]) -> None:
                     " ".join(f"{x['x_bound']:.2f}" for x in runs),
                     f"{ratios[len(ratios) // 2]:.2f}",
                     f"{max(x['origin_wire_x'] for x in runs):.3f}",
-                    " ".join(f"{x['loadavg']:.1f}" for x in runs),
+                    " ".join(f"{x.get('load_at_start', -1):.1f}/{x['loadavg']:.1f}" for x in runs),
                 ]
             )
         print(table(["mode", "x S/B, in order", "median", "max origin x S", "load"], rows))

@@ -85,10 +85,12 @@ class Scenario:
     workers: int = BENCH_WORKERS
     whole_uploads: int = BENCH_WHOLE_UPLOADS
     seed: int = 1
+    wire: float | None = None  # B on the wire, where ``link`` is its payload share
 
     @property
     def bound_s(self) -> float:
-        return self.size / self.link
+        """S/B, B the link's rate on the wire (as the fleet benchmark counts it)."""
+        return self.size / (self.wire or self.link)
 
     fanout: int | None = None  # the policy's, unless set (exploring)
     fetchers: int | None = None
@@ -610,6 +612,9 @@ def report(r: Result) -> None:
 # The fleet benchmark's origin carries 1.035-1.057x S on the wire for S of chunks (a
 # new connection and an HTTP exchange per 1 MiB chunk): its payload runs at that share.
 BENCH_ORIGIN_PAYLOAD = 1 / 1.05
+# A peer stream (a kept-alive connection) carries 1,448 payload bytes per 1,500-byte
+# packet (TCP/IP headers with timestamps): every host's link runs its payload at that share.
+BENCH_PEER_PAYLOAD = 1448 / 1500
 
 
 def bench_scenario(nodes: int, schedule_name: str) -> Scenario:
@@ -617,7 +622,9 @@ def bench_scenario(nodes: int, schedule_name: str) -> Scenario:
     origin at one link's speed."""
     link = 50e6 / 8
     origin = link * BENCH_ORIGIN_PAYLOAD
-    return Scenario(nodes, 128 * MiB, MiB, link, origin, schedule=schedule_name)
+    return Scenario(
+        nodes, 128 * MiB, MiB, link * BENCH_PEER_PAYLOAD, origin, schedule=schedule_name, wire=link
+    )
 
 
 def validate(measured: dict[str, dict[int, float]]) -> None:
