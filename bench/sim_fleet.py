@@ -16,8 +16,10 @@ What is faked, the world: every link (each node's up and down, the origin's egre
 capacity shared max-min fairly by the transfers crossing it (water-filling, recomputed
 every ``dt``); a request's first byte comes a round trip later (the origin's after its own
 latency); a chunk still landing at its source streams on only as far as the source's
-verified prefix (whole pieces: cut-through); node deaths (their transfers cut, every
-node then ranks without them), slow nodes (a tenth of the link). Not modelled: tail
+verified prefix (whole pieces: cut-through), and a stream whose source sent nothing
+for ``peer.STREAM_STALL_S`` ends (the peer server's rule); node deaths (their transfers
+cut, every node then ranks without them at once: no node learns of a death late), slow
+nodes (a tenth of the link). Not modelled: tail
 claims, holder probes, split transfers, TCP's unfairness between flows, CPU contention
 (agent CPU is charged, from timings of the product's own code, and printed).
 
