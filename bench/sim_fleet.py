@@ -60,13 +60,15 @@ GiB = 1024 * MiB
 # sends at once, and stage() workers.
 BENCH_WHOLE_UPLOADS = 3
 BENCH_WORKERS = 4
-# Measured by bench/bench_fleet.py --modes p2p,p2p-ring --nodes N --size-mib 128
-# --chunk-mib 1 --rate-mbit 50 with static neighbours (2026-12-06 07:09-07:16 UTC; 32: the
-# median of 2 rounds, else 1; slowest ÷ S/B): "ring" the schedule before 2026-12-06 (every
-# node an origin fetcher, relays in a ring), "tree" today's (docs/benchmarks.md).
+# Measured by bench/bench_fleet.py --modes p2p[,p2p-ring] --nodes N --size-mib 128
+# --chunk-mib 1 --rate-mbit 50 --rounds 3 with static neighbours, slowest ÷ S/B, the median
+# of 3 rounds each started at a 1-minute load average under 0.5 (2026-12-06 09:48-10:16
+# UTC; docs/benchmarks.md); 48 hosts and the ring beyond 8: one round each, loaded, with
+# the schedule of 07:09-07:16 UTC (the relay asked in the first round only). "ring": every
+# node an origin fetcher, relays in a ring (the schedule before 2026-12-06); "tree": today's.
 MEASURED = {
-    "ring": {8: 1.19, 16: 1.19, 32: 1.345, 48: 1.56},
-    "tree": {8: 1.23, 16: 1.19, 32: 1.28, 48: 1.74},
+    "ring": {8: 1.18, 16: 1.19, 32: 1.345, 48: 1.56},
+    "tree": {8: 1.13, 16: 1.16, 32: 1.21, 48: 1.74},
 }
 
 
