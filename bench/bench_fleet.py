@@ -518,7 +518,7 @@ def report(r: dict[str, Any]) -> None:
                     " ".join(f"{x['x_bound']:.2f}" for x in runs),
                     f"{ratios[len(ratios) // 2]:.2f}",
                     f"{max(x['origin_wire_x'] for x in runs):.3f}",
-                    " ".join(f"{x.get('load_at_start', -1):.1f}/{x['loadavg']:.1f}" for x in runs),
+                    " ".join(f"{x['load_at_start']:.1f}/{x['loadavg']:.1f}" for x in runs),
                 ]
             )
         print(table(["mode", "x S/B, in order", "median", "max origin x S", "load"], rows))

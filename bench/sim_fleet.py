@@ -170,7 +170,9 @@ class Fleet:
         self.sizes = np.full(self.k, float(s.chunk))
         self.sizes[-1] = s.size - s.chunk * (self.k - 1)
         started = time.process_time()
-        _, owners = schedule.plan_owners(self.keys, self.names, self.policy.origin_fetchers)
+        self.fetchers, owners = schedule.plan_owners(
+            self.keys, self.names, self.policy.origin_fetchers
+        )
         self.plan_s = time.process_time() - started  # every agent pays this once
         self.owner = np.array([self.index[owners[key]] for key in self.keys])
         self.ranker = rendezvous.Ranker(self.names)
@@ -205,8 +207,9 @@ class Fleet:
 
     # The lanes, as stage() builds them.
     def _plan_lanes(self) -> None:
-        fetchers = len(set(self.owner.tolist()))
-        self.origin_lane = self.s.origin_workers or schedule.origin_requests(self.n, fetchers)
+        self.origin_lane = self.s.origin_workers or schedule.origin_requests(
+            self.n, len(self.fetchers)
+        )
         self.per_owner = self.s.per_owner or PER_OWNER
         self.origin_slots: list[int] = []
         self.origin_queue: list[deque[int]] = []
@@ -317,8 +320,10 @@ class Fleet:
             return
         # ``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
         # time for that relay and root with a wait; then the root.
-        parent = self.parent(d, c, root) if task.asked is not None else None
-        if parent is not None and task.asked is not None and parent not in task.asked:
+        if task.asked is None:  # the root was asked last: a new round
+            task.asked = set()
+        parent = self.parent(d, c, root)
+        if parent is not None and parent not in task.asked:
             task.asked.add(parent)
             wait_s = 0.0
             if (parent, root) not in task.relayed:
@@ -326,11 +331,8 @@ class Fleet:
                 wait_s = self.policy.relay_wait_s or 0.0
             self.ask(task, parent, wait_s)
             return
-        task.asked = None if task.asked is not None else set()
-        if task.asked is None:
-            self.ask(task, root, self.policy.long_poll_s)
-        else:
-            self.start(task)  # the root asked: a new round
+        task.asked = None
+        self.ask(task, root, self.policy.long_poll_s)
 
     def ask(self, task: Task, src: int, wait_s: float) -> None:
         self.asks += 1

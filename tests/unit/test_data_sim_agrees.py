@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data.fetcher import ChunkFetcher, Peer, fetch_order
 from weightship.data.metrics import DataPlaneMetrics
+from weightship.data.schedule import origin_requests
 from weightship.weightformat.entries import ChunkEntry
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sim_fleet.py"
@@ -63,7 +64,10 @@ def fetchers_for(fleet: object, chunks: list[ChunkEntry]) -> dict[str, ChunkFetc
     }
 
 
-@pytest.mark.parametrize(("nodes", "fetchers", "schedule"), [(12, 3, "tree"), (9, 16, "ring")])
+# 48 nodes, 40 chunks: every node a fetcher, some owning none.
+@pytest.mark.parametrize(
+    ("nodes", "fetchers", "schedule"), [(12, 3, "tree"), (9, 16, "ring"), (48, 64, "ring")]
+)
 def test_the_simulator_asks_whom_the_agent_asks(
     sim: ModuleType, nodes: int, fetchers: int, schedule: str
 ) -> None:
@@ -79,6 +83,8 @@ def test_the_simulator_asks_whom_the_agent_asks(
     for d, name in enumerate(fleet.names):
         agent = agents[name]
         assert [fleet.names[o] for o in fleet.owner] == [agent.owners[c.key] for c in chunks]
+        # The origin requests in flight, as stage() sizes the lane from the fetcher's view.
+        assert fleet.origin_lane == origin_requests(len(agent.nodes), len(agent.fetchers))
         order = fetch_order(chunks, name, agent.owner_of, lag=scenario.workers)
         own = [c.index for c in order if agent.owner_of(c.key) == name]
         others = [c.index for c in order if agent.owner_of(c.key) != name]
