@@ -1057,6 +1057,48 @@ def test_a_dead_relay_is_skipped_for_its_parent_at_once_not_for_the_root(
     assert client.asked == [parent, grandparent]
 
 
+@pytest.mark.parametrize("fanout", [1, 2])
+def test_a_claimed_chunk_reaches_every_node_without_a_cycle_of_relays(fanout: int) -> None:
+    """Whom each node asks first for a chunk its owner granted to a claimant, each in its
+    own view (only the owner knows of the grant), leads every node to the claimant: no
+    node waits on a node that waits on it (a cycle held the fleet benchmark's whole tree
+    for ``relay_wait_s`` at the end of the stage)."""
+    names = [f"n{i}" for i in range(1, 9)]
+    peers = [Peer(n, f"127.0.0.{i}:7000") for i, n in enumerate(names, start=1)]
+    chunks = [
+        ChunkEntry(file="m", index=i, offset=i * CHUNK, size=CHUNK, blake3=f"{i:064x}")
+        for i in range(12)
+    ]
+    policy = dataclasses.replace(FetchPolicy(), relay_fanout=fanout)
+    fetchers = {
+        n: ChunkFetcher(
+            node=n,
+            peers=peers,
+            origin=CountingOrigin(Path("/nonexistent")),
+            sink=MemorySink(),
+            metrics=metrics()[0],
+            chunks=chunks,
+            policy=policy,
+        )
+        for n in names
+    }
+    for chunk in chunks:
+        owner = fetchers["n1"].owner_of(chunk.key)
+        for claimant in (n for n in names if n != owner):
+            board = ClaimBoard()
+            board.open([chunk.key], [(p.node, p.address) for p in peers])
+            assert board.grant(chunk.key, claimant) == claimant
+            fetchers[owner].claims = board
+            for first in names:
+                asked, node = [first], first
+                while node != claimant:
+                    fetcher = fetchers[node]
+                    root = fetcher.live_ranking(chunk.key, (), 1)[0]
+                    node = fetcher.relay_source(chunk.key, root, ()) or root
+                    assert node not in asked, f"chunk {chunk.index} claimed by {claimant}: {asked}"
+                    asked.append(node)
+
+
 def test_a_peer_that_refused_twice_is_dropped_for_the_rest_of_the_stage() -> None:
     now = [0.0]
     health = PeerHealth(clock=lambda: now[0])
