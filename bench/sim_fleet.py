@@ -139,18 +139,52 @@ class Result:
         )
 
 
-class Task:
-    """A peer-lane fetch of one chunk by one node."""
+class Fetch:
+    """A lane's fetch of one chunk by one node, as the fleet sees it: the transfers and
+    long-polls it waits on, and what it does when one ends. ``Task`` re-creates the
+    fetcher's rounds; bench/sim_fetcher.py runs the agent's real fetcher instead."""
 
-    __slots__ = ("asked", "chunk", "deadline", "node", "relayed", "waiting")
+    __slots__ = ("chunk", "node", "waiting")
+
+    def __init__(self, node: int, chunk: int) -> None:
+        self.node, self.chunk = node, chunk
+        self.waiting: int | None = None  # the source it long-polls
+
+    def landed(self, fleet: Fleet) -> None:
+        """Its transfer ended with the whole chunk in."""
+        raise NotImplementedError
+
+    def cut(self, fleet: Fleet) -> None:
+        """Its transfer ended short (a stalled stream, a dead source), or the source it
+        long-polled died."""
+        raise NotImplementedError
+
+    def timed_out(self, fleet: Fleet) -> None:
+        """Its timer fired: a long-poll ran out (``waiting`` is cleared first), or a wait."""
+        raise NotImplementedError
+
+
+class Task(Fetch):
+    """A peer-lane fetch of one chunk by one node: the fetcher's rounds, re-created."""
+
+    __slots__ = ("asked", "deadline", "relayed")
 
     def __init__(self, node: int, chunk: int, deadline: float) -> None:
-        self.node, self.chunk, self.deadline = node, chunk, deadline
+        super().__init__(node, chunk)
+        self.deadline = deadline
         # As the fetcher's rounds: the relays asked this round (None: the root's turn),
         # and the (relay, root) pairs asked with a wait.
         self.asked: set[int] | None = set()
         self.relayed: set[tuple[int, int]] = set()
-        self.waiting: int | None = None  # the source it long-polls
+
+    def landed(self, fleet: Fleet) -> None:
+        fleet.release(self)
+
+    def cut(self, fleet: Fleet) -> None:
+        fleet.start(self)  # its next ask, as a new round
+
+    def timed_out(self, fleet: Fleet) -> None:
+        fleet.start(self)
 
 
 class Fleet:
@@ -196,11 +230,11 @@ class Fleet:
         self.f_chunk: list[int] = []
         self.f_from: list[float] = []  # first byte at
         self.f_moved: list[float] = []  # last moved at (first byte at, before it moves)
-        self.f_task: list[Task | None] = []  # None: the origin lane's
+        self.f_task: list[Fetch | None] = []  # None: the origin lane's
         self.f_whole: list[bool] = []  # counted in its source's whole uploads
         self.uploads_whole = np.zeros(self.n, dtype=np.int64)
-        self.waiters: dict[tuple[int, int], list[tuple[Task, int]]] = {}
-        self.timers: list[tuple[float, int, Task, int]] = []
+        self.waiters: dict[tuple[int, int], list[tuple[Fetch, int]]] = {}
+        self.timers: list[tuple[float, int, Fetch, int]] = []
         self.seq = 0
         self.cancelled: set[int] = set()  # timers of long-polls answered meanwhile
         self._plan_lanes()
@@ -216,7 +250,7 @@ class Fleet:
         self.pending: list[dict[int, deque[tuple[int, int]]]] = []
         self.running: list[dict[int, int]] = []
         self.free: list[int] = []
-        entries = [
+        self.entries = entries = [  # the manifest's
             ChunkEntry(
                 file="m",
                 index=i,
@@ -300,9 +334,13 @@ class Fleet:
                 continue
             self.free[d] -= 1
             running[best] = running.get(best, 0) + 1
-            self.start(Task(d, c, self.now + self.policy.owner_wait_s))
+            self.begin(d, c)
 
-    def release(self, task: Task) -> None:
+    def begin(self, d: int, c: int) -> None:
+        """A peer-lane fetch of chunk ``c`` by node ``d``, in a lane slot."""
+        self.start(Task(d, c, self.now + self.policy.owner_wait_s))
+
+    def release(self, task: Fetch) -> None:
         d = task.node
         o = int(self.owner[task.chunk])
         self.running[d][o] -= 1
@@ -343,12 +381,17 @@ class Fleet:
                 return
             self.transfer(src, task.node, c, task, self.s.rtt_s)
             return
+        self.hold(task, src, wait_s)
+
+    def hold(self, task: Fetch, src: int, wait_s: float) -> None:
+        """A long-poll: ``src`` holds the request until the chunk's first piece lands there
+        (``wake``), ``wait_s`` at most (then ``task.timed_out``)."""
         self.seq += 1
         task.waiting = src
-        self.waiters.setdefault((src, c), []).append((task, self.seq))
+        self.waiters.setdefault((src, task.chunk), []).append((task, self.seq))
         heapq.heappush(self.timers, (self.now + wait_s, self.seq, task, self.seq))
 
-    def timer(self, at: float, task: Task) -> None:
+    def timer(self, at: float, task: Fetch) -> None:
         self.seq += 1
         heapq.heappush(self.timers, (at, self.seq, task, -1))
 
@@ -361,7 +404,7 @@ class Fleet:
             if self.alive[task.node]:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
 
-    def transfer(self, src: int, dst: int, c: int, task: Task | None, latency: float) -> None:
+    def transfer(self, src: int, dst: int, c: int, task: Fetch | None, latency: float) -> None:
         whole = src >= 0 and bool(self.done[src, c])
         if whole:
             self.uploads_whole[src] += 1
@@ -382,9 +425,11 @@ class Fleet:
         kill_at = self.s.kill_at * self.s.bound_s if len(self.to_kill) else math.inf
         limit = 20 * self.s.bound_s
         while self.now < limit:
+            self.settle()
             if self.now >= kill_at:
                 self.kill(self.to_kill)
                 kill_at = math.inf
+                self.settle()
             self.step()
             if len(self.finish) == int(self.alive.sum()):
                 break
@@ -407,26 +452,44 @@ class Fleet:
         while q and self.done[d, q[0]]:
             q.popleft()
         if q and self.alive[d]:
-            self.transfer(-1, d, q.popleft(), None, self.s.origin_latency_s)
+            self.fetch_own(d, q.popleft())
+
+    def fetch_own(self, d: int, c: int) -> None:
+        """An origin-lane fetch of chunk ``c`` (one ``d`` owns): straight from the origin."""
+        self.transfer(-1, d, c, None, self.s.origin_latency_s)
+
+    def settle(self) -> None:
+        """Let what runs beside the fleet act on the present before time moves (nothing
+        here: ``Task`` acts at once)."""
 
     def step(self) -> None:
+        self.fire_timers()
+        self.move()
+
+    def fire_timers(self) -> None:
+        """Fire the timers that are due; what they wake acts (``settle``) before time moves."""
+        while self.timers and self.timers[0][0] <= self.now:
+            while self.timers and self.timers[0][0] <= self.now:
+                _, _, task, token = heapq.heappop(self.timers)
+                if token in self.cancelled:
+                    self.cancelled.discard(token)
+                    continue
+                if not self.alive[task.node]:
+                    continue
+                if task.waiting is not None:  # the long-poll ran out: 404
+                    key = (task.waiting, task.chunk)
+                    kept = [(t, k) for t, k in self.waiters.get(key, []) if k != token]
+                    if kept:
+                        self.waiters[key] = kept
+                    else:
+                        self.waiters.pop(key, None)
+                    task.waiting = None
+                task.timed_out(self)
+            self.settle()
+
+    def move(self) -> None:
+        """Move every transfer on by ``dt`` at its max-min share, and end those done."""
         dt, now = self.dt, self.now
-        while self.timers and self.timers[0][0] <= now:
-            _, _, task, token = heapq.heappop(self.timers)
-            if token in self.cancelled:
-                self.cancelled.discard(token)
-                continue
-            if not self.alive[task.node]:
-                continue
-            if task.waiting is not None:  # the long-poll ran out: 404
-                key = (task.waiting, task.chunk)
-                kept = [(t, k) for t, k in self.waiters.get(key, []) if k != token]
-                if kept:
-                    self.waiters[key] = kept
-                else:
-                    self.waiters.pop(key, None)
-                task.waiting = None
-            self.start(task)
         if not self.f_dst:
             self.now += dt
             return
@@ -499,7 +562,7 @@ class Fleet:
             if task is None:
                 self.next_origin(int(dst[i]))
             else:
-                self.release(task)
+                task.landed(self)
 
     def kill(self, nodes: np.ndarray) -> None:
         """Kill nodes (connections reset): their transfers end, and every node ranks and
@@ -517,19 +580,19 @@ class Fleet:
             start=False,
         )
         for key in [k for k in self.waiters if not self.alive[k[0]]]:
-            for task, token in self.waiters.pop(key):
+            for held, token in self.waiters.pop(key):
                 self.cancelled.add(token)
-                task.waiting = None
-                if self.alive[task.node]:
-                    restart.append(task)
+                held.waiting = None
+                if self.alive[held.node]:
+                    restart.append(held)
         for task in restart:
             if task is not None:  # an origin lane's transfer is only cut when its node died
-                self.start(task)
+                task.cut(self)
 
-    def cut(self, rows: list[int], *, start: bool = True) -> list[Task | None]:
+    def cut(self, rows: list[int], *, start: bool = True) -> list[Fetch | None]:
         """End transfers ``rows`` short: the receiver keeps what verified (whole pieces),
-        and its task starts again (``start``), or is returned to start later."""
-        restart: list[Task | None] = []
+        and its task is told (``start``), or they are returned to tell later."""
+        restart: list[Fetch | None] = []
         for i in rows:
             s, c = self.f_src[i], self.f_chunk[i]
             if self.f_whole[i]:
@@ -543,7 +606,7 @@ class Fleet:
         if start:
             for task in restart:
                 if task is not None:
-                    self.start(task)
+                    task.cut(self)
         return restart
 
     def keep(self, rows: list[int]) -> None:
