@@ -284,9 +284,6 @@ class RealFleet(Fleet):
                 resume(self, f, NodeKilled())
 
     # What the stand-ins ask of the world, from the fetch thread whose turn it is.
-    def clock(self) -> float:
-        return self.now
-
     def current(self) -> RealFetch:
         f = self.lockstep.turn
         assert f is not None and f.thread is threading.current_thread(), "not a fetch's turn"

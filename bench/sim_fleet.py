@@ -4,10 +4,13 @@ from the fleet benchmark's 8-48 hosts to 10,000 nodes.
 What is the product's, called as the agent calls it (nothing re-implemented):
 - who fetches from the origin and who owns each chunk (``schedule.plan_owners``),
 - each node's fetch order (``fetcher.fetch_order``, lag = the stage's workers),
-- whom a node asks for a chunk first: its parent in the owner's relay tree
-  (``schedule.relay_parent`` at ``schedule.tree_offset``), then the chunk's owner, or
-  the node standing in for it when it is dead (``schedule.stand_in``),
-- how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s),
+- whom a node asks for a chunk, round after round as ``ChunkFetcher._fetch`` does: its
+  parent in the owner's relay tree (``schedule.relay_parent`` at ``schedule.tree_offset``),
+  then the chunk's owner, or the node standing in for it when it is dead
+  (``schedule.stand_in``), then the round's next ranked peers (``rendezvous.Ranker``),
+- how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s,
+  poll_interval_s), and which peers it avoids: the dead it found itself, refused or reset
+  (each node's ``PeerHealth``),
 - the lanes: the origin requests in flight (``schedule.origin_requests``), the peer
   lane's size and its per-owner limit (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the
   peer server's whole-chunk uploads.
@@ -18,10 +21,11 @@ every ``dt``); a request's first byte comes a round trip later (the origin's aft
 latency); a chunk still landing at its source streams on only as far as the source's
 verified prefix (whole pieces: cut-through), and a stream whose source sent nothing
 for ``peer.STREAM_STALL_S`` ends (the peer server's rule); node deaths (their transfers
-cut, every node then ranks without them at once: no node learns of a death late), slow
-nodes (a tenth of the link). Not modelled: tail
+cut, their connections refused), slow nodes (a tenth of the link). Not modelled: tail
 claims, holder probes, split transfers, TCP's unfairness between flows, CPU contention
 (agent CPU is charged, from timings of the product's own code, and printed).
+tests/unit/test_sim_real_fetcher.py holds ``Task`` to the agent's real fetcher, run on this
+fleet's clock at 4-16 nodes (bench/sim_fetcher.py).
 
     .venv/bin/python bench/sim_fleet.py --validate        # against the fleet benchmark
     .venv/bin/python bench/sim_fleet.py --scale           # 1,000-10,000 nodes
@@ -39,7 +43,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule
-from weightship.data.fetcher import FetchPolicy, fetch_order
+from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
 from weightship.data.peer import STREAM_STALL_S
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
@@ -167,21 +171,42 @@ class Fetch:
 class Task(Fetch):
     """A peer-lane fetch of one chunk by one node: the fetcher's rounds, re-created."""
 
-    __slots__ = ("asked", "deadline", "relayed")
+    __slots__ = (
+        "asked",
+        "avoided",
+        "deadline",
+        "next_peer",
+        "peers",
+        "relayed",
+        "relaying",
+        "root",
+        "round_started",
+        "source",
+    )
 
     def __init__(self, node: int, chunk: int, deadline: float) -> None:
         super().__init__(node, chunk)
         self.deadline = deadline
-        # As the fetcher's rounds: the relays asked this round (None: the root's turn),
-        # and the (relay, root) pairs asked with a wait.
-        self.asked: set[int] | None = set()
+        # As the fetcher's rounds: the round's first live node (-1: no round yet) and the
+        # nodes this node avoided when the round began; its relays asked, while it asks
+        # them; then its peers (the root first; None: not ranked past the root yet), the
+        # next one to ask, and when the relays were done. Across rounds: the (relay, root)
+        # pairs asked with a wait. ``source``: the node asked last (-1: none pending).
+        self.root = -1
+        self.avoided: frozenset[str] = frozenset()
+        self.asked: set[int] = set()
+        self.relaying = False
+        self.peers: list[int] | None = None
+        self.next_peer = 0
+        self.round_started = 0.0
         self.relayed: set[tuple[int, int]] = set()
+        self.source = -1
 
     def landed(self, fleet: Fleet) -> None:
         fleet.release(self)
 
     def cut(self, fleet: Fleet) -> None:
-        fleet.start(self)  # its next ask, as a new round
+        fleet.start(self)  # as a failed ask: the round goes on
 
     def timed_out(self, fleet: Fleet) -> None:
         fleet.start(self)
@@ -237,7 +262,12 @@ class Fleet:
         self.timers: list[tuple[float, int, Fetch, int]] = []
         self.seq = 0
         self.cancelled: set[int] = set()  # timers of long-polls answered meanwhile
+        # The peers each node avoids: the dead it found (refused, or reset), as the agent's.
+        self.health = [PeerHealth(self.clock) for _ in range(self.n)]
         self._plan_lanes()
+
+    def clock(self) -> float:
+        return self.now
 
     # The lanes, as stage() builds them.
     def _plan_lanes(self) -> None:
@@ -294,26 +324,42 @@ class Fleet:
             self.free.append(peer_workers)
 
     # Who to ask: the product's rules.
-    def root(self, c: int) -> int:
+    # Who to ask: the product's rules, over the nodes one node avoids (``avoided``: the
+    # dead it found, ``PeerHealth``; None: every dead node).
+    def dead(self) -> set[str]:
+        return {self.names[i] for i in np.flatnonzero(~self.alive)}
+
+    def root(self, c: int, avoided: Collection[str] | None = None) -> int:
+        """The first live node of ``ChunkFetcher.live_ranking``: the owner, or its stand-in."""
         o = int(self.owner[c])
-        if self.alive[o]:
+        avoided = self.dead() if avoided is None else avoided
+        if self.names[o] not in avoided:
             return o
-        dead = {self.names[i] for i in np.flatnonzero(~self.alive)}
-        stand_in = schedule.stand_in(self.names, self.index, self.names[o], dead)
+        stand_in = schedule.stand_in(self.names, self.index, self.names[o], avoided)
         return self.index[stand_in] if stand_in is not None else o
 
-    def parent(self, d: int, c: int, root: int) -> int | None:
+    def parent(
+        self, d: int, c: int, root: int, avoided: Collection[str] | None = None
+    ) -> int | None:
         """``ChunkFetcher.relay_source``: the nearest live ancestor in the owner's tree."""
         if self.policy.relay_wait_s is None:
             return None
+        avoided = self.dead() if avoided is None else avoided
         planned = self.names[int(self.owner[c])]
         offset = schedule.tree_offset(self.index, planned)
         fanout = self.policy.relay_fanout
         names, index, r = self.names, self.index, self.names[root]
         p = schedule.relay_parent(names, r, names[d], fanout, offset, index)
-        while p is not None and p != r and not self.alive[index[p]]:
+        while p is not None and p != r and p in avoided:
             p = schedule.relay_parent(names, r, p, fanout, offset, index)
         return None if p is None or p == r else index[p]
+
+    def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:
+        """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then the
+        chunk's next live nodes (``live_ranking``), ``peers_per_round`` in all, never ``d``."""
+        count = self.policy.peers_per_round
+        rest = self.ranker.top(self.keys[c], count + 1, {*avoided, self.names[root]})
+        return [n for n in [root, *(self.index[r] for r in rest)] if n != d][:count]
 
     # Tasks.
     def next_tasks(self, d: int) -> None:
@@ -348,40 +394,95 @@ class Fleet:
         self.next_tasks(d)
 
     def start(self, task: Task) -> None:
+        """``task``'s next step, as ``ChunkFetcher._fetch`` takes it: a round asks the
+        relays, then the root with a long-poll, then the round's other peers at once; the
+        next round starts at once, or after ``poll_interval_s`` when nobody held a request;
+        the origin when this node is the root, or after ``owner_wait_s``."""
         d, c = task.node, task.chunk
         if self.done[d, c]:
             self.release(task)
             return
-        root = self.root(c)
-        if root == d or self.now >= task.deadline:
+        health = self.health[d]
+        if task.source >= 0 and not self.alive[task.source]:  # refused, or reset
+            health.mark_dead(self.names[task.source], self.policy.dead_cooldown_s, refused=True)
+        task.source = -1
+        avoided = health.avoided()
+        if task.root < 0:  # a new round
+            root = self.root(c, avoided)
+            if root == d:
+                self.transfer(-1, d, c, task, self.s.origin_latency_s)
+                return
+            task.root, task.avoided = root, frozenset(avoided)
+            task.asked, task.relaying = set(), True
+        if task.relaying and self.ask_relay(task, avoided):
+            return
+        if task.relaying:
+            task.relaying, task.peers, task.next_peer = False, None, 0
+            task.round_started = self.now
+        if self.ask_peer(task, avoided):
+            return
+        task.root = -1  # the round is over
+        if self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
-            return
-        # ``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
-        # time for that relay and root with a wait; then the root.
-        if task.asked is None:  # the root was asked last: a new round
-            task.asked = set()
-        parent = self.parent(d, c, root)
-        if parent is not None and parent not in task.asked:
-            task.asked.add(parent)
+        elif self.now - task.round_started < self.policy.poll_interval_s:
+            self.timer(self.now + self.policy.poll_interval_s, task)  # nobody held it
+        else:
+            self.start(task)
+
+    def ask_relay(self, task: Task, avoided: Collection[str]) -> bool:
+        """``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
+        time for that relay and root with a wait; whether one was asked."""
+        parent = self.parent(task.node, task.chunk, task.root, avoided)
+        if parent is None or parent in task.asked:
+            return False
+        task.asked.add(parent)
+        wait_s = 0.0
+        if (parent, task.root) not in task.relayed:
+            task.relayed.add((parent, task.root))
+            left = max(0.0, task.deadline - self.now)
+            wait_s = min(self.policy.relay_wait_s or 0.0, left)
+        self.ask(task, parent, wait_s)
+        return True
+
+    def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
+        """The round's next peer not avoided (the root long-polled); whether one was asked.
+        Ranked past the root only when it failed (most rounds end at the root)."""
+        while task.next_peer < self.policy.peers_per_round:
+            k = task.next_peer
+            task.next_peer += 1
+            if k == 1 and task.peers is None:
+                task.peers = self.round_peers(task.node, task.chunk, task.root, task.avoided)
+            peers = task.peers or [task.root]
+            if k >= len(peers):
+                return False
+            if self.names[peers[k]] in avoided:
+                continue
             wait_s = 0.0
-            if (parent, root) not in task.relayed:
-                task.relayed.add((parent, root))
-                wait_s = self.policy.relay_wait_s or 0.0
-            self.ask(task, parent, wait_s)
-            return
-        task.asked = None
-        self.ask(task, root, self.policy.long_poll_s)
+            if k == 0:
+                left = max(0.0, task.deadline - task.round_started)
+                wait_s = min(self.policy.long_poll_s, left)
+            self.ask(task, peers[k], wait_s)
+            return True
+        return False
 
     def ask(self, task: Task, src: int, wait_s: float) -> None:
+        """The peer server's answer: a dead node refuses, a node holding the chunk's first
+        piece sends it (503 past its whole uploads), another holds the request ``wait_s``
+        (404 at once with none). A failed answer comes a round trip later."""
         self.asks += 1
         c = task.chunk
-        if self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
+        task.source = src
+        if not self.alive[src]:
+            self.timer(self.now + self.s.rtt_s, task)  # refused
+        elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
             if self.done[src, c] and self.uploads_whole[src] >= self.s.whole_uploads:
-                self.timer(self.now + self.policy.poll_interval_s, task)  # 503: ask again
-                return
-            self.transfer(src, task.node, c, task, self.s.rtt_s)
-            return
-        self.hold(task, src, wait_s)
+                self.timer(self.now + self.s.rtt_s, task)  # 503
+            else:
+                self.transfer(src, task.node, c, task, self.s.rtt_s)
+        elif wait_s > 0:
+            self.hold(task, src, wait_s)
+        else:
+            self.timer(self.now + self.s.rtt_s, task)  # 404
 
     def hold(self, task: Fetch, src: int, wait_s: float) -> None:
         """A long-poll: ``src`` holds the request until the chunk's first piece lands there

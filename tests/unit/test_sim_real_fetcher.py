@@ -21,10 +21,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 MiB = 1024 * 1024
 LINK = 4e6  # bytes/s each way, and the origin's: 32 MiB take 8.4 s of virtual time
 # Per-node finish times, real against simulated, and the requests made to peers (asks).
-# Both were measured 0.0 % apart in every healthy scenario below: both sides are
-# deterministic, so this is room for a rounding, not for noise. The asks catch a rule that
-# costs requests before it costs time at this size (the owner polled, not long-polled:
-# 1.4-10x the asks, 0.7-1.5 % later).
+# Both were measured 0.0 % apart in every scenario below: both sides are deterministic,
+# so this is room for a rounding, not for noise. The asks catch a rule that costs
+# requests before it costs time at this size (the owner polled, not long-polled: 1.4-10x
+# the asks, 0.7-1.5 % later).
 TOLERANCE = 0.02
 ASKS_TOLERANCE = 0.05
 
@@ -45,6 +45,13 @@ def sim() -> tuple[ModuleType, ModuleType]:
 
 def scenario(sim: tuple[ModuleType, ModuleType], nodes: int, chunks: int, **extra: Any) -> Any:
     return sim[0].Scenario(nodes, chunks * MiB, MiB, LINK, LINK, **extra)
+
+
+def assert_same_stage(simulated: Any, real: Any) -> None:
+    apart = finish_apart(simulated, real)
+    assert apart is None, apart
+    asks = f"requests to peers: {real.asks} by the real fetcher, {simulated.asks} simulated"
+    assert real.asks == pytest.approx(simulated.asks, rel=ASKS_TOLERANCE), asks
 
 
 def finish_apart(simulated: Any, real: Any) -> str | None:
@@ -68,6 +75,10 @@ def finish_apart(simulated: Any, real: Any) -> str | None:
         pytest.param(8, 32, {"fetchers": 4}, id="8 nodes, 4 fetchers"),
         pytest.param(16, 32, {}, id="16 nodes, the policy's 8 fetchers"),
         pytest.param(8, 32, {"schedule": "ring"}, id="8 nodes, ring"),
+        # 503s from the slow nodes' busy uplinks, streams from them stalling.
+        pytest.param(
+            8, 32, {"slow_fraction": 0.25, "slow_factor": 0.25}, id="8 nodes, 2 at a quarter"
+        ),
     ],
 )
 def test_the_real_fetcher_stages_as_the_simulator_does(
@@ -83,10 +94,7 @@ def test_the_real_fetcher_stages_as_the_simulator_does(
     assert sorted(real.finish) == sorted(simulated.finish) == list(range(nodes))
     assert real.origin_bytes == pytest.approx(s.size, rel=1e-3)
     assert simulated.origin_bytes == pytest.approx(s.size, rel=1e-3)
-    apart = finish_apart(simulated, real)
-    assert apart is None, apart
-    asks = f"requests to peers: {real.asks} by the real fetcher, {simulated.asks} simulated"
-    assert real.asks == pytest.approx(simulated.asks, rel=ASKS_TOLERANCE), asks
+    assert_same_stage(simulated, real)
 
 
 # Two of 8 killed at S/B / 2: a fetcher (node-3, its chunks then fetched by its stand-in)
@@ -107,22 +115,10 @@ def test_a_node_killed_mid_stage(sim: tuple[ModuleType, ModuleType]) -> None:
     # What the dead fetcher had in flight leaves the origin again, on both sides alike.
     assert real.origin_bytes / s.size == pytest.approx(simulated.origin_bytes / s.size, abs=0.02)
     assert real.origin_bytes <= 1.05 * s.size
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the simulator's Task asks the relays and the root in a round, no other peer, "
-    "and knows every death at once: the real fetcher asks the round's other peers without "
-    "waiting once the root failed, learns a death when it is refused or reset, and after "
-    "one streams a chunk's stalled prefix from such a peer (STREAM_STALL_S, 5 s, each): "
-    "1.71x S/B against 1.30x simulated, node 5 +65 %",
-)
-def test_a_death_costs_what_the_simulator_says(sim: tuple[ModuleType, ModuleType]) -> None:
-    s = scenario(sim, 8, 32, **KILLED)
-    simulated = sim[0].Fleet(s).run()
-    real = sim[1].RealFleet(s).run()
-    apart = finish_apart(simulated, real)
-    assert apart is None, apart
+    # The survivors learn of the deaths, and stall on what the dead left half sent, alike
+    # (1.71x S/B; the simulator said 1.30x while it knew every death at once and asked no
+    # peer past the root in a round).
+    assert_same_stage(simulated, real)
 
 
 def test_runs_repeat_exactly(sim: tuple[ModuleType, ModuleType]) -> None:
