@@ -4,10 +4,13 @@ from the fleet benchmark's 8-48 hosts to 10,000 nodes.
 What is the product's, called as the agent calls it (nothing re-implemented):
 - who fetches from the origin and who owns each chunk (``schedule.plan_owners``),
 - each node's fetch order (``fetcher.fetch_order``, lag = the stage's workers),
-- whom a node asks for a chunk first: its parent in the owner's relay tree
-  (``schedule.relay_parent`` at ``schedule.tree_offset``), then the chunk's owner, or
-  the node standing in for it when it is dead (``schedule.stand_in``),
-- how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s),
+- whom a node asks for a chunk, round after round as ``ChunkFetcher._fetch`` does: its
+  parent in the owner's relay tree (``schedule.relay_parent`` at ``schedule.tree_offset``),
+  then the chunk's owner, or the node standing in for it when it is dead
+  (``schedule.stand_in``), then the round's next ranked peers (``rendezvous.Ranker``),
+- how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s,
+  poll_interval_s), and which peers it avoids: the dead it found itself, refused or reset
+  (each node's ``PeerHealth``),
 - the lanes: the origin requests in flight (``schedule.origin_requests``), the peer
   lane's size and its per-owner limit (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the
   peer server's whole-chunk uploads.
@@ -18,10 +21,11 @@ every ``dt``); a request's first byte comes a round trip later (the origin's aft
 latency); a chunk still landing at its source streams on only as far as the source's
 verified prefix (whole pieces: cut-through), and a stream whose source sent nothing
 for ``peer.STREAM_STALL_S`` ends (the peer server's rule); node deaths (their transfers
-cut, every node then ranks without them at once: no node learns of a death late), slow
-nodes (a tenth of the link). Not modelled: tail
+cut, their connections refused), slow nodes (a tenth of the link). Not modelled: tail
 claims, holder probes, split transfers, TCP's unfairness between flows, CPU contention
 (agent CPU is charged, from timings of the product's own code, and printed).
+tests/unit/test_sim_real_fetcher.py holds ``Task`` to the agent's real fetcher, run on this
+fleet's clock at 4-16 nodes (bench/sim_fetcher.py).
 
     .venv/bin/python bench/sim_fleet.py --validate        # against the fleet benchmark
     .venv/bin/python bench/sim_fleet.py --scale           # 1,000-10,000 nodes
@@ -39,7 +43,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule
-from weightship.data.fetcher import FetchPolicy, fetch_order
+from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
 from weightship.data.peer import STREAM_STALL_S
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
@@ -139,18 +143,73 @@ class Result:
         )
 
 
-class Task:
-    """A peer-lane fetch of one chunk by one node."""
+class Fetch:
+    """A lane's fetch of one chunk by one node, as the fleet sees it: the transfers and
+    long-polls it waits on, and what it does when one ends. ``Task`` re-creates the
+    fetcher's rounds; bench/sim_fetcher.py runs the agent's real fetcher instead."""
 
-    __slots__ = ("asked", "chunk", "deadline", "node", "relayed", "waiting")
+    __slots__ = ("chunk", "node", "waiting")
+
+    def __init__(self, node: int, chunk: int) -> None:
+        self.node, self.chunk = node, chunk
+        self.waiting: int | None = None  # the source it long-polls
+
+    def landed(self, fleet: Fleet) -> None:
+        """Its transfer ended with the whole chunk in."""
+        raise NotImplementedError
+
+    def cut(self, fleet: Fleet) -> None:
+        """Its transfer ended short (a stalled stream, a dead source), or the source it
+        long-polled died."""
+        raise NotImplementedError
+
+    def timed_out(self, fleet: Fleet) -> None:
+        """Its timer fired: a long-poll ran out (``waiting`` is cleared first), or a wait."""
+        raise NotImplementedError
+
+
+class Task(Fetch):
+    """A peer-lane fetch of one chunk by one node: the fetcher's rounds, re-created."""
+
+    __slots__ = (
+        "asked",
+        "avoided",
+        "deadline",
+        "next_peer",
+        "peers",
+        "relayed",
+        "relaying",
+        "root",
+        "round_started",
+        "source",
+    )
 
     def __init__(self, node: int, chunk: int, deadline: float) -> None:
-        self.node, self.chunk, self.deadline = node, chunk, deadline
-        # As the fetcher's rounds: the relays asked this round (None: the root's turn),
-        # and the (relay, root) pairs asked with a wait.
-        self.asked: set[int] | None = set()
+        super().__init__(node, chunk)
+        self.deadline = deadline
+        # As the fetcher's rounds: the round's first live node (-1: no round yet) and the
+        # nodes this node avoided when the round began; its relays asked, while it asks
+        # them; then its peers (the root first; None: not ranked past the root yet), the
+        # next one to ask, and when the relays were done. Across rounds: the (relay, root)
+        # pairs asked with a wait. ``source``: the node asked last (-1: none pending).
+        self.root = -1
+        self.avoided: frozenset[str] = frozenset()
+        self.asked: set[int] = set()
+        self.relaying = False
+        self.peers: list[int] | None = None
+        self.next_peer = 0
+        self.round_started = 0.0
         self.relayed: set[tuple[int, int]] = set()
-        self.waiting: int | None = None  # the source it long-polls
+        self.source = -1
+
+    def landed(self, fleet: Fleet) -> None:
+        fleet.release(self)
+
+    def cut(self, fleet: Fleet) -> None:
+        fleet.start(self)  # as a failed ask: the round goes on
+
+    def timed_out(self, fleet: Fleet) -> None:
+        fleet.start(self)
 
 
 class Fleet:
@@ -196,14 +255,19 @@ class Fleet:
         self.f_chunk: list[int] = []
         self.f_from: list[float] = []  # first byte at
         self.f_moved: list[float] = []  # last moved at (first byte at, before it moves)
-        self.f_task: list[Task | None] = []  # None: the origin lane's
+        self.f_task: list[Fetch | None] = []  # None: the origin lane's
         self.f_whole: list[bool] = []  # counted in its source's whole uploads
         self.uploads_whole = np.zeros(self.n, dtype=np.int64)
-        self.waiters: dict[tuple[int, int], list[tuple[Task, int]]] = {}
-        self.timers: list[tuple[float, int, Task, int]] = []
+        self.waiters: dict[tuple[int, int], list[tuple[Fetch, int]]] = {}
+        self.timers: list[tuple[float, int, Fetch, int]] = []
         self.seq = 0
         self.cancelled: set[int] = set()  # timers of long-polls answered meanwhile
+        # The peers each node avoids: the dead it found (refused, or reset), as the agent's.
+        self.health = [PeerHealth(self.clock) for _ in range(self.n)]
         self._plan_lanes()
+
+    def clock(self) -> float:
+        return self.now
 
     # The lanes, as stage() builds them.
     def _plan_lanes(self) -> None:
@@ -216,7 +280,7 @@ class Fleet:
         self.pending: list[dict[int, deque[tuple[int, int]]]] = []
         self.running: list[dict[int, int]] = []
         self.free: list[int] = []
-        entries = [
+        self.entries = entries = [  # the manifest's
             ChunkEntry(
                 file="m",
                 index=i,
@@ -260,26 +324,42 @@ class Fleet:
             self.free.append(peer_workers)
 
     # Who to ask: the product's rules.
-    def root(self, c: int) -> int:
+    # Who to ask: the product's rules, over the nodes one node avoids (``avoided``: the
+    # dead it found, ``PeerHealth``; None: every dead node).
+    def dead(self) -> set[str]:
+        return {self.names[i] for i in np.flatnonzero(~self.alive)}
+
+    def root(self, c: int, avoided: Collection[str] | None = None) -> int:
+        """The first live node of ``ChunkFetcher.live_ranking``: the owner, or its stand-in."""
         o = int(self.owner[c])
-        if self.alive[o]:
+        avoided = self.dead() if avoided is None else avoided
+        if self.names[o] not in avoided:
             return o
-        dead = {self.names[i] for i in np.flatnonzero(~self.alive)}
-        stand_in = schedule.stand_in(self.names, self.index, self.names[o], dead)
+        stand_in = schedule.stand_in(self.names, self.index, self.names[o], avoided)
         return self.index[stand_in] if stand_in is not None else o
 
-    def parent(self, d: int, c: int, root: int) -> int | None:
+    def parent(
+        self, d: int, c: int, root: int, avoided: Collection[str] | None = None
+    ) -> int | None:
         """``ChunkFetcher.relay_source``: the nearest live ancestor in the owner's tree."""
         if self.policy.relay_wait_s is None:
             return None
+        avoided = self.dead() if avoided is None else avoided
         planned = self.names[int(self.owner[c])]
         offset = schedule.tree_offset(self.index, planned)
         fanout = self.policy.relay_fanout
         names, index, r = self.names, self.index, self.names[root]
         p = schedule.relay_parent(names, r, names[d], fanout, offset, index)
-        while p is not None and p != r and not self.alive[index[p]]:
+        while p is not None and p != r and p in avoided:
             p = schedule.relay_parent(names, r, p, fanout, offset, index)
         return None if p is None or p == r else index[p]
+
+    def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:
+        """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then the
+        chunk's next live nodes (``live_ranking``), ``peers_per_round`` in all, never ``d``."""
+        count = self.policy.peers_per_round
+        rest = self.ranker.top(self.keys[c], count + 1, {*avoided, self.names[root]})
+        return [n for n in [root, *(self.index[r] for r in rest)] if n != d][:count]
 
     # Tasks.
     def next_tasks(self, d: int) -> None:
@@ -300,9 +380,13 @@ class Fleet:
                 continue
             self.free[d] -= 1
             running[best] = running.get(best, 0) + 1
-            self.start(Task(d, c, self.now + self.policy.owner_wait_s))
+            self.begin(d, c)
 
-    def release(self, task: Task) -> None:
+    def begin(self, d: int, c: int) -> None:
+        """A peer-lane fetch of chunk ``c`` by node ``d``, in a lane slot."""
+        self.start(Task(d, c, self.now + self.policy.owner_wait_s))
+
+    def release(self, task: Fetch) -> None:
         d = task.node
         o = int(self.owner[task.chunk])
         self.running[d][o] -= 1
@@ -310,45 +394,105 @@ class Fleet:
         self.next_tasks(d)
 
     def start(self, task: Task) -> None:
+        """``task``'s next step, as ``ChunkFetcher._fetch`` takes it: a round asks the
+        relays, then the root with a long-poll, then the round's other peers at once; the
+        next round starts at once, or after ``poll_interval_s`` when nobody held a request;
+        the origin when this node is the root, or after ``owner_wait_s``."""
         d, c = task.node, task.chunk
         if self.done[d, c]:
             self.release(task)
             return
-        root = self.root(c)
-        if root == d or self.now >= task.deadline:
+        health = self.health[d]
+        if task.source >= 0 and not self.alive[task.source]:  # refused, or reset
+            health.mark_dead(self.names[task.source], self.policy.dead_cooldown_s, refused=True)
+        task.source = -1
+        avoided = health.avoided()
+        if task.root < 0:  # a new round
+            root = self.root(c, avoided)
+            if root == d:
+                self.transfer(-1, d, c, task, self.s.origin_latency_s)
+                return
+            task.root, task.avoided = root, frozenset(avoided)
+            task.asked, task.relaying = set(), True
+        if task.relaying and self.ask_relay(task, avoided):
+            return
+        if task.relaying:
+            task.relaying, task.peers, task.next_peer = False, None, 0
+            task.round_started = self.now
+        if self.ask_peer(task, avoided):
+            return
+        task.root = -1  # the round is over
+        if self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
-            return
-        # ``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
-        # time for that relay and root with a wait; then the root.
-        if task.asked is None:  # the root was asked last: a new round
-            task.asked = set()
-        parent = self.parent(d, c, root)
-        if parent is not None and parent not in task.asked:
-            task.asked.add(parent)
+        elif self.now - task.round_started < self.policy.poll_interval_s:
+            self.timer(self.now + self.policy.poll_interval_s, task)  # nobody held it
+        else:
+            self.start(task)
+
+    def ask_relay(self, task: Task, avoided: Collection[str]) -> bool:
+        """``ChunkFetcher._from_relay_parent``: each live ancestor once a round, the first
+        time for that relay and root with a wait; whether one was asked."""
+        parent = self.parent(task.node, task.chunk, task.root, avoided)
+        if parent is None or parent in task.asked:
+            return False
+        task.asked.add(parent)
+        wait_s = 0.0
+        if (parent, task.root) not in task.relayed:
+            task.relayed.add((parent, task.root))
+            left = max(0.0, task.deadline - self.now)
+            wait_s = min(self.policy.relay_wait_s or 0.0, left)
+        self.ask(task, parent, wait_s)
+        return True
+
+    def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
+        """The round's next peer not avoided (the root long-polled); whether one was asked.
+        Ranked past the root only when it failed (most rounds end at the root)."""
+        while task.next_peer < self.policy.peers_per_round:
+            k = task.next_peer
+            task.next_peer += 1
+            if k == 1 and task.peers is None:
+                task.peers = self.round_peers(task.node, task.chunk, task.root, task.avoided)
+            peers = task.peers or [task.root]
+            if k >= len(peers):
+                return False
+            if self.names[peers[k]] in avoided:
+                continue
             wait_s = 0.0
-            if (parent, root) not in task.relayed:
-                task.relayed.add((parent, root))
-                wait_s = self.policy.relay_wait_s or 0.0
-            self.ask(task, parent, wait_s)
-            return
-        task.asked = None
-        self.ask(task, root, self.policy.long_poll_s)
+            if k == 0:
+                left = max(0.0, task.deadline - task.round_started)
+                wait_s = min(self.policy.long_poll_s, left)
+            self.ask(task, peers[k], wait_s)
+            return True
+        return False
 
     def ask(self, task: Task, src: int, wait_s: float) -> None:
+        """The peer server's answer: a dead node refuses, a node holding the chunk's first
+        piece sends it (503 past its whole uploads), another holds the request ``wait_s``
+        (404 at once with none). A failed answer comes a round trip later."""
         self.asks += 1
         c = task.chunk
-        if self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
+        task.source = src
+        if not self.alive[src]:
+            self.timer(self.now + self.s.rtt_s, task)  # refused
+        elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
             if self.done[src, c] and self.uploads_whole[src] >= self.s.whole_uploads:
-                self.timer(self.now + self.policy.poll_interval_s, task)  # 503: ask again
-                return
-            self.transfer(src, task.node, c, task, self.s.rtt_s)
-            return
+                self.timer(self.now + self.s.rtt_s, task)  # 503
+            else:
+                self.transfer(src, task.node, c, task, self.s.rtt_s)
+        elif wait_s > 0:
+            self.hold(task, src, wait_s)
+        else:
+            self.timer(self.now + self.s.rtt_s, task)  # 404
+
+    def hold(self, task: Fetch, src: int, wait_s: float) -> None:
+        """A long-poll: ``src`` holds the request until the chunk's first piece lands there
+        (``wake``), ``wait_s`` at most (then ``task.timed_out``)."""
         self.seq += 1
         task.waiting = src
-        self.waiters.setdefault((src, c), []).append((task, self.seq))
+        self.waiters.setdefault((src, task.chunk), []).append((task, self.seq))
         heapq.heappush(self.timers, (self.now + wait_s, self.seq, task, self.seq))
 
-    def timer(self, at: float, task: Task) -> None:
+    def timer(self, at: float, task: Fetch) -> None:
         self.seq += 1
         heapq.heappush(self.timers, (at, self.seq, task, -1))
 
@@ -361,7 +505,7 @@ class Fleet:
             if self.alive[task.node]:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
 
-    def transfer(self, src: int, dst: int, c: int, task: Task | None, latency: float) -> None:
+    def transfer(self, src: int, dst: int, c: int, task: Fetch | None, latency: float) -> None:
         whole = src >= 0 and bool(self.done[src, c])
         if whole:
             self.uploads_whole[src] += 1
@@ -382,9 +526,11 @@ class Fleet:
         kill_at = self.s.kill_at * self.s.bound_s if len(self.to_kill) else math.inf
         limit = 20 * self.s.bound_s
         while self.now < limit:
+            self.settle()
             if self.now >= kill_at:
                 self.kill(self.to_kill)
                 kill_at = math.inf
+                self.settle()
             self.step()
             if len(self.finish) == int(self.alive.sum()):
                 break
@@ -407,26 +553,44 @@ class Fleet:
         while q and self.done[d, q[0]]:
             q.popleft()
         if q and self.alive[d]:
-            self.transfer(-1, d, q.popleft(), None, self.s.origin_latency_s)
+            self.fetch_own(d, q.popleft())
+
+    def fetch_own(self, d: int, c: int) -> None:
+        """An origin-lane fetch of chunk ``c`` (one ``d`` owns): straight from the origin."""
+        self.transfer(-1, d, c, None, self.s.origin_latency_s)
+
+    def settle(self) -> None:
+        """Let what runs beside the fleet act on the present before time moves (nothing
+        here: ``Task`` acts at once)."""
 
     def step(self) -> None:
+        self.fire_timers()
+        self.move()
+
+    def fire_timers(self) -> None:
+        """Fire the timers that are due; what they wake acts (``settle``) before time moves."""
+        while self.timers and self.timers[0][0] <= self.now:
+            while self.timers and self.timers[0][0] <= self.now:
+                _, _, task, token = heapq.heappop(self.timers)
+                if token in self.cancelled:
+                    self.cancelled.discard(token)
+                    continue
+                if not self.alive[task.node]:
+                    continue
+                if task.waiting is not None:  # the long-poll ran out: 404
+                    key = (task.waiting, task.chunk)
+                    kept = [(t, k) for t, k in self.waiters.get(key, []) if k != token]
+                    if kept:
+                        self.waiters[key] = kept
+                    else:
+                        self.waiters.pop(key, None)
+                    task.waiting = None
+                task.timed_out(self)
+            self.settle()
+
+    def move(self) -> None:
+        """Move every transfer on by ``dt`` at its max-min share, and end those done."""
         dt, now = self.dt, self.now
-        while self.timers and self.timers[0][0] <= now:
-            _, _, task, token = heapq.heappop(self.timers)
-            if token in self.cancelled:
-                self.cancelled.discard(token)
-                continue
-            if not self.alive[task.node]:
-                continue
-            if task.waiting is not None:  # the long-poll ran out: 404
-                key = (task.waiting, task.chunk)
-                kept = [(t, k) for t, k in self.waiters.get(key, []) if k != token]
-                if kept:
-                    self.waiters[key] = kept
-                else:
-                    self.waiters.pop(key, None)
-                task.waiting = None
-            self.start(task)
         if not self.f_dst:
             self.now += dt
             return
@@ -499,7 +663,7 @@ class Fleet:
             if task is None:
                 self.next_origin(int(dst[i]))
             else:
-                self.release(task)
+                task.landed(self)
 
     def kill(self, nodes: np.ndarray) -> None:
         """Kill nodes (connections reset): their transfers end, and every node ranks and
@@ -517,19 +681,19 @@ class Fleet:
             start=False,
         )
         for key in [k for k in self.waiters if not self.alive[k[0]]]:
-            for task, token in self.waiters.pop(key):
+            for held, token in self.waiters.pop(key):
                 self.cancelled.add(token)
-                task.waiting = None
-                if self.alive[task.node]:
-                    restart.append(task)
+                held.waiting = None
+                if self.alive[held.node]:
+                    restart.append(held)
         for task in restart:
             if task is not None:  # an origin lane's transfer is only cut when its node died
-                self.start(task)
+                task.cut(self)
 
-    def cut(self, rows: list[int], *, start: bool = True) -> list[Task | None]:
+    def cut(self, rows: list[int], *, start: bool = True) -> list[Fetch | None]:
         """End transfers ``rows`` short: the receiver keeps what verified (whole pieces),
-        and its task starts again (``start``), or is returned to start later."""
-        restart: list[Task | None] = []
+        and its task is told (``start``), or they are returned to tell later."""
+        restart: list[Fetch | None] = []
         for i in rows:
             s, c = self.f_src[i], self.f_chunk[i]
             if self.f_whole[i]:
@@ -543,7 +707,7 @@ class Fleet:
         if start:
             for task in restart:
                 if task is not None:
-                    self.start(task)
+                    task.cut(self)
         return restart
 
     def keep(self, rows: list[int]) -> None:

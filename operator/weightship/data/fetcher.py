@@ -329,12 +329,18 @@ class ChunkFetcher:
         cancel: threading.Event | None = None,
         claims: ClaimBoard | None = None,
         holders: Collection[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``chunks``: the whole manifest's, in manifest order, so that every node computes
         the same balanced owners (a chunk not among them gets its rendezvous owner).
         ``claims``: this node's board, shared with its peer server (``ChunkStore.claims``).
         ``holders``: peers known to have the whole model staged (a node joining late):
-        this node takes its own chunks from them before going to the origin."""
+        this node takes its own chunks from them before going to the origin.
+        ``clock`` and ``sleep``: the time every wait and deadline here is measured in (the
+        fleet simulator runs the fetcher on its virtual time: bench/sim_fetcher.py); only
+        a worker waiting out this node's own claim of a chunk waits on a real-time event."""
+        self._clock, self._sleep = clock, sleep
         self.node = node
         self.address = {p.node: p.address for p in peers if p.node != node}
         self.nodes = sorted({node, *self.address})
@@ -356,7 +362,7 @@ class ChunkFetcher:
         self.client = client or PeerClient(self.policy.peer_timeout_s)
         self.bandwidth = bandwidth
         self.cancel = cancel or threading.Event()
-        self.health = health or PeerHealth()
+        self.health = health or PeerHealth(clock)
         self.claims = claims or ClaimBoard()
         # Second parts of split transfers being fetched (each read into memory: up to 2/3
         # of a chunk), so a peer trickling to every worker does not start one per worker.
@@ -469,14 +475,14 @@ class ChunkFetcher:
 
     def fetch(self, chunk: ChunkEntry) -> Source:
         """Get one chunk into the store, verified; say where it came from."""
-        started = time.monotonic()
+        started = self._clock()
         source = self._fetch(chunk)
-        self.metrics.chunk_seconds.labels(source).observe(time.monotonic() - started)
+        self.metrics.chunk_seconds.labels(source).observe(self._clock() - started)
         self.metrics.chunk_bytes.labels(source).inc(chunk.size)
         return source
 
     def _fetch(self, chunk: ChunkEntry) -> Source:
-        started = time.monotonic()
+        started = self._clock()
         wait_s = self.policy.owner_wait_s
         if self.late and self.planned.get(chunk.key) == self.node:
             wait_s = min(wait_s, self.policy.late_wait_s)
@@ -507,7 +513,7 @@ class ChunkFetcher:
                 continue  # granted to a peer meanwhile: the ranking now starts with it
             if self._from_relay_parent(chunk, live[0], deadline, relayed):
                 return "peer"
-            round_started = time.monotonic()
+            round_started = self._clock()
             if (rounds or self.behind_on.get(live[0], False)) and any(
                 self._from_peer(n, chunk, spare_only=True)
                 for n in self._holder_candidates(chunk.key, live[0], avoided)
@@ -533,13 +539,13 @@ class ChunkFetcher:
                 return "origin"
             if self._holder_hint.get(chunk.key) not in (hint, None):
                 continue  # the owner named the node that claimed it: ask that one now
-            now = time.monotonic()
+            now = self._clock()
             if now >= deadline and self._granted_from_here(chunk.key) is None:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
                 self._from_origin(chunk)
                 return "origin"
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
-                time.sleep(self.policy.poll_interval_s)
+                self._sleep(self.policy.poll_interval_s)
 
     def relay_source(self, key: str, root: str, avoided: Collection[str]) -> str | None:
         """With relays (``relay_wait_s``), the node asked for ``key`` before its ``root``
@@ -597,7 +603,7 @@ class ChunkFetcher:
             wait_s = 0.0
             if (parent, root) not in relayed:
                 relayed.add((parent, root))
-                wait_s = min(self.policy.relay_wait_s, max(0.0, deadline - time.monotonic()))
+                wait_s = min(self.policy.relay_wait_s, max(0.0, deadline - self._clock()))
             if self._from_peer(parent, chunk, wait_s):
                 return True
 
@@ -797,7 +803,13 @@ class ChunkFetcher:
             return self._fetch_part(chunk, node, begin, end)
 
         return SplitTransfer(
-            chunk.size, piece, start, fetch_rest, after_s=after, eta_s=self.policy.split_eta_s
+            chunk.size,
+            piece,
+            start,
+            fetch_rest,
+            after_s=after,
+            eta_s=self.policy.split_eta_s,
+            clock=self._clock,
         )
 
     def _fetch_part(
