@@ -8,6 +8,7 @@ What is the product's, called as the agent calls it (nothing re-implemented):
   parent in the owner's relay tree (``schedule.relay_parent`` at ``schedule.tree_offset``),
   then the chunk's owner, or the node standing in for it when it is dead
   (``schedule.stand_in``), then the round's next ranked peers (``rendezvous.Ranker``),
+  a new round at once when the root is found dead (``schedule.round_goes_on``),
 - how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s,
   poll_interval_s), and which peers it avoids: the dead it found itself, refused or reset
   (each node's ``PeerHealth``),
@@ -126,6 +127,7 @@ class Result:
     sim_wall_s: float
     cpu_per_gb: float = 0.0
     slowed: frozenset[int] = frozenset()  # nodes at slow_factor
+    stalled: int = 0  # streams ended by the peer server's stall rule (STREAM_STALL_S)
 
     def ratio(self, q: float, *, healthy: bool = False) -> float:
         """The ``q`` quantile of finish times ÷ S/B; ``healthy``: of the nodes not slowed."""
@@ -248,6 +250,7 @@ class Fleet:
         self.now = 0.0
         self.origin_bytes = 0.0
         self.asks = 0
+        self.stalled = 0
         self.finish: dict[int, float] = {}
         # Transfers: parallel lists (numpy views are rebuilt each step).
         self.f_src: list[int] = []
@@ -421,8 +424,10 @@ class Fleet:
             task.round_started = self.now
         if self.ask_peer(task, avoided):
             return
-        task.root = -1  # the round is over
-        if self.now >= task.deadline:
+        root, task.root = self.names[task.root], -1  # the round is over
+        if not schedule.round_goes_on(root, health.dead()):
+            self.start(task)  # the next round at once, ranked without the dead root
+        elif self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
         elif self.now - task.round_started < self.policy.poll_interval_s:
             self.timer(self.now + self.policy.poll_interval_s, task)  # nobody held it
@@ -446,8 +451,12 @@ class Fleet:
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
         """The round's next peer not avoided (the root long-polled); whether one was asked.
-        Ranked past the root only when it failed (most rounds end at the root)."""
+        Ranked past the root only when it failed (most rounds end at the root); none once
+        the root is found dead (``schedule.round_goes_on``)."""
+        dead = self.health[task.node].dead()
         while task.next_peer < self.policy.peers_per_round:
+            if not schedule.round_goes_on(self.names[task.root], dead):
+                return False
             k = task.next_peer
             task.next_peer += 1
             if k == 1 and task.peers is None:
@@ -546,6 +555,7 @@ class Fleet:
         )
         result.cpu_per_gb = self.cpu_per_gb()
         result.slowed = self.slowed
+        result.stalled = self.stalled
         return result
 
     def next_origin(self, d: int) -> None:
@@ -636,6 +646,7 @@ class Fleet:
         if len(ended):
             self.end(ended, src, dst, chunk)
         if len(stalled):
+            self.stalled += len(stalled)
             rows = set(stalled.tolist())  # the ended rows are gone: find these again
             keys = {(int(src[i]), int(dst[i]), int(chunk[i])) for i in rows}
             self.cut(
@@ -766,7 +777,7 @@ def report(r: Result) -> None:
     print(
         f"  p50 {r.ratio(0.5):.2f}x S/B, {len(r.dead)} killed, {r.unstaged} survivors "
         f"unstaged, agent CPU {r.cpu_per_gb:.2f} s/GB, {r.asks / r.scenario.nodes:.0f} asks "
-        f"per node, simulated in {r.sim_wall_s:.0f} s",
+        f"per node, {r.stalled} streams stalled, simulated in {r.sim_wall_s:.0f} s",
         flush=True,
     )
     if r.slowed:  # a slowed node itself takes 1 / slow_factor x S/B at least

@@ -1123,6 +1123,23 @@ def test_a_peer_that_only_timed_out_is_asked_again_after_each_cooldown() -> None
         assert health.avoided() == set()
 
 
+def test_a_peer_found_dead_is_told_from_one_demoted_for_bad_bytes() -> None:
+    """A round of asks ends when its root is found dead (schedule.round_goes_on), and goes
+    on past a root demoted for bad bytes, which is alive."""
+    now = [0.0]
+    health = PeerHealth(clock=lambda: now[0])
+    health.mark_dead("gone", 30.0)
+    health.demote("liar", 600.0)
+    assert health.avoided() == {"gone", "liar"}
+    assert health.dead() == {"gone"}
+    health.demote("gone", 600.0)  # it came back, and sent bad bytes
+    assert health.dead() == set()
+    health.mark_dead("cut", 30.0)
+    now[0] = 31.0
+    assert health.dead() == set()  # its cooldown is over: alive again until found dead
+    assert health.avoided() == {"gone", "liar"}
+
+
 class TricklingProxy:
     """A TCP proxy in front of a peer whose answers trickle (a degraded uplink): requests
     pass at once, answers at ``rate`` bytes per second; counts the bytes it sent back."""

@@ -215,6 +215,7 @@ class PeerHealth:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._avoid_until: dict[str, float] = {}
+        self._found_dead: set[str] = set()  # avoided for a death, not a demotion
         self._lock = threading.Lock()
         self.demotions: dict[str, int] = {}
         self.deaths: dict[str, int] = {}
@@ -228,17 +229,25 @@ class PeerHealth:
                     self.deaths[node] = self.deaths.get(node, 0) + 1
                 gone = self.deaths.get(node, 0) >= DROP_AFTER_DEATHS
                 self._avoid_until[node] = math.inf if gone else now + cooldown_s
+                self._found_dead.add(node)
             return self._avoid_until[node] == math.inf
 
     def demote(self, node: str, cooldown_s: float) -> None:
         with self._lock:
             self._avoid_until[node] = self._clock() + cooldown_s
+            self._found_dead.discard(node)
             self.demotions[node] = self.demotions.get(node, 0) + 1
 
     def avoided(self) -> set[str]:
         now = self._clock()
         with self._lock:
             return {n for n, until in self._avoid_until.items() if until > now}
+
+    def dead(self) -> set[str]:
+        """The avoided peers found dead (unreachable, or gone mid-transfer), not demoted."""
+        now = self._clock()
+        with self._lock:
+            return {n for n in self._found_dead if self._avoid_until[n] > now}
 
 
 class TokenBucket:
@@ -529,7 +538,7 @@ class ChunkFetcher:
             # The owner (asked first) may hold the request until the chunk lands; the
             # others answer at once.
             wait = min(self.policy.long_poll_s, max(0.0, deadline - round_started))
-            if any(self._from_peer(n, chunk, wait if k == 0 else 0.0) for k, n in enumerate(asked)):
+            if self._ask_round(chunk, asked, live[0], wait):
                 return "peer"
             if chunk.key in self._bad_at_origin:
                 # Its owner will not get it: check the origin's bytes here rather than wait
@@ -539,6 +548,8 @@ class ChunkFetcher:
                 return "origin"
             if self._holder_hint.get(chunk.key) not in (hint, None):
                 continue  # the owner named the node that claimed it: ask that one now
+            if not schedule.round_goes_on(live[0], self.health.dead()):
+                continue  # the root is dead: rank without it now (its stand-in may be here)
             now = self._clock()
             if now >= deadline and self._granted_from_here(chunk.key) is None:
                 log.info("chunk %s: owner %s too slow, going to origin", chunk.key, live[0])
@@ -546,6 +557,16 @@ class ChunkFetcher:
                 return "origin"
             if now - round_started < self.policy.poll_interval_s:  # nobody held the request
                 self._sleep(self.policy.poll_interval_s)
+
+    def _ask_round(self, chunk: ChunkEntry, asked: Sequence[str], root: str, wait_s: float) -> bool:
+        """Ask ``asked`` in turn, the first with ``wait_s``; whether one sent the chunk.
+        Stops once the round's ``root`` is found dead (``schedule.round_goes_on``)."""
+        for k, node in enumerate(asked):
+            if not schedule.round_goes_on(root, self.health.dead()):
+                return False
+            if self._from_peer(node, chunk, wait_s if k == 0 else 0.0):
+                return True
+        return False
 
     def relay_source(self, key: str, root: str, avoided: Collection[str]) -> str | None:
         """With relays (``relay_wait_s``), the node asked for ``key`` before its ``root``

@@ -20,14 +20,16 @@ the chunk's fetcher, which streams it on as it lands (cut-through). A tree is th
 node set, dead nodes included, rotated to start at its fetcher and read as a
 ``fanout``-ary heap; a node that fetches in place of a dead fetcher takes the front
 (``stand_in``: the dead fetcher's first live child), and a node whose parent is dead
-asks that parent's parent, so one node's view of who is dead
-changes whom it asks, never anyone else's tree. The fetchers' trees start at evenly
-spaced places, so every node sits at each depth in about the same number of the busy
-trees and uploads one child's stream per tree on average, as in a ring: with the
-fetchers picked by rendezvous instead and swapped to the front of evenly spaced
-rotations, some nodes fed 10 children where the mean was 8 (25 % over their uplink,
-and everything below them slowed). Fanout 1 is a ring (each node asks the node before
-it): a chunk crosses up to n - 1 hops; a fanout of 2 takes about log2(n).
+asks that parent's parent, so one node's view of who is dead changes whom it asks,
+never anyone else's tree. A node that finds the root of its round of asks dead starts a
+new round at once (``round_goes_on``), so the stand-in takes over the moment it is cut
+off. The fetchers' trees start at evenly spaced places, so every node sits at each
+depth in about the same number of the busy trees and uploads one child's stream per
+tree on average, as in a ring: with the fetchers picked by rendezvous instead and
+swapped to the front of evenly spaced rotations, some nodes fed 10 children where the
+mean was 8 (25 % over their uplink, and everything below them slowed). Fanout 1 is a
+ring (each node asks the node before it): a chunk crosses up to n - 1 hops; a fanout of
+2 takes about log2(n).
 """
 
 from __future__ import annotations
@@ -102,6 +104,24 @@ def stand_in(
         if candidate not in avoided:
             return candidate
     return None
+
+
+def round_goes_on(root: str, dead: Collection[str]) -> bool:
+    """Whether a node's round of asks for a chunk (``ChunkFetcher._fetch``: its relays,
+    then the round's ``root``, the first live node of the chunk's ranking when the round
+    began, then the next ranked peers) goes on to its next peer: not once the root is
+    found dead (``dead``: unreachable, or gone mid-transfer; ``PeerHealth.dead``). The
+    next round then starts at once, ranked without it, so the node standing in for a
+    dead fetcher (``stand_in``) fetches from the origin the moment its stream from the
+    fetcher is cut, and the others ask it. Going on asked the round's other peers first:
+    nodes holding what the dead fetcher had sent of the chunks it had in flight, copies
+    that stopped growing, each stream of one stalling for the peer server's
+    ``STREAM_STALL_S``; the stand-in was among the askers, so nobody filled them, and the
+    others asked one another in cycles (the simulator and the real fetcher alike, 200
+    nodes with 10 % killed: 954 stalled streams in four waves 5 s apart, 12.2x S/B; none,
+    and 1.40x, with the round ending there). A root demoted for bad bytes is alive: the
+    round goes on to peers that may hold the chunk whole."""
+    return root not in dead
 
 
 def relay_parent(
