@@ -7,8 +7,7 @@ What is the product's, called as the agent calls it (nothing re-implemented):
 - whom a node asks for a chunk, round after round as ``ChunkFetcher._fetch`` does: its
   parent in the owner's relay tree (``schedule.relay_parent`` at ``schedule.tree_offset``),
   then the chunk's owner, or the node standing in for it when it is dead
-  (``schedule.stand_in``), then the round's other peers, ranked over the node and the chunk
-  (``schedule.round_peers``),
+  (``schedule.stand_in``), then the round's next ranked peers (``rendezvous.Ranker``),
   a new round at once when the root is found dead (``schedule.round_goes_on``),
 - how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s,
   poll_interval_s), and which peers it avoids: the dead it found itself, refused or reset
@@ -359,14 +358,11 @@ class Fleet:
         return None if p is None or p == r else index[p]
 
     def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:
-        """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then live
-        peers ranked over this node and the chunk (``schedule.round_peers``),
-        ``peers_per_round`` in all, never ``d``."""
-        names = self.names
-        peers = schedule.round_peers(
-            self.ranker, names[d], self.keys[c], names[root], avoided, self.policy.peers_per_round
-        )
-        return [self.index[n] for n in peers]
+        """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then the
+        chunk's next live nodes (``live_ranking``), ``peers_per_round`` in all, never ``d``."""
+        count = self.policy.peers_per_round
+        rest = self.ranker.top(self.keys[c], count + 1, {*avoided, self.names[root]})
+        return [n for n in [root, *(self.index[r] for r in rest)] if n != d][:count]
 
     # Tasks.
     def next_tasks(self, d: int) -> None:

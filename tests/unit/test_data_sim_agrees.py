@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry
 
 from weightship.data.fetcher import ChunkFetcher, Peer, fetch_order
 from weightship.data.metrics import DataPlaneMetrics
-from weightship.data.peer import ChunkNotOnPeerError
 from weightship.data.schedule import origin_requests
 from weightship.weightformat.entries import ChunkEntry
 
@@ -119,70 +118,3 @@ def test_the_simulator_asks_whom_the_agent_asks(
     fleet.kill(dead)
     simulated, real = first_asks()
     assert simulated == real
-
-
-class Stop(Exception):
-    """The round is over: this test reads whom it asked, nothing more."""
-
-
-class NotYet:
-    """A ``PeerClient`` whose every peer has nothing yet (404): records whom it asked."""
-
-    def __init__(self, address: dict[str, str]) -> None:
-        self.node = {a: n for n, a in address.items()}
-        self.asked: list[str] = []
-
-    def fetch(self, address: str, key: str, **_: object) -> bytes:
-        self.asked.append(self.node[address])
-        raise ChunkNotOnPeerError("not yet")
-
-
-class StopOrigin:
-    def read_range(self, path: str, offset: int, size: int) -> bytes:
-        raise Stop
-
-
-def test_nodes_whose_root_has_nothing_ask_different_peers_past_it(sim: ModuleType) -> None:
-    """Past the root, a round asks peers ranked over the asking node and the chunk
-    (``schedule.round_peers``), so nodes spread over the fleet; ranked over the chunk
-    alone, every node asked the same two, and where both sat in a subtree that waited
-    for the chunk (its top's asks of a busy root answered 503 for 14 s), the whole
-    subtree waited with it (the simulator, 2,000 nodes with 10 % killed: 748 nodes at
-    1.82x S/B, the median 1.33x). The simulator asks the same peers as the agent."""
-    scenario = dataclasses.replace(sim.Scenario(48, 8 * MiB, MiB, 1e6, 1e6), fetchers=4)
-    fleet = sim.Fleet(scenario)
-    chunks = [
-        ChunkEntry(file="m", index=i, offset=i * MiB, size=MiB, blake3=f"{i:064x}")
-        for i in range(fleet.k)
-    ]
-    policy = dataclasses.replace(
-        fleet.policy, relay_wait_s=None, owner_wait_s=0.0, holder_probes=0, claims=False
-    )
-    names: list[str] = fleet.names
-    peers = [Peer(n, f"127.0.0.{i + 1}:7000") for i, n in enumerate(names)]
-    chunk = chunks[3]
-    root = names[int(fleet.owner[chunk.index])]
-    past_root: set[str] = set()
-    for d, name in enumerate(names):
-        if name == root:
-            continue
-        client = NotYet({p.node: p.address for p in peers})
-        agent = ChunkFetcher(
-            node=name,
-            peers=peers,
-            origin=StopOrigin(),
-            sink=NoSink(),
-            metrics=DataPlaneMetrics.create(CollectorRegistry()),
-            chunks=chunks,
-            policy=policy,
-            client=client,  # type: ignore[arg-type]
-        )
-        with pytest.raises(Stop):  # one round, then the origin (owner_wait_s 0)
-            agent.fetch(chunk)
-        assert client.asked[0] == root
-        assert len(client.asked) == policy.peers_per_round
-        assert name not in client.asked
-        simulated = fleet.round_peers(d, chunk.index, fleet.index[root], frozenset())
-        assert [names[p] for p in simulated] == client.asked
-        past_root.update(client.asked[1:])
-    assert len(past_root) > 20  # of 46 others; the same two before

@@ -529,9 +529,7 @@ class ChunkFetcher:
             ):
                 return "peer"
             rounds += 1
-            asked = schedule.round_peers(
-                self._ranker, self.node, chunk.key, live[0], avoided, self.policy.peers_per_round
-            )
+            asked = [n for n in live if n != self.node][: self.policy.peers_per_round]
             hint = self._holder_hint.get(chunk.key)
             if hint is not None and hint in self.address and hint not in avoided:
                 # The node that claimed it from the owner fetches it from the origin: the

@@ -124,24 +124,6 @@ def round_goes_on(root: str, dead: Collection[str]) -> bool:
     return root not in dead
 
 
-def round_peers(
-    ranker: rendezvous.Ranker, node: str, key: str, root: str, avoided: Collection[str], count: int
-) -> list[str]:
-    """Whom ``node``'s round of asks for chunk ``key`` asks after its relays: the round's
-    ``root`` (long-polled), then ``count - 1`` live peers (not in ``avoided``, never
-    ``node``) ranked over this node and the key (``ranker``: the stage's node set), so
-    the nodes whose root is busy or has nothing yet spread over the fleet. Ranked over
-    the key alone, every node asked the same two: at 2,000 nodes with 10 % killed (the
-    simulator, 16 GiB), a fetcher's two children were behind it and took every chunk
-    whole, its three whole uploads never free, and one chunk's ask from its second child
-    was answered 503 for 14 s while its other asks took each upload as it freed; the two
-    peers every node asked past the busy root both sat below that child, without the
-    chunk, so the child's subtree, 748 nodes, waited with it: 1.82x S/B against 1.33x
-    for the median (1.29x for both, ranked per node)."""
-    rest = ranker.top(f"round\0{node}\0{key}", count - 1, {*avoided, root, node})
-    return [root, *rest][:count]
-
-
 def relay_parent(
     members: Sequence[str],
     root: str,
