@@ -426,8 +426,8 @@ class Fleet:
             task.round_started = self.now
         if self.ask_peer(task, avoided):
             return
-        root, task.root = self.names[task.root], -1  # the round is over
-        if not schedule.round_goes_on(root, health.dead()):
+        root_name, task.root = self.names[task.root], -1  # the round is over
+        if not schedule.round_goes_on(root_name, health.dead()):
             self.start(task)  # the next round at once, ranked without the dead root
         elif self.now >= task.deadline:
             self.transfer(-1, d, c, task, self.s.origin_latency_s)
