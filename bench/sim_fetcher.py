@@ -13,7 +13,7 @@ simulator's. tests/unit/test_sim_real_fetcher.py runs scenarios both ways and ho
 simulator's ``Task`` (its re-creation of the fetcher's rounds) to this.
 
 What the simulator does not model is turned off in the policy (``unmodelled_off``):
-tail claims, holder probes, split transfers.
+tail claims and split transfers.
 
 Lockstep: one fetch thread runs at a time, in the order the fleet made them ready (so a
 run is deterministic), until it blocks in a world call (a transfer, a long-poll, a sleep,
@@ -46,6 +46,7 @@ from weightship.data.peer import (
     PeerBusyError,
     PeerError,
     PeerUnavailableError,
+    whole_upload_limit,
 )
 
 # Real seconds one fetch thread may run before it blocks or returns, and a whole run may
@@ -56,7 +57,7 @@ RUN_S = 120.0
 
 def unmodelled_off(policy: FetchPolicy) -> FetchPolicy:
     """``policy`` without what the simulator does not model (its docstring)."""
-    return replace(policy, claims=False, holder_probes=0, split_after_s=None)
+    return replace(policy, claims=False, split_after_s=None)
 
 
 class LockstepError(RuntimeError):
@@ -297,17 +298,21 @@ class RealFleet(Fleet):
         self.timer(self.now + seconds, f)
         self.lockstep.block(f)
 
-    def request(self, src: int, wait_s: float) -> WorldBody:
+    def request(self, src: int, wait_s: float, spare_only: bool = False) -> WorldBody:
         """The current fetch's GET of its chunk from ``src`` (``PeerClient.open``), answered
-        as the peer server answers it; returns once the body is in, or cut short."""
+        as the peer server answers it; returns once the body is in, or cut short.
+        ``spare_only`` (a holder probe): only the whole chunk, never held."""
         f = self.current()
         c, name = f.chunk, self.names[src]
         self.asks += 1
         f.source = src
+        limit = whole_upload_limit(self.s.whole_uploads, spare_only)
         if not self.alive[src]:
             self.answer(f, refused(name))
+        elif spare_only and not self.done[src, c]:
+            self.answer(f, ChunkNotOnPeerError(f"{name} has no whole chunk {c}"))
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if self.done[src, c] and self.uploads_whole[src] >= self.s.whole_uploads:
+            if self.done[src, c] and self.uploads_whole[src] >= limit:
                 self.answer(f, PeerBusyError(f"{name} is busy"))
             else:
                 self.transfer(src, f.node, c, f, self.s.rtt_s)
@@ -383,9 +388,8 @@ class WorldClient:
         spare_only: bool = False,
     ) -> WorldBody:
         fleet = self.fleet
-        assert not spare_only, "holder probes are not simulated (unmodelled_off)"
         assert key == fleet.keys[fleet.current().chunk], "a fetch asks for its own chunk"
-        return fleet.request(fleet.index[address], wait_s)
+        return fleet.request(fleet.index[address], wait_s, spare_only)
 
     def fetch(self, address: str, key: str, **kwargs: object) -> bytes:
         raise AssertionError("whole-chunk fetches (splits) are not simulated")

@@ -6,15 +6,18 @@ What is the product's, called as the agent calls it (nothing re-implemented):
 - each node's fetch order (``fetcher.fetch_order``, lag = the stage's workers),
 - whom a node asks for a chunk, round after round as ``ChunkFetcher._fetch`` does: its
   parent in the owner's relay tree (``schedule.relay_parent`` at ``schedule.tree_offset``),
-  then the chunk's owner, or the node standing in for it when it is dead
-  (``schedule.stand_in``), then the round's next ranked peers (``rendezvous.Ranker``),
-  a new round at once when the root is found dead (``schedule.round_goes_on``),
+  then, from its second round on or when it fell behind on the owner, holders asked for
+  the whole chunk from spare uplink (``holder_probes``, ranked over the node and the
+  chunk; ``peer.whole_upload_limit``), then the chunk's owner, or the node standing in
+  for it when it is dead (``schedule.stand_in``), then the round's next ranked peers
+  (``rendezvous.Ranker``), a new round at once when the root is found dead
+  (``schedule.round_goes_on``),
 - how long it waits on each (``FetchPolicy``: relay_wait_s, long_poll_s, owner_wait_s,
   poll_interval_s), and which peers it avoids: the dead it found itself, refused or reset
   (each node's ``PeerHealth``),
 - the lanes: the origin requests in flight (``schedule.origin_requests``), the peer
   lane's size and its per-owner limit (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the
-  peer server's whole-chunk uploads.
+  peer server's whole-chunk uploads (``peer.whole_upload_limit``).
 
 What is faked, the world: every link (each node's up and down, the origin's egress) is a
 capacity shared max-min fairly by the transfers crossing it (water-filling, recomputed
@@ -23,7 +26,7 @@ latency); a chunk still landing at its source streams on only as far as the sour
 verified prefix (whole pieces: cut-through), and a stream whose source sent nothing
 for ``peer.STREAM_STALL_S`` ends (the peer server's rule); node deaths (their transfers
 cut, their connections refused), slow nodes (a tenth of the link). Not modelled: tail
-claims, holder probes, split transfers, TCP's unfairness between flows, CPU contention
+claims, split transfers, TCP's unfairness between flows, CPU contention
 (agent CPU is charged, from timings of the product's own code, and printed).
 tests/unit/test_sim_real_fetcher.py holds ``Task`` to the agent's real fetcher, run on this
 fleet's clock at 4-16 nodes (bench/sim_fetcher.py).
@@ -54,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule
 from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
-from weightship.data.peer import STREAM_STALL_S
+from weightship.data.peer import STREAM_STALL_S, whole_upload_limit
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
 from weightship.weightformat.entries import ChunkEntry
@@ -180,11 +183,14 @@ class Task(Fetch):
         "avoided",
         "deadline",
         "next_peer",
+        "next_probe",
         "peers",
+        "probes",
         "relayed",
         "relaying",
         "root",
         "round_started",
+        "rounds",
         "source",
     )
 
@@ -205,6 +211,11 @@ class Task(Fetch):
         self.round_started = 0.0
         self.relayed: set[tuple[int, int]] = set()
         self.source = -1
+        # The round's holder probes (None: not probing), the next one to ask, and the
+        # rounds that asked peers (the fetcher probes from the second on).
+        self.probes: list[int] | None = None
+        self.next_probe = 0
+        self.rounds = 0
 
     def landed(self, fleet: Fleet) -> None:
         fleet.release(self)
@@ -269,6 +280,10 @@ class Fleet:
         self.cancelled: set[int] = set()  # timers of long-polls answered meanwhile
         # The peers each node avoids: the dead it found (refused, or reset), as the agent's.
         self.health = [PeerHealth(self.clock) for _ in range(self.n)]
+        # Per node, the owners whose last chunk came whole, not streamed as it landed
+        # (``ChunkFetcher.behind_on``): a round for their chunks probes holders first.
+        self.behind_on: list[dict[int, bool]] = [{} for _ in range(self.n)]
+        self.holder_ranker = rendezvous.Ranker(self.names)
         self._plan_lanes()
 
     def clock(self) -> float:
@@ -424,6 +439,14 @@ class Fleet:
         if task.relaying:
             task.relaying, task.peers, task.next_peer = False, None, 0
             task.round_started = self.now
+            probing = task.rounds or self.behind_on[d].get(task.root, False)
+            task.probes = self.holder_candidates(task, avoided) if probing else []
+            task.next_probe = 0
+        if task.probes is not None:
+            if self.ask_holder(task, avoided):
+                return
+            task.probes = None
+            task.rounds += 1
         if self.ask_peer(task, avoided):
             return
         root_name, task.root = self.names[task.root], -1  # the round is over
@@ -450,6 +473,33 @@ class Fleet:
             wait_s = min(self.policy.relay_wait_s or 0.0, left)
         self.ask(task, parent, wait_s)
         return True
+
+    def holder_candidates(self, task: Task, avoided: Collection[str]) -> list[int]:
+        """``ChunkFetcher._holder_candidates``: ``holder_probes`` live peers ranked over
+        the asking node and the chunk, never the round's root."""
+        d, names = task.node, self.names
+        skip = {*avoided, names[task.root], names[d]}
+        key = f"{names[d]}\0{self.keys[task.chunk]}"
+        return [self.index[x] for x in self.holder_ranker.top(key, self.policy.holder_probes, skip)]
+
+    def ask_holder(self, task: Task, avoided: Collection[str]) -> bool:
+        """The round's next holder probe not avoided (a spare-only ask: the whole chunk,
+        only while the holder sends no other whole chunk); whether one was asked."""
+        probes = task.probes or []
+        while task.next_probe < len(probes):
+            src = probes[task.next_probe]
+            task.next_probe += 1
+            if self.names[src] in avoided:
+                continue
+            self.asks += 1
+            task.source = src
+            spare = whole_upload_limit(self.s.whole_uploads, spare_only=True)
+            if self.alive[src] and self.done[src, task.chunk] and self.uploads_whole[src] < spare:
+                self.transfer(src, task.node, task.chunk, task, self.s.rtt_s)
+            else:
+                self.timer(self.now + self.s.rtt_s, task)  # refused, 404 or 503
+            return True
+        return False
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
         """The round's next peer not avoided (the root long-polled); whether one was asked.
@@ -486,7 +536,8 @@ class Fleet:
         if not self.alive[src]:
             self.timer(self.now + self.s.rtt_s, task)  # refused
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if self.done[src, c] and self.uploads_whole[src] >= self.s.whole_uploads:
+            limit = whole_upload_limit(self.s.whole_uploads, spare_only=False)
+            if self.done[src, c] and self.uploads_whole[src] >= limit:
                 self.timer(self.now + self.s.rtt_s, task)  # 503
             else:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
@@ -671,6 +722,10 @@ class Fleet:
                 self.wake(d, c)
                 if self.done[d].all():
                     self.finish[d] = self.now
+        for i, task in zip(ended, tasks, strict=True):
+            s, c = int(src[i]), int(chunk[i])
+            if isinstance(task, Task) and s == int(self.owner[c]):
+                self.behind_on[int(dst[i])][s] = self.f_whole[i]
         self.keep([i for i in range(len(self.f_dst)) if i not in gone])
         for i, task in zip(ended, tasks, strict=True):
             if task is None:

@@ -310,7 +310,7 @@ class _ChunkHandler(BoundedHandler):
             return
         uploads = self.server.store.uploads
         spare_only = self.headers.get(SPARE_HEADER) == "1"
-        if not uploads.enter_below(SPARE_UPLOADS if spare_only else self.server.whole_uploads):
+        if not uploads.enter_below(whole_upload_limit(self.server.whole_uploads, spare_only)):
             self._reply(503, b"uplink busy\n", {"Retry-After": "1"})
             return
         try:
@@ -342,6 +342,13 @@ class _ChunkHandler(BoundedHandler):
             self.connection.sendfile(f, offset + start, end - start)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
+
+
+def whole_upload_limit(whole_uploads: int, spare_only: bool) -> int:
+    """Whole chunks a peer server may be sending when it takes one more request for a
+    whole chunk (503 at this many): ``whole_uploads``, or ``SPARE_UPLOADS`` for a
+    spare-only request (a holder probe). The fleet simulator answers by the same rule."""
+    return SPARE_UPLOADS if spare_only else whole_uploads
 
 
 def _wait_seconds(header: str | None) -> float:
