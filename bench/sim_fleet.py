@@ -48,7 +48,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,15 +70,16 @@ BENCH_WHOLE_UPLOADS = 3
 BENCH_WORKERS = 4
 # Measured by bench/bench_fleet.py --modes p2p[,p2p-ring] --nodes N --size-mib 128
 # --chunk-mib 1 --rate-mbit 50 --rounds 3 with static neighbours, slowest ÷ S/B, the median
-# of 3 rounds. "tree" (today's schedule): 2026-12-06 20:41-21:14 UTC at 16-48 hosts, every
+# of 3 rounds. "tree" (today's schedule): 2026-12-06 20:41-21:14 UTC at 32-48 hosts, every
 # round started at a 1-minute load average of 0.5 or less; 8 hosts 21:46-21:52, loads
-# 1.0-1.5 at the starts (docs/benchmarks.md). "ring" (every node an origin fetcher, relays
+# 1.0-1.5 at the starts; 16 hosts 23:26-23:37 with peer streams read a piece at a time,
+# quiet starts (docs/benchmarks.md, "fourth pass"). "ring" (every node an origin fetcher, relays
 # in a ring: the schedule before 2026-12-06): 09:48 UTC at 8 hosts; beyond 8, one round
 # each, loaded, with the schedule of 07:09-07:16 UTC (the relay asked in the first round
 # only).
 MEASURED = {
     "ring": {8: 1.18, 16: 1.19, 32: 1.345, 48: 1.56},
-    "tree": {8: 1.11, 16: 1.16, 32: 1.22, 48: 1.28},
+    "tree": {8: 1.11, 16: 1.14, 32: 1.22, 48: 1.28},
 }
 
 
@@ -133,6 +134,7 @@ class Result:
     cpu_per_gb: float = 0.0
     slowed: frozenset[int] = frozenset()  # nodes at slow_factor
     stalled: int = 0  # streams ended by the peer server's stall rule (STREAM_STALL_S)
+    tail: list[str] = field(default_factory=list)  # the slowest nodes' last transfers
 
     def ratio(self, q: float, *, healthy: bool = False) -> float:
         """The ``q`` quantile of finish times ÷ S/B; ``healthy``: of the nodes not slowed."""
@@ -283,6 +285,13 @@ class Fleet:
         # Per node, the owners whose last chunk came whole, not streamed as it landed
         # (``ChunkFetcher.behind_on``): a round for their chunks probes holders first.
         self.behind_on: list[dict[int, bool]] = [{} for _ in range(self.n)]
+        # Each node's last transfers (chunk, source, first byte at, ended at, whole), and
+        # when each chunk's fetcher (or stand-in) had it: where the slowest nodes' time
+        # went (``tail``).
+        self.last: list[deque[tuple[int, int, float, float, bool]]] = [
+            deque(maxlen=3) for _ in range(self.n)
+        ]
+        self.from_origin_at: dict[int, float] = {}
         self.holder_ranker = rendezvous.Ranker(self.names)
         self._plan_lanes()
 
@@ -609,7 +618,23 @@ class Fleet:
         result.cpu_per_gb = self.cpu_per_gb()
         result.slowed = self.slowed
         result.stalled = self.stalled
+        result.tail = self.tail(5)
         return result
+
+    def tail(self, count: int) -> list[str]:
+        """The ``count`` slowest survivors, each with its last transfers: which chunk,
+        from whom (o: the origin; * dead now), when, whole or streamed, and when the
+        chunk first left the origin."""
+        lines = []
+        for d in sorted(self.finish, key=lambda x: -self.finish[x])[:count]:
+            moves = []
+            for c, src, t0, t1, whole in self.last[d]:
+                who = "o" if src < 0 else f"{src}{'' if self.alive[src] else '*'}"
+                kind = "whole" if whole else "stream"
+                landed = self.from_origin_at.get(c, math.nan)
+                moves.append(f"c{c} from {who} {t0:.1f}-{t1:.1f} {kind} (origin {landed:.1f})")
+            lines.append(f"node {d} done {self.finish[d]:.1f} s: " + "; ".join(moves))
+        return lines
 
     def next_origin(self, d: int) -> None:
         q = self.origin_queue[d]
@@ -726,6 +751,9 @@ class Fleet:
             s, c = int(src[i]), int(chunk[i])
             if isinstance(task, Task) and s == int(self.owner[c]):
                 self.behind_on[int(dst[i])][s] = self.f_whole[i]
+            self.last[int(dst[i])].append((c, s, self.f_from[i], self.now, self.f_whole[i]))
+            if s < 0:
+                self.from_origin_at.setdefault(c, self.now)
         self.keep([i for i in range(len(self.f_dst)) if i not in gone])
         for i, task in zip(ended, tasks, strict=True):
             if task is None:
@@ -922,6 +950,8 @@ def main() -> None:
     p.add_argument(
         "--slow", type=float, default=0.0, help="fraction of nodes at a tenth of the link"
     )
+    p.add_argument("--seed", type=int, default=1, help="which nodes die and slow down")
+    p.add_argument("--tail", action="store_true", help="print the slowest nodes' last transfers")
     p.add_argument("--validate", action="store_true")
     p.add_argument("--scale", action="store_true", help="the issue-38 scenarios at scale")
     p.add_argument("--scale-nodes", default="1000,5000,10000")
@@ -955,8 +985,12 @@ def main() -> None:
         kill_fraction=args.kill,
         slow_fraction=args.slow,
         schedule=args.schedule,
+        seed=args.seed,
     )
-    report(Fleet(s).run())
+    result = Fleet(s).run()
+    report(result)
+    if args.tail:
+        print("\n".join(result.tail))
 
 
 if __name__ == "__main__":
