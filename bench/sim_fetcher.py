@@ -362,7 +362,6 @@ class WorldBody:
         begin: int,
         landed: Callable[[int], None],
         stop_at: Callable[[int], int] | None = None,
-        piece: int | None = None,
     ) -> int:
         if self.end > begin:
             landed(self.end)

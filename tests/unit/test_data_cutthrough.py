@@ -52,6 +52,7 @@ def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
     tmp_path: Path, model: tuple[Manifest, PieceLayer, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(peer_module, "STREAM_STALL_S", 0.3)
+    monkeypatch.setattr(peer_module, "READ_STEP", PIECE)  # the reader's step: one piece
     m, pieces, src = model
     chunk, good = m.chunks[0], _bytes(m, src, 0)
     owner_store = ChunkStore(tmp_path / "owner")
@@ -98,9 +99,7 @@ def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
                 gate[1].set()
                 gate[2].set()
 
-        # Read a piece at a time (a chunk is smaller than READ_STEP here): each verified
-        # piece is reported as it lands, so a relay streams it on at once.
-        end = body.read_into(memoryview(got), 0, landed, piece=PIECE)
+        end = body.read_into(memoryview(got), 0, landed)
         body.close()
         t.join(5)
         # Piece 2 failed at the owner: the stream ended cleanly after the 2 verified pieces.

@@ -781,8 +781,8 @@ class ChunkFetcher:
                     split.landed(end)
 
             if split is None:
-                return body.read_into(view, begin, counted, piece=sink.piece_size)
-            end = body.read_into(view, begin, counted, split.stop_at, piece=sink.piece_size)
+                return body.read_into(view, begin, counted)
+            end = body.read_into(view, begin, counted, split.stop_at)
             return split.finish(view, end, landed)
 
         try:
