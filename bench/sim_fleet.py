@@ -70,16 +70,16 @@ BENCH_WHOLE_UPLOADS = 3
 BENCH_WORKERS = 4
 # Measured by bench/bench_fleet.py --modes p2p[,p2p-ring] --nodes N --size-mib 128
 # --chunk-mib 1 --rate-mbit 50 --rounds 3 with static neighbours, slowest ÷ S/B, the median
-# of 3 rounds. "tree" (today's schedule): 2026-12-06 20:58-21:14 UTC at 48 hosts, every
-# round started at a 1-minute load average of 0.5 or less; 16 hosts 23:26-23:37, 8 hosts
-# 00:33-00:40 and 32 hosts 00:51-01:00 (2026-12-07) with peer streams read a piece at a
-# time, quiet starts (docs/benchmarks.md, "fourth pass"). "ring" (every node an origin fetcher, relays
-# in a ring: the schedule before 2026-12-06): 09:48 UTC at 8 hosts; beyond 8, one round
-# each, loaded, with the schedule of 07:09-07:16 UTC (the relay asked in the first round
-# only).
+# of 3 rounds. "tree" (today's schedule): 2026-12-06 20:41-21:14 UTC at 16-48 hosts, every
+# round started at a 1-minute load average of 0.5 or less; 8 hosts 21:46-21:52, loads
+# 1.0-1.5 at the starts (docs/benchmarks.md, "third pass"; the fourth pass's figures
+# were measured with peer streams read a piece at a time, since reverted). "ring" (every
+# node an origin fetcher, relays in a ring: the schedule before 2026-12-06): 09:48 UTC at
+# 8 hosts; beyond 8, one round each, loaded, with the schedule of 07:09-07:16 UTC (the
+# relay asked in the first round only).
 MEASURED = {
     "ring": {8: 1.18, 16: 1.19, 32: 1.345, 48: 1.56},
-    "tree": {8: 1.09, 16: 1.14, 32: 1.16, 48: 1.28},
+    "tree": {8: 1.11, 16: 1.16, 32: 1.22, 48: 1.28},
 }
 
 
