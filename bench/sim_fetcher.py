@@ -46,7 +46,6 @@ from weightship.data.peer import (
     PeerBusyError,
     PeerError,
     PeerUnavailableError,
-    whole_upload_limit,
 )
 
 # Real seconds one fetch thread may run before it blocks or returns, and a whole run may
@@ -306,13 +305,12 @@ class RealFleet(Fleet):
         c, name = f.chunk, self.names[src]
         self.asks += 1
         f.source = src
-        limit = whole_upload_limit(self.s.whole_uploads, spare_only)
         if not self.alive[src]:
             self.answer(f, refused(name))
         elif spare_only and not self.done[src, c]:
             self.answer(f, ChunkNotOnPeerError(f"{name} has no whole chunk {c}"))
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if self.done[src, c] and self.uploads_whole[src] >= limit:
+            if self.done[src, c] and not self.upload_free(src, spare_only):
                 self.answer(f, PeerBusyError(f"{name} is busy"))
             else:
                 self.transfer(src, f.node, c, f, self.s.rtt_s)

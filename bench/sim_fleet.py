@@ -292,7 +292,6 @@ class Fleet:
             deque(maxlen=3) for _ in range(self.n)
         ]
         self.from_origin_at: dict[int, float] = {}
-        self.holder_ranker = rendezvous.Ranker(self.names)
         self._plan_lanes()
 
     def clock(self) -> float:
@@ -489,7 +488,7 @@ class Fleet:
         d, names = task.node, self.names
         skip = {*avoided, names[task.root], names[d]}
         key = f"{names[d]}\0{self.keys[task.chunk]}"
-        return [self.index[x] for x in self.holder_ranker.top(key, self.policy.holder_probes, skip)]
+        return [self.index[x] for x in self.ranker.top(key, self.policy.holder_probes, skip)]
 
     def ask_holder(self, task: Task, avoided: Collection[str]) -> bool:
         """The round's next holder probe not avoided (a spare-only ask: the whole chunk,
@@ -502,13 +501,17 @@ class Fleet:
                 continue
             self.asks += 1
             task.source = src
-            spare = whole_upload_limit(self.s.whole_uploads, spare_only=True)
-            if self.alive[src] and self.done[src, task.chunk] and self.uploads_whole[src] < spare:
+            if self.alive[src] and self.done[src, task.chunk] and self.upload_free(src, True):
                 self.transfer(src, task.node, task.chunk, task, self.s.rtt_s)
             else:
                 self.timer(self.now + self.s.rtt_s, task)  # refused, 404 or 503
             return True
         return False
+
+    def upload_free(self, src: int, spare_only: bool) -> bool:
+        """Whether ``src``'s peer server takes one more request for a whole chunk now (the
+        server's rule, ``peer.whole_upload_limit``; a 503 otherwise)."""
+        return bool(self.uploads_whole[src] < whole_upload_limit(self.s.whole_uploads, spare_only))
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
         """The round's next peer not avoided (the root long-polled); whether one was asked.
@@ -545,8 +548,7 @@ class Fleet:
         if not self.alive[src]:
             self.timer(self.now + self.s.rtt_s, task)  # refused
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            limit = whole_upload_limit(self.s.whole_uploads, spare_only=False)
-            if self.done[src, c] and self.uploads_whole[src] >= limit:
+            if self.done[src, c] and not self.upload_free(src, False):
                 self.timer(self.now + self.s.rtt_s, task)  # 503
             else:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
@@ -624,7 +626,7 @@ class Fleet:
     def tail(self, count: int) -> list[str]:
         """The ``count`` slowest survivors, each with its last transfers: which chunk,
         from whom (o: the origin; * dead now), when, whole or streamed, and when the
-        chunk first left the origin."""
+        chunk first came in whole from the origin (at its fetcher or a stand-in)."""
         lines = []
         for d in sorted(self.finish, key=lambda x: -self.finish[x])[:count]:
             moves = []
@@ -747,11 +749,9 @@ class Fleet:
                 self.wake(d, c)
                 if self.done[d].all():
                     self.finish[d] = self.now
-        for i, task in zip(ended, tasks, strict=True):
-            s, c = int(src[i]), int(chunk[i])
-            if isinstance(task, Task) and s == int(self.owner[c]):
-                self.behind_on[int(dst[i])][s] = self.f_whole[i]
-            self.last[int(dst[i])].append((c, s, self.f_from[i], self.now, self.f_whole[i]))
+            if isinstance(self.f_task[i], Task) and s == int(self.owner[c]):
+                self.behind_on[d][s] = self.f_whole[i]
+            self.last[d].append((c, s, self.f_from[i], self.now, self.f_whole[i]))
             if s < 0:
                 self.from_origin_at.setdefault(c, self.now)
         self.keep([i for i in range(len(self.f_dst)) if i not in gone])
