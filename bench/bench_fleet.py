@@ -468,6 +468,9 @@ def report(r: dict[str, Any]) -> None:
             f"the {n} node processes used {cpu:.1f} CPU s while staging "
             f"({cpu / m['seconds']:.2f} cores over the slowest node's time)"
         )
+        sys_s = sum(n.get("cpu_sys_s", 0.0) for n in m["nodes"])
+        wakeups = sum(n.get("wakeups", 0) for n in m["nodes"])
+        print(f"of which {sys_s:.1f} CPU s in the kernel; {wakeups} thread wakeups")
         print(
             f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners, "
             "slow whole transfers split\n"

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import time
 import traceback
 from pathlib import Path
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             if not timeline or now - timeline[-1][0] >= 0.5 or p.done_bytes == p.total_bytes:
                 timeline.append((round(now, 2), p.from_origin, p.from_peers))
 
-        cpu_before = time.process_time()
+        cpu_before, usage_before = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         result = stage(
             manifest,
             store,
@@ -188,6 +189,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         )
         seconds = time.time() - start_at
         cpu_s = time.process_time() - cpu_before  # every thread of this node, peer server too
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         doc = {
             "node": args.node,
             "seconds": seconds,
@@ -199,6 +201,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "origin_done_s": last_origin["at"],
             "peer_answers": client.counts,
             "cpu_s": cpu_s,
+            # in the kernel (socket sends run the receiver's TCP too: one host here), and
+            # the times a thread blocked (each a wakeup): where the CPU of a change went
+            "cpu_sys_s": usage.ru_stime - usage_before.ru_stime,
+            "wakeups": usage.ru_nvcsw - usage_before.ru_nvcsw,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
             "origin_renewals": registry.get_sample_value(
                 "weightship_agent_origin_connection_renewals_total"
