@@ -373,14 +373,10 @@ class Fleet:
         if self.policy.relay_wait_s is None:
             return None
         avoided = self.dead() if avoided is None else avoided
-        planned = self.names[int(self.owner[c])]
-        offset = schedule.tree_offset(self.index, planned)
-        fanout = self.policy.relay_fanout
-        names, index, r = self.names, self.index, self.names[root]
-        p = schedule.relay_parent(names, r, names[d], fanout, offset, index)
-        while p is not None and p != r and p in avoided:
-            p = schedule.relay_parent(names, r, p, fanout, offset, index)
-        return None if p is None or p == r else index[p]
+        names, index, fanout = self.names, self.index, self.policy.relay_fanout
+        owner, r = names[int(self.owner[c])], names[root]
+        p = schedule.live_parent(names, index, names[d], fanout, avoided, self.fetchers, owner, r)
+        return None if p is None else index[p]
 
     def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:
         """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then the

@@ -594,12 +594,10 @@ class ChunkFetcher:
         if self.claims.claimant(key) is not None:
             return None
         members, index = self._ranker.nodes, self._ranker.index
-        offset = schedule.tree_offset(index, self.owners.get(key, root))
-        fanout = self.policy.relay_fanout
-        parent = schedule.relay_parent(members, root, self.node, fanout, offset, index)
-        while parent is not None and parent != root and parent in avoided:
-            parent = schedule.relay_parent(members, root, parent, fanout, offset, index)
-        return None if parent == root else parent
+        owner, fanout = self.owners.get(key, root), self.policy.relay_fanout
+        return schedule.live_parent(
+            members, index, self.node, fanout, avoided, self.fetchers, owner, root
+        )
 
     def _from_relay_parent(
         self, chunk: ChunkEntry, root: str, deadline: float, relayed: set[tuple[str, str]]
