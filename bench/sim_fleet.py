@@ -374,8 +374,8 @@ class Fleet:
             return None
         avoided = self.dead() if avoided is None else avoided
         names, index, fanout = self.names, self.index, self.policy.relay_fanout
-        owner, r = names[int(self.owner[c])], names[root]
-        p = schedule.live_parent(names, index, names[d], fanout, avoided, self.fetchers, owner, r)
+        offset = schedule.tree_offset(index, names[int(self.owner[c])])
+        p = schedule.live_parent(names, index, names[root], names[d], fanout, offset, avoided)
         return None if p is None else index[p]
 
     def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:

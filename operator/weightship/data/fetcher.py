@@ -594,10 +594,9 @@ class ChunkFetcher:
         if self.claims.claimant(key) is not None:
             return None
         members, index = self._ranker.nodes, self._ranker.index
-        owner, fanout = self.owners.get(key, root), self.policy.relay_fanout
-        return schedule.live_parent(
-            members, index, self.node, fanout, avoided, self.fetchers, owner, root
-        )
+        offset = schedule.tree_offset(index, self.owners.get(key, root))
+        fanout = self.policy.relay_fanout
+        return schedule.live_parent(members, index, root, self.node, fanout, offset, avoided)
 
     def _from_relay_parent(
         self, chunk: ChunkEntry, root: str, deadline: float, relayed: set[tuple[str, str]]

@@ -160,26 +160,6 @@ class _Tree:
         p = self.position(x)
         return self.at((p - 1) // self.fanout) if p else None
 
-    def steady(self, x: str, orphan: str, avoided: Collection[str]) -> bool:
-        """Whether ``x`` may take ``orphan`` on: neither ``x`` nor any node above it is
-        ``orphan``, or a dead node's child past its first (one that may be taken on
-        elsewhere itself): ``x`` then asks up its own path to the root, which ``orphan``
-        is not on, and no chain of asks runs in a cycle."""
-        p = self.position(x)
-        o = self.position(orphan)
-        while p:
-            if p == o:
-                return False
-            up = (p - 1) // self.fanout
-            if up and self.at(up) in avoided and p != up * self.fanout + 1:
-                return False
-            p = up
-        return True
-
-    def children(self, x: str) -> list[str]:
-        first = self.position(x) * self.fanout + 1
-        return [self.at(p) for p in range(first, min(first + self.fanout, len(self.members)))]
-
 
 def _tree(
     members: Sequence[str],
@@ -212,113 +192,37 @@ def relay_parent(
     return tree.parent(node)
 
 
-def fetcher_trees(
-    members: Sequence[str],
-    index: Mapping[str, int],
-    fetchers: Sequence[str],
-    avoided: Collection[str],
-) -> list[tuple[str, int | None]]:
-    """Each origin fetcher's relay tree as (root, offset), in ``fetchers``' order: rooted
-    at the fetcher, or at the node standing in for it when it is dead (``stand_in``)."""
-    trees: list[tuple[str, int | None]] = []
-    for f in fetchers:
-        root = f if f not in avoided else (stand_in(members, index, f, avoided) or f)
-        trees.append((root, tree_offset(index, f)))
-    return trees
-
-
 def live_parent(
     members: Sequence[str],
     index: Mapping[str, int],
+    root: str,
     node: str,
     fanout: int,
+    offset: int | None,
     avoided: Collection[str],
-    fetchers: Sequence[str],
-    owner: str,
-    root: str,
 ) -> str | None:
-    """Whom ``node`` asks for a chunk of ``owner``'s tree before the chunk's ``root`` (the
-    owner, or the node standing in for it): its parent in that tree, or, when the parent
-    is dead (``avoided``), a live node that the death freed room on (``_adopter``), else
-    the parent's nearest live ancestor. None when that is the root (asked next anyway).
-    ``fetchers``: the origin fetchers, in the same order on every node.
+    """Whom ``node`` asks for a chunk before the chunk's ``root`` (its owner, or the node
+    standing in for it), in the tree that starts at ``offset`` (``relay_parent``): its
+    nearest ancestor not in ``avoided`` (the dead it found). None when that is the root
+    (asked next anyway). The fetcher's ``relay_source`` and the simulator both ask this.
 
-    Why not always the nearest live ancestor: a dead node's children all moved to its
-    parent, in every tree it had children in, so that parent fed one stream more than
-    its share of its uplink for each such tree, and everything below it slowed; with
-    10 % of a fleet killed mid-stage, most nodes sat below such a parent in one tree or
-    another (the simulator, 10,000 nodes: the slowest at 1.77x S/B, against 1.22x for
-    the median). A death frees as much upload as it orphans: the dead node's parent in
-    every tree lost one stream, and it fed about one stream per tree. So its first child
-    in a tree asks its parent there, as before, and each further child asks its parent
-    in a tree where it fed nobody, in an order every node computes alike."""
-    trees = fetcher_trees(members, index, fetchers, avoided)
-    if owner in fetchers:
-        tree = list(fetchers).index(owner)
-        trees[tree] = (root, trees[tree][1])
-    else:  # not a fetcher's chunk: its owner's tree alone
-        trees, tree = [(root, tree_offset(index, owner))], 0
-    t = _tree(members, root, fanout, trees[tree][1], index)
-    if t is None or node not in t.index:
+    Tried and not kept (2026-12-07): a dead node's children past its first in a tree
+    sent to its parents in trees where it fed nobody, so that its death's freed upload
+    takes its orphans instead of its parent (which feeds one stream over its share for
+    every tree the dead node had two children in). The simulator, 16 GiB, 10 % killed:
+    2,000 nodes 1.33 -> 1.28x S/B, 5,000 nodes 1.35 -> 1.21x, but 10,000 nodes 12.86x
+    with 4,428 stalled streams (1.77x without): each node judges from its own view of
+    who is dead whether the node it would move to asks straight up to the root, and
+    the views differ; taking any node not below the child had cycles even with one
+    view (1,480 nodes in one of them, 10,000 nodes). Only heap order is safe under any
+    views, and it found a place for too few (2,000 nodes: 1.34x). docs/benchmarks.md."""
+    tree = _tree(members, root, fanout, offset, index)
+    if tree is None or node not in tree.index:
         return None
-    p = t.parent(node)
-    if p is not None and p != root and p in avoided:
-        adopter = _adopter(members, index, fanout, avoided, trees, tree, p, node)
-        if adopter is not None:
-            return None if adopter == root else adopter
+    p = tree.parent(node)
     while p is not None and p != root and p in avoided:
-        p = t.parent(p)
+        p = tree.parent(p)
     return None if p is None or p == root else p
-
-
-def _adopter(
-    members: Sequence[str],
-    index: Mapping[str, int],
-    fanout: int,
-    avoided: Collection[str],
-    trees: Sequence[tuple[str, int | None]],
-    tree: int,
-    dead: str,
-    orphan: str,
-) -> str | None:
-    """The live node that takes ``orphan`` on in ``trees[tree]`` in place of its parent
-    ``dead``, when ``orphan`` is not the dead node's first child there: the dead node's
-    parent in a tree where it had no child (a slot). The dead node's children past the
-    first, over all trees (in the order of ``trees``, then of the children), each take
-    the first live slot not taken yet that is ``steady`` in their own tree: one whose
-    own asks run up its path to the root, never through an adopter, so no chain of asks
-    runs in a cycle (taking any node not below the orphan, 10,000 nodes with 10 % dead
-    had cycles through adopters' own adopters, 1,480 nodes in one of them; taking only
-    nodes above the orphan, most orphans found no slot: 2,000 nodes with 10 % killed,
-    1.34x S/B in the simulator against 1.18x). None when no slot is left for it."""
-    extras: list[tuple[int, str]] = []  # the dead node's children past its first, per tree
-    slots: list[str] = []  # its parent in each tree where it had no child
-    laid = [_tree(members, r, fanout, off, index) for r, off in trees]
-    for i, t in enumerate(laid):
-        if t is None or t.root == dead:
-            continue
-        kids = t.children(dead)
-        if kids:
-            extras.extend((i, k) for k in kids[1:])
-        elif (up := t.parent(dead)) is not None:
-            slots.append(up)
-    taken: set[int] = set()
-    for i, kid in extras:  # each takes the first free slot that can take it
-        t = laid[i]
-        assert t is not None
-        k = next(
-            (
-                k
-                for k, x in enumerate(slots)
-                if k not in taken and x not in avoided and t.steady(x, kid, avoided)
-            ),
-            None,
-        )
-        if (i, kid) == (tree, orphan):
-            return None if k is None else slots[k]
-        if k is not None:
-            taken.add(k)
-    return None
 
 
 def relay_depth(n: int, position: int, fanout: int) -> int:
