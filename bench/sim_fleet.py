@@ -292,6 +292,10 @@ class Fleet:
             deque(maxlen=3) for _ in range(self.n)
         ]
         self.from_origin_at: dict[int, float] = {}
+        # Whom each node's copy of each chunk came from, and when (first byte, end): the
+        # chain behind the slowest node's last chunk (``tail``).
+        self.came_from = np.full((self.n, self.k), -2, dtype=np.int32)
+        self.came_at = np.zeros((self.n, self.k, 2), dtype=np.float32)
         self._plan_lanes()
 
     def clock(self) -> float:
@@ -632,7 +636,23 @@ class Fleet:
                 landed = self.from_origin_at.get(c, math.nan)
                 moves.append(f"c{c} from {who} {t0:.1f}-{t1:.1f} {kind} (origin {landed:.1f})")
             lines.append(f"node {d} done {self.finish[d]:.1f} s: " + "; ".join(moves))
+        if self.finish:
+            lines.append(self.chain(max(self.finish, key=lambda x: self.finish[x])))
         return lines
+
+    def chain(self, d: int) -> str:
+        """The way the last chunk of node ``d`` came, hop by hop back to the origin: each
+        copy's source and its first byte and end."""
+        c = self.last[d][-1][0]
+        hops, seen = [], set()
+        while d >= 0 and d not in seen:
+            seen.add(d)
+            src = int(self.came_from[d, c])
+            t0, t1 = (float(x) for x in self.came_at[d, c])
+            alive = "" if self.alive[d] else "*"
+            hops.append(f"{d}{alive} {t0:.1f}-{t1:.1f}")
+            d = src if src != -2 else -3
+        return f"chunk {c}'s way: " + " <- ".join(hops) + (" <- origin" if d == -1 else "")
 
     def next_origin(self, d: int) -> None:
         q = self.origin_queue[d]
@@ -742,6 +762,8 @@ class Fleet:
                 self.uploads_whole[s] -= 1
             if not self.done[d, c]:
                 self.done[d, c] = True
+                self.came_from[d, c] = s
+                self.came_at[d, c] = (self.f_from[i], self.now)
                 self.wake(d, c)
                 if self.done[d].all():
                     self.finish[d] = self.now
