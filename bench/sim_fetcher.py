@@ -310,8 +310,8 @@ class RealFleet(Fleet):
         elif spare_only and not self.done[src, c]:
             self.answer(f, ChunkNotOnPeerError(f"{name} has no whole chunk {c}"))
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if self.done[src, c] and not self.upload_free(src, spare_only):
-                self.answer(f, PeerBusyError(f"{name} is busy"))
+            if not self.admits(src, bool(self.done[src, c]), spare_only):
+                self.busy(f)
             else:
                 self.transfer(src, f.node, c, f, self.s.rtt_s)
         elif wait_s > 0:
@@ -321,6 +321,10 @@ class RealFleet(Fleet):
             self.answer(f, ChunkNotOnPeerError(f"{name} has no chunk {c}"))
         self.lockstep.block(f)  # raises the answer, or returns once the transfer is over
         return WorldBody(self.verified(f.node, c), f.whole)
+
+    def busy(self, task: Fetch) -> None:
+        assert isinstance(task, RealFetch)
+        self.answer(task, PeerBusyError(f"{self.names[task.source]} is busy"))
 
     def answer(self, f: RealFetch, error: PeerError) -> None:
         """Answer ``f``'s request with ``error`` a round trip from now."""

@@ -17,7 +17,8 @@ What is the product's, called as the agent calls it (nothing re-implemented):
   (each node's ``PeerHealth``),
 - the lanes: the origin requests in flight (``schedule.origin_requests``), the peer
   lane's size and its per-owner limit (``stage.PEER_LANE_MAX``, ``stage.PER_OWNER``), the
-  peer server's whole-chunk uploads (``peer.whole_upload_limit``).
+  peer server's transfers and whole-chunk uploads (``peer.MAX_TRANSFERS``,
+  ``peer.whole_upload_limit``).
 
 What is faked, the world: every link (each node's up and down, the origin's egress) is a
 capacity shared max-min fairly by the transfers crossing it (water-filling, recomputed
@@ -57,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule
 from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
-from weightship.data.peer import STREAM_STALL_S, whole_upload_limit
+from weightship.data.peer import MAX_TRANSFERS, STREAM_STALL_S, whole_upload_limit
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
 from weightship.weightformat.entries import ChunkEntry
@@ -276,6 +277,7 @@ class Fleet:
         self.f_task: list[Fetch | None] = []  # None: the origin lane's
         self.f_whole: list[bool] = []  # counted in its source's whole uploads
         self.uploads_whole = np.zeros(self.n, dtype=np.int64)
+        self.uploads = np.zeros(self.n, dtype=np.int64)  # every transfer a node sends
         self.waiters: dict[tuple[int, int], list[tuple[Fetch, int]]] = {}
         self.timers: list[tuple[float, int, Fetch, int]] = []
         self.seq = 0
@@ -501,17 +503,25 @@ class Fleet:
                 continue
             self.asks += 1
             task.source = src
-            if self.alive[src] and self.done[src, task.chunk] and self.upload_free(src, True):
+            if self.alive[src] and self.done[src, task.chunk] and self.admits(src, True, True):
                 self.transfer(src, task.node, task.chunk, task, self.s.rtt_s)
             else:
                 self.timer(self.now + self.s.rtt_s, task)  # refused, 404 or 503
             return True
         return False
 
-    def upload_free(self, src: int, spare_only: bool) -> bool:
-        """Whether ``src``'s peer server takes one more request for a whole chunk now (the
-        server's rule, ``peer.whole_upload_limit``; a 503 otherwise)."""
-        return bool(self.uploads_whole[src] < whole_upload_limit(self.s.whole_uploads, spare_only))
+    def admits(self, src: int, whole: bool, spare_only: bool) -> bool:
+        """Whether ``src``'s peer server takes one more transfer now, of the whole chunk or
+        a stream of it (the server's rules: ``peer.MAX_TRANSFERS`` transfers at once,
+        ``peer.whole_upload_limit`` of them whole; a 503 otherwise)."""
+        if self.uploads[src] >= MAX_TRANSFERS:
+            return False
+        limit = whole_upload_limit(self.s.whole_uploads, spare_only)
+        return not whole or bool(self.uploads_whole[src] < limit)
+
+    def busy(self, task: Fetch) -> None:
+        """Answer ``task``'s request 503 (busy), a round trip from now."""
+        self.timer(self.now + self.s.rtt_s, task)
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
         """The round's next peer not avoided (the root long-polled); whether one was asked.
@@ -548,8 +558,8 @@ class Fleet:
         if not self.alive[src]:
             self.timer(self.now + self.s.rtt_s, task)  # refused
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if self.done[src, c] and not self.upload_free(src, False):
-                self.timer(self.now + self.s.rtt_s, task)  # 503
+            if not self.admits(src, bool(self.done[src, c]), False):
+                self.busy(task)  # 503
             else:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
         elif wait_s > 0:
@@ -575,13 +585,19 @@ class Fleet:
         for task, token in self.waiters.pop((src, c), []):
             self.cancelled.add(token)  # its timer, when it fires, does nothing
             task.waiting = None
-            if self.alive[task.node]:
+            if not self.alive[task.node]:
+                continue
+            if self.admits(src, bool(self.done[src, c]), False):
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
+            else:
+                self.busy(task)  # woken, the server found no transfer slot: 503
 
     def transfer(self, src: int, dst: int, c: int, task: Fetch | None, latency: float) -> None:
         whole = src >= 0 and bool(self.done[src, c])
         if whole:
             self.uploads_whole[src] += 1
+        if src >= 0:
+            self.uploads[src] += 1
         self.f_whole.append(whole)
         self.f_src.append(src)
         self.f_dst.append(dst)
@@ -760,6 +776,8 @@ class Fleet:
             s, d, c = int(src[i]), int(dst[i]), int(chunk[i])
             if self.f_whole[i]:
                 self.uploads_whole[s] -= 1
+            if s >= 0:
+                self.uploads[s] -= 1
             if not self.done[d, c]:
                 self.done[d, c] = True
                 self.came_from[d, c] = s
@@ -812,6 +830,8 @@ class Fleet:
             s, c = self.f_src[i], self.f_chunk[i]
             if self.f_whole[i]:
                 self.uploads_whole[s] -= 1
+            if s >= 0:
+                self.uploads[s] -= 1
             if self.alive[self.f_dst[i]]:
                 d = self.f_dst[i]
                 self.got[d, c] = math.floor(self.got[d, c] / self.piece) * self.piece

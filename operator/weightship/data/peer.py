@@ -50,6 +50,9 @@ READ_STEP = 256 * 1024
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
+# Transfers a peer server sends at once (streams and whole chunks): past this, 503. The
+# fleet simulator answers by the same number.
+MAX_TRANSFERS = 32
 # Handler threads at once: every worker of a few hundred peers keeping its connection.
 MAX_CONNECTIONS = 512
 # A whole request, its answer included: a 64 MiB chunk at 10 Mbit/s takes under a minute.
@@ -375,7 +378,7 @@ class PeerServer:
         store: ChunkStore,
         host: str,
         port: int = 0,
-        max_concurrent: int = 32,
+        max_concurrent: int = MAX_TRANSFERS,
         max_connections: int = MAX_CONNECTIONS,
         whole_uploads: int = WHOLE_UPLOADS,
         redirect_claimed: bool = True,
