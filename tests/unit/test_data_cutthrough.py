@@ -22,7 +22,13 @@ from weightship.data.cli import verify_files_command
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ChunkIncompleteError, ModelStaging
-from weightship.data.peer import ChunkNotOnPeerError, PeerBody, PeerClient, PeerServer
+from weightship.data.peer import (
+    ChunkNotOnPeerError,
+    PeerBody,
+    PeerBusyError,
+    PeerClient,
+    PeerServer,
+)
 from weightship.data.stage import stage
 from weightship.httpserver import Server
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
@@ -119,6 +125,48 @@ def test_a_chunk_still_arriving_is_streamed_on_never_past_its_verified_prefix(
         assert end == CHUNK and bytes(got) == good
         assert owner_store.has_chunk(chunk.key)
         assert verified_at and verified_at[0] < CHUNK  # bytes moved before the chunk was whole
+
+
+def test_a_peer_sending_its_cap_of_transfers_answers_busy(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    """``max_concurrent`` transfers at once (``peer.MAX_TRANSFERS`` by default, the number
+    the fleet simulator answers by): a stream in flight holds one until it ends, and an
+    ask past the cap is a 503 that the client raises as busy, never held or queued."""
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    store = ChunkStore(tmp_path / "owner")
+    store.claims.open([chunk.key], [])
+    more = threading.Event()
+    with (
+        ModelStaging(store, m) as owner,
+        PeerServer(store, "127.0.0.1", max_concurrent=1) as server,
+    ):
+        owner.pieces = pieces
+        owner.prepare()
+
+        def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
+            view[:PIECE] = good[:PIECE]
+            landed(PIECE)
+            more.wait(5)  # the rest lands once the second ask was answered
+            view[PIECE:CHUNK] = good[PIECE:CHUNK]
+            landed(CHUNK)
+            return CHUNK
+
+        t = threading.Thread(target=lambda: owner.receive(chunk.key, fill))
+        t.start()
+        first, second = PeerClient(timeout_s=5), PeerClient(timeout_s=5)
+        body = first.open(server.address, chunk.key, wait_s=2)  # streaming: holds the slot
+        with pytest.raises(PeerBusyError):
+            second.open(server.address, chunk.key, wait_s=2)
+        more.set()
+        got = bytearray(CHUNK)
+        assert body.read_into(memoryview(got), 0, lambda n: None) == CHUNK
+        body.close()
+        t.join(5)
+        assert bytes(got) == good
+        # The slot is free again: the same ask is answered.
+        assert second.fetch(server.address, chunk.key) == good
 
 
 class _Canned:

@@ -118,3 +118,36 @@ def test_the_simulator_asks_whom_the_agent_asks(
     fleet.kill(dead)
     simulated, real = first_asks()
     assert simulated == real
+
+
+def test_a_peer_at_its_transfer_cap_answers_busy_as_the_server_does(sim: ModuleType) -> None:
+    """The peer server sends ``peer.MAX_TRANSFERS`` transfers at once and answers 503
+    past them, a long-poll woken by the chunk too; the simulator lets no node send more
+    (it let one node of 10,000 send hundreds of streams at once)."""
+    fleet = sim.Fleet(sim.Scenario(12, 40 * MiB, MiB, 1e6, 1e6))
+    src, c = 0, 3
+    fleet.got[src, c] = fleet.sizes[c]  # a stream of it, were it landing; whole here
+    fleet.done[src, c] = True
+    fleet.keep([])  # no transfers yet: only those this test starts
+
+    def ask(node: int) -> bool:
+        """Whether node's ask of ``src`` started a transfer (else a 503, answered later)."""
+        before, timers = len(fleet.f_dst), len(fleet.timers)
+        fleet.ask(sim.Task(node, c, 10.0), src, 0.0)
+        started = len(fleet.f_dst) == before + 1
+        assert started != (len(fleet.timers) == timers + 1)
+        return started
+
+    fleet.uploads[src] = sim.MAX_TRANSFERS - 1
+    assert ask(1)  # the 32nd
+    assert int(fleet.uploads[src]) == sim.MAX_TRANSFERS
+    assert not ask(2)  # the 33rd: busy
+    fleet.done[src, c] = False  # a chunk still landing: held, then woken at the cap
+    fleet.got[src, c] = 0
+    held = sim.Task(4, c, 10.0)
+    fleet.ask(held, src, 2.0)
+    assert held.waiting == src
+    fleet.got[src, c] = fleet.piece
+    before = len(fleet.f_dst)
+    fleet.wake(src, c)
+    assert len(fleet.f_dst) == before and held.waiting is None  # answered 503
