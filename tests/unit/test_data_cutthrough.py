@@ -137,22 +137,15 @@ def test_a_peer_sending_its_cap_of_transfers_answers_busy(
     chunk, good = m.chunks[0], _bytes(m, src, 0)
     store = ChunkStore(tmp_path / "owner")
     store.claims.open([chunk.key], [])
-    more = threading.Event()
+    # The rest lands once the second ask was answered.
+    first_piece, more = threading.Event(), threading.Event()
+    fill = _lands_in_two(good, first_piece, more)
     with (
         ModelStaging(store, m) as owner,
         PeerServer(store, "127.0.0.1", max_concurrent=1) as server,
     ):
         owner.pieces = pieces
         owner.prepare()
-
-        def fill(view: memoryview, start: int, landed: Callable[[int], None]) -> int:
-            view[:PIECE] = good[:PIECE]
-            landed(PIECE)
-            more.wait(5)  # the rest lands once the second ask was answered
-            view[PIECE:CHUNK] = good[PIECE:CHUNK]
-            landed(CHUNK)
-            return CHUNK
-
         t = threading.Thread(target=lambda: owner.receive(chunk.key, fill))
         t.start()
         first, second = PeerClient(timeout_s=5), PeerClient(timeout_s=5)
