@@ -667,7 +667,7 @@ class Fleet:
             t0, t1 = (float(x) for x in self.came_at[d, c])
             alive = "" if self.alive[d] else "*"
             hops.append(f"{d}{alive} {t0:.1f}-{t1:.1f}")
-            d = src if src != -2 else -3
+            d = src  # -1: the origin; -2: no copy recorded
         return f"chunk {c}'s way: " + " <- ".join(hops) + (" <- origin" if d == -1 else "")
 
     def next_origin(self, d: int) -> None:
@@ -774,10 +774,7 @@ class Fleet:
         tasks = [self.f_task[i] for i in ended]
         for i in ended:
             s, d, c = int(src[i]), int(dst[i]), int(chunk[i])
-            if self.f_whole[i]:
-                self.uploads_whole[s] -= 1
-            if s >= 0:
-                self.uploads[s] -= 1
+            self.release_upload(i)
             if not self.done[d, c]:
                 self.done[d, c] = True
                 self.came_from[d, c] = s
@@ -827,11 +824,8 @@ class Fleet:
         and its task is told (``start``), or they are returned to tell later."""
         restart: list[Fetch | None] = []
         for i in rows:
-            s, c = self.f_src[i], self.f_chunk[i]
-            if self.f_whole[i]:
-                self.uploads_whole[s] -= 1
-            if s >= 0:
-                self.uploads[s] -= 1
+            c = self.f_chunk[i]
+            self.release_upload(i)
             if self.alive[self.f_dst[i]]:
                 d = self.f_dst[i]
                 self.got[d, c] = math.floor(self.got[d, c] / self.piece) * self.piece
@@ -843,6 +837,14 @@ class Fleet:
                 if task is not None:
                     task.cut(self)
         return restart
+
+    def release_upload(self, i: int) -> None:
+        """Transfer ``i`` ended or was cut: its source sends one transfer less."""
+        s = self.f_src[i]
+        if s >= 0:
+            self.uploads[s] -= 1
+        if self.f_whole[i]:
+            self.uploads_whole[s] -= 1
 
     def keep(self, rows: list[int]) -> None:
         for name in ("f_src", "f_dst", "f_chunk", "f_from", "f_moved", "f_task", "f_whole"):
