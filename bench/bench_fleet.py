@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -75,13 +76,21 @@ def cleanup() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def setup_network(nodes: int, rate_mbit: int) -> None:
+def slow_hosts(nodes: int, count: int) -> list[int]:
+    """``count`` hosts (1-based) spread evenly over ``nodes``."""
+    return sorted({1 + (2 * j + 1) * nodes // (2 * count) for j in range(count)})
+
+
+def setup_network(
+    nodes: int, rate_mbit: int, slowed: Collection[int] = (), slow_factor: float = 1.0
+) -> None:
     sh("ip", "netns", "add", SWITCH)
     sh("ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge")
     sh("ip", "-n", SWITCH, "link", "set", "br0", "up")
     hosts = [("origin", ORIGIN_IP)] + [(f"n{i}", node_ip(i)) for i in range(1, nodes + 1)]
-    tbf = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", "20ms"]
     for name, addr in hosts:
+        rate_kbit = rate_mbit * 1000 * (slow_factor if name in {f"n{i}" for i in slowed} else 1)
+        tbf = ["root", "tbf", "rate", f"{rate_kbit:.0f}kbit", "burst", "256kb", "latency", "20ms"]
         ns, port = PREFIX + name, f"v-{name}"
         sh("ip", "netns", "add", ns)
         sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -305,6 +314,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--settle-max-s", type=float, default=300, help="... waiting this long at most")
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
+    p.add_argument(
+        "--slow-hosts", type=int, default=0, help="hosts whose links run at --slow-factor of B"
+    )
+    p.add_argument("--slow-factor", type=float, default=0.1)
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib = 64
@@ -333,12 +346,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": args.workers,
         "bound_seconds": manifest.total_size / rate,
     }
+    slowed = slow_hosts(args.nodes, args.slow_hosts) if args.slow_hosts else []
+    results["slow_hosts"] = [f"n{i}" for i in slowed]
+    results["slow_factor"] = args.slow_factor
     results["loadavg_before"] = os.getloadavg()[0]
     cleanup()
     try:
         with local_origin(model):
             pass  # uploaded once; the gateway in the origin namespace serves the same dir
-        setup_network(args.nodes, args.rate_mbit)
+        setup_network(args.nodes, args.rate_mbit, slowed, args.slow_factor)
         with versitygw(ORIGIN_IP, ORIGIN_PORT, netns=ORIGIN_NS) as endpoint:
             results["rounds"] = []
             for _ in range(args.rounds):  # interleaved, so load drifts hit every mode alike
@@ -356,6 +372,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (WORK / "fleet-results.json").write_text(json.dumps(results, indent=1))
     report(results)
     return results
+
+
+def slow_report(r: dict[str, Any], m: dict[str, Any]) -> None:
+    """The hosts not slowed (S/B at the full link), and who stopped relaying."""
+    slowed = set(r["slow_hosts"])
+    others = sorted(n["seconds"] for n in m["nodes"] if n["node"] not in slowed)
+    stopped = {n["node"] for n in m["nodes"] if n.get("relay_stops")}
+    bound = r["bound_seconds"]
+    print(
+        f"slow hosts: {len(slowed)} of {r['nodes']} at {r['slow_factor']:.0%} of B "
+        f"({', '.join(sorted(slowed))}); the others' slowest {others[-1] / bound:.2f}x S/B, "
+        f"p50 {others[len(others) // 2] / bound:.2f}x; {len(stopped)} stopped relaying "
+        f"({len(stopped - slowed)} of them not slowed)"
+    )
 
 
 def settle(below: float, max_s: float) -> float:
@@ -468,6 +498,8 @@ def report(r: dict[str, Any]) -> None:
             f"the {n} node processes used {cpu:.1f} CPU s while staging "
             f"({cpu / m['seconds']:.2f} cores over the slowest node's time)"
         )
+        if r.get("slow_hosts"):
+            slow_report(r, m)
         sys_s = sum(n.get("cpu_sys_s", 0.0) for n in m["nodes"])
         wakeups = sum(n.get("wakeups", 0) for n in m["nodes"])
         print(f"of which {sys_s:.1f} CPU s in the kernel; {wakeups} thread wakeups")

@@ -222,6 +222,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             )
             or 0,
             "demotions": registry.get_sample_value("weightship_agent_peer_demotions_total") or 0,
+            # stopped relaying: its tree parents were ahead of it (slowrelay.py)
+            "relay_stops": registry.get_sample_value("weightship_agent_relay_stops_total") or 0,
             "piece_verified": staged_with_pieces(store, manifest),
             "timeline": timeline,
             "trace": trace,

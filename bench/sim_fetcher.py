@@ -27,6 +27,7 @@ Every wait is bounded in real time: a thread that does not come back fails the r
 from __future__ import annotations
 
 import argparse
+import heapq
 import math
 import threading
 import time
@@ -45,8 +46,10 @@ from weightship.data.peer import (
     ChunkNotOnPeerError,
     PeerBusyError,
     PeerError,
+    PeerNotRelayingError,
     PeerUnavailableError,
 )
+from weightship.data.slowrelay import RelayStatus
 
 # Real seconds one fetch thread may run before it blocks or returns, and a whole run may
 # take: past either the run fails (a deadlock, a fetcher spinning on the virtual clock).
@@ -76,7 +79,19 @@ class RealFetch(Fetch):
     """A lane's fetch run by the node's real ``ChunkFetcher``, in a thread: what the call
     it is blocked in gets when the fleet wakes it."""
 
-    __slots__ = ("error", "go", "lane", "on_timer", "outcome", "source", "thread", "whole")
+    __slots__ = (
+        "error",
+        "go",
+        "head",
+        "held_s",
+        "lane",
+        "moving",
+        "on_timer",
+        "outcome",
+        "source",
+        "thread",
+        "whole",
+    )
 
     def __init__(self, node: int, chunk: int, lane: str, go: threading.Condition) -> None:
         super().__init__(node, chunk)
@@ -84,22 +99,38 @@ class RealFetch(Fetch):
         self.go = go  # notified when it is this thread's turn
         self.source = -1  # the node its current request went to (-1: the origin)
         self.whole = False  # that source held the chunk whole when it answered
+        self.held_s: float | None = None  # for how long (``peer.HELD_HEADER``)
+        # Its peer transfer is under way (``moving``), and the timer of the answer's first
+        # byte, when the request returns (``head``; None: fired, or no transfer).
+        self.moving = False
+        self.head: int | None = None
         self.on_timer: BaseException | None = None  # raised when its timer fires
         self.outcome: BaseException | None = None  # raised in it when it runs next
         self.error: BaseException | None = None  # what its fetch raised
         self.thread: threading.Thread | None = None
 
     def landed(self, fleet: Fleet) -> None:
+        self.transfer_over(fleet)
         resume(fleet, self, None)
 
     def cut(self, fleet: Fleet) -> None:
+        self.transfer_over(fleet)
         if self.source >= 0 and not fleet.alive[self.source]:
             resume(fleet, self, reset(fleet.names[self.source]))
         else:  # a stalled stream ended (cleanly): the reader keeps its whole pieces
             resume(fleet, self, None)
 
     def timed_out(self, fleet: Fleet) -> None:
+        self.head = None
         resume(fleet, self, self.on_timer)
+
+    def transfer_over(self, fleet: Fleet) -> None:
+        """Its transfer ended before or after its first byte: a first byte not yet come
+        never comes (the request returns now, or raises)."""
+        self.moving = False
+        if self.head is not None:
+            fleet.cancelled.add(self.head)
+            self.head = None
 
 
 def resume(fleet: Fleet, f: RealFetch, outcome: BaseException | None) -> None:
@@ -206,6 +237,8 @@ class RealFleet(Fleet):
         self.view = memoryview(bytearray(s.chunk))  # where every chunk "lands"
         peers = [Peer(name, name) for name in self.names]  # an address is the node's name
         metrics = DataPlaneMetrics.create(CollectorRegistry())
+        # Each node's RelayStatus, which its fetcher tells and its peer server answers by.
+        self.relay_status = [RelayStatus(self.clock) for _ in self.names]
         self.agents = [
             ChunkFetcher(
                 node=name,
@@ -216,6 +249,7 @@ class RealFleet(Fleet):
                 chunks=self.entries,
                 policy=self.policy,
                 client=WorldClient(self),  # type: ignore[arg-type]
+                relaying=self.relay_status[d],
                 clock=self.clock,
                 sleep=self.sleep,
             )
@@ -307,6 +341,8 @@ class RealFleet(Fleet):
         f.source = src
         if not self.alive[src]:
             self.answer(f, refused(name))
+        elif not self.relays(src):
+            self.not_relaying(f)
         elif spare_only and not self.done[src, c]:
             self.answer(f, ChunkNotOnPeerError(f"{name} has no whole chunk {c}"))
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
@@ -319,12 +355,16 @@ class RealFleet(Fleet):
             self.hold(f, src, wait_s)  # ``Fleet.wake`` starts its transfer when a piece lands
         else:
             self.answer(f, ChunkNotOnPeerError(f"{name} has no chunk {c}"))
-        self.lockstep.block(f)  # raises the answer, or returns once the transfer is over
-        return WorldBody(self.verified(f.node, c), f.whole)
+        self.lockstep.block(f)  # raises the answer, or returns at its first byte
+        return WorldBody(self, f)
 
     def busy(self, task: Fetch) -> None:
         assert isinstance(task, RealFetch)
         self.answer(task, PeerBusyError(f"{self.names[task.source]} is busy"))
+
+    def not_relaying(self, task: Fetch) -> None:
+        assert isinstance(task, RealFetch)
+        self.answer(task, PeerNotRelayingError(f"{self.names[task.source]} no longer relays"))
 
     def answer(self, f: RealFetch, error: PeerError) -> None:
         """Answer ``f``'s request with ``error`` a round trip from now."""
@@ -341,9 +381,19 @@ class RealFleet(Fleet):
             raise ChunkIncompleteError(f"chunk {f.chunk}: the origin's answer was cut short")
 
     def transfer(self, src: int, dst: int, c: int, task: Fetch | None, latency: float) -> None:
-        if isinstance(task, RealFetch):
-            task.whole = src >= 0 and bool(self.done[src, c])  # else a stream (chunked)
+        if isinstance(task, RealFetch) and src >= 0:
+            task.whole = bool(self.done[src, c])  # else a stream (chunked)
+            task.held_s = self.now - float(self.came_at[src, c, 1]) if task.whole else None
+            # The request returns with the answer's first byte: its headers say whether it
+            # is whole and how long the source had held it; the body is read after.
+            task.moving, task.on_timer = True, None
+            self.seq += 1
+            task.head = self.seq
+            heapq.heappush(self.timers, (self.now + latency, self.seq, task, self.seq))
         super().transfer(src, dst, c, task, latency)
+
+    def relays(self, d: int) -> bool:
+        return self.relay_status[d].relaying
 
     def verified(self, d: int, c: int) -> int:
         """Node ``d``'s verified prefix of chunk ``c``: its whole pieces."""
@@ -353,10 +403,12 @@ class RealFleet(Fleet):
 
 
 class WorldBody:
-    """A peer's answer, already in: where it ended (``PeerBody``)."""
+    """A peer's answer from its first byte on (``PeerBody``): reading it waits for the
+    transfer to end, and says where it ended."""
 
-    def __init__(self, end: int, whole: bool) -> None:
-        self.end, self.whole = end, whole
+    def __init__(self, fleet: RealFleet, f: RealFetch) -> None:
+        self.fleet, self.f = fleet, f
+        self.whole, self.held_s = f.whole, f.held_s
 
     def read_into(
         self,
@@ -365,9 +417,13 @@ class WorldBody:
         landed: Callable[[int], None],
         stop_at: Callable[[int], int] | None = None,
     ) -> int:
-        if self.end > begin:
-            landed(self.end)
-        return max(begin, self.end)
+        fleet, f = self.fleet, self.f
+        if f.moving:
+            fleet.lockstep.block(f)  # until the transfer ends; raises a reset
+        end = fleet.verified(f.node, f.chunk)
+        if end > begin:
+            landed(end)
+        return max(begin, end)
 
     def close(self) -> None:
         pass

@@ -56,7 +56,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from weightship.data import rendezvous, schedule
+from weightship.data import rendezvous, schedule, slowrelay
 from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
 from weightship.data.peer import MAX_TRANSFERS, STREAM_STALL_S, whole_upload_limit
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
@@ -135,6 +135,7 @@ class Result:
     cpu_per_gb: float = 0.0
     slowed: frozenset[int] = frozenset()  # nodes at slow_factor
     stalled: int = 0  # streams ended by the peer server's stall rule (STREAM_STALL_S)
+    not_relaying: frozenset[int] = frozenset()  # nodes that stopped relaying (slowrelay.py)
     tail: list[str] = field(default_factory=list)  # the slowest nodes' last transfers
 
     def ratio(self, q: float, *, healthy: bool = False) -> float:
@@ -187,6 +188,7 @@ class Task(Fetch):
         "deadline",
         "next_peer",
         "next_probe",
+        "origin_lane",
         "peers",
         "probes",
         "relayed",
@@ -197,9 +199,10 @@ class Task(Fetch):
         "source",
     )
 
-    def __init__(self, node: int, chunk: int, deadline: float) -> None:
+    def __init__(self, node: int, chunk: int, deadline: float, *, origin_lane: bool = False):
         super().__init__(node, chunk)
         self.deadline = deadline
+        self.origin_lane = origin_lane  # a fetch of the node's own chunk (else its peer lane)
         # As the fetcher's rounds: the round's first live node (-1: no round yet) and the
         # nodes this node avoided when the round began; its relays asked, while it asks
         # them; then its peers (the root first; None: not ranked past the root yet), the
@@ -298,6 +301,10 @@ class Fleet:
         # chain behind the slowest node's last chunk (``tail``).
         self.came_from = np.full((self.n, self.k), -2, dtype=np.int32)
         self.came_at = np.zeros((self.n, self.k, 2), dtype=np.float32)
+        # Slow relays (slowrelay.py): the notices of lagging each node took, and whether it
+        # still relays.
+        self.notices: list[list[float]] = [[] for _ in range(self.n)]
+        self.relaying = np.ones(self.n, dtype=bool)
         self._plan_lanes()
 
     def clock(self) -> float:
@@ -384,6 +391,16 @@ class Fleet:
         p = schedule.live_parent(names, index, names[root], names[d], fanout, offset, avoided)
         return None if p is None else index[p]
 
+    def tree_parent(self, d: int, c: int) -> int | None:
+        """``ChunkFetcher.tree_parent``: ``d``'s parent in the tree of ``c``'s owner."""
+        if self.policy.relay_wait_s is None:
+            return None
+        names, index, owner = self.names, self.index, self.names[int(self.owner[c])]
+        offset = schedule.tree_offset(index, owner)
+        fanout = self.policy.relay_fanout
+        p = schedule.relay_parent(names, owner, names[d], fanout, offset, index)
+        return None if p is None else index[p]
+
     def round_peers(self, d: int, c: int, root: int, avoided: Collection[str]) -> list[int]:
         """Whom a round asks after its relays (``ChunkFetcher._fetch``): ``root``, then the
         chunk's next live nodes (``live_ranking``), ``peers_per_round`` in all, never ``d``."""
@@ -418,6 +435,9 @@ class Fleet:
 
     def release(self, task: Fetch) -> None:
         d = task.node
+        if isinstance(task, Task) and task.origin_lane:
+            self.next_origin(d)
+            return
         o = int(self.owner[task.chunk])
         self.running[d][o] -= 1
         self.free[d] += 1
@@ -437,6 +457,8 @@ class Fleet:
             health.mark_dead(self.names[task.source], self.policy.dead_cooldown_s, refused=True)
         task.source = -1
         avoided = health.avoided()
+        if not self.relays(d):
+            avoided.add(self.names[d])  # its own chunks come from its stand-in (slowrelay.py)
         if task.root < 0:  # a new round
             root = self.root(c, avoided)
             if root == d:
@@ -503,7 +525,9 @@ class Fleet:
                 continue
             self.asks += 1
             task.source = src
-            if self.alive[src] and self.done[src, task.chunk] and self.admits(src, True, True):
+            if not self.answers(src, task.node):
+                self.not_relaying(task)
+            elif self.alive[src] and self.done[src, task.chunk] and self.admits(src, True, True):
                 self.transfer(src, task.node, task.chunk, task, self.s.rtt_s)
             else:
                 self.timer(self.now + self.s.rtt_s, task)  # refused, 404 or 503
@@ -519,8 +543,35 @@ class Fleet:
         limit = whole_upload_limit(self.s.whole_uploads, spare_only)
         return not whole or bool(self.uploads_whole[src] < limit)
 
+    def relays(self, d: int) -> bool:
+        """Whether node ``d`` still relays (``RelayStatus.relaying``)."""
+        return bool(self.relaying[d])
+
+    def answers(self, src: int, d: int) -> bool:
+        """Whether live ``src`` serves ``d``'s chunk request: not once it stopped relaying
+        (then ``d`` shuns it for the rest of the stage: slowrelay.py)."""
+        if self.relays(src):
+            return True
+        self.health[d].shun(self.names[src])
+        return False
+
+    def answered_whole(self, src: int, d: int, c: int, held_s: float) -> None:
+        """``src`` answers ``d`` with chunk ``c`` whole, having held it ``held_s``
+        (``peer.HELD_HEADER``): when ``src`` is ``d``'s parent in the chunk's tree
+        (``ChunkFetcher.tree_parent``), ``d`` lags it by that much (slowrelay.py)."""
+        if src != self.tree_parent(d, c):
+            return
+        if slowrelay.lags(held_s, self.now):  # every node's stage began at 0
+            self.notices[d].append(self.now)
+            if slowrelay.stops_relaying(self.notices[d], self.now):
+                self.relaying[d] = False
+
     def busy(self, task: Fetch) -> None:
         """Answer ``task``'s request 503 (busy), a round trip from now."""
+        self.timer(self.now + self.s.rtt_s, task)
+
+    def not_relaying(self, task: Fetch) -> None:
+        """Answer ``task``'s request 503, not relaying (``peer.RELAYING_HEADER``)."""
         self.timer(self.now + self.s.rtt_s, task)
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
@@ -557,6 +608,8 @@ class Fleet:
         task.source = src
         if not self.alive[src]:
             self.timer(self.now + self.s.rtt_s, task)  # refused
+        elif not self.answers(src, task.node):
+            self.not_relaying(task)
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
             if not self.admits(src, bool(self.done[src, c]), False):
                 self.busy(task)  # 503
@@ -587,7 +640,9 @@ class Fleet:
             task.waiting = None
             if not self.alive[task.node]:
                 continue
-            if self.admits(src, bool(self.done[src, c]), False):
+            if not self.answers(src, task.node):
+                self.not_relaying(task)
+            elif self.admits(src, bool(self.done[src, c]), False):
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
             else:
                 self.busy(task)  # woken, the server found no transfer slot: 503
@@ -599,6 +654,8 @@ class Fleet:
         if src >= 0:
             self.uploads[src] += 1
         self.f_whole.append(whole)
+        if whole and isinstance(task, Task):
+            self.answered_whole(src, dst, c, self.now - float(self.came_at[src, c, 1]))
         self.f_src.append(src)
         self.f_dst.append(dst)
         self.f_chunk.append(c)
@@ -636,6 +693,7 @@ class Fleet:
         result.cpu_per_gb = self.cpu_per_gb()
         result.slowed = self.slowed
         result.stalled = self.stalled
+        result.not_relaying = frozenset(d for d in range(self.n) if not self.relays(d))
         result.tail = self.tail(5)
         return result
 
@@ -678,8 +736,12 @@ class Fleet:
             self.fetch_own(d, q.popleft())
 
     def fetch_own(self, d: int, c: int) -> None:
-        """An origin-lane fetch of chunk ``c`` (one ``d`` owns): straight from the origin."""
-        self.transfer(-1, d, c, None, self.s.origin_latency_s)
+        """An origin-lane fetch of chunk ``c`` (one ``d`` owns): straight from the origin,
+        unless ``d`` stopped relaying (then from the node standing in for it)."""
+        if self.relays(d):
+            self.transfer(-1, d, c, None, self.s.origin_latency_s)
+        else:
+            self.start(Task(d, c, self.now + self.policy.owner_wait_s, origin_lane=True))
 
     def settle(self) -> None:
         """Let what runs beside the fleet act on the present before time moves (nothing
@@ -903,6 +965,12 @@ def report(r: Result) -> None:
         f"  p50 {r.ratio(0.5):.2f}x S/B, {len(r.dead)} killed, {r.unstaged} survivors "
         f"unstaged, agent CPU {r.cpu_per_gb:.2f} s/GB, {r.asks / r.scenario.nodes:.0f} asks "
         f"per node, {r.stalled} streams stalled, simulated in {r.sim_wall_s:.0f} s",
+        flush=True,
+    )
+    stopped = r.not_relaying
+    print(
+        f"  {len(stopped)} nodes stopped relaying, behind their tree parents "
+        f"({len(stopped - r.slowed)} of them not slowed)",
         flush=True,
     )
     if r.slowed:  # a slowed node itself takes 1 / slow_factor x S/B at least

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from weightship.data import fetcher as fetcher_module
 from weightship.data import peer as peer_module
 from weightship.data import rendezvous, schedule
+from weightship.data.chunkindex import ChunkIndex
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.cli import verify_files_command
 from weightship.data.fetcher import ChunkFetcher, FetchPolicy, Peer
@@ -27,8 +29,11 @@ from weightship.data.peer import (
     PeerBody,
     PeerBusyError,
     PeerClient,
+    PeerError,
+    PeerNotRelayingError,
     PeerServer,
 )
+from weightship.data.slowrelay import LAG_NOTICES, LAG_S
 from weightship.data.stage import stage
 from weightship.httpserver import Server
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
@@ -160,6 +165,99 @@ def test_a_peer_sending_its_cap_of_transfers_answers_busy(
         assert bytes(got) == good
         # The slot is free again: the same ask is answered.
         assert second.fetch(server.address, chunk.key) == good
+
+
+def _lands_whole(good: bytes) -> Callable[[memoryview, int, Callable[[int], None]], int]:
+    """A fill that lands the whole chunk at once."""
+    rest = threading.Event()
+    rest.set()
+    return _lands_in_two(good, threading.Event(), rest)
+
+
+def test_a_peer_says_how_long_it_has_held_a_chunk_it_sends_whole(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    """``HELD_HEADER``: the seconds since the chunk landed here in a stage, which the asker
+    reads as how far behind this node it is (slowrelay.py). None on a stream of a chunk
+    still landing, and for a chunk found on disk (held since an earlier stage: that says
+    nothing of the asker)."""
+    m, pieces, src = model
+    chunk, good = m.chunks[0], _bytes(m, src, 0)
+    store = ChunkStore(tmp_path / "owner")
+    store.claims.open([chunk.key], [])
+    arrived, more = threading.Event(), threading.Event()
+    with (
+        ModelStaging(store, m) as owner,
+        PeerServer(store, "127.0.0.1") as server,
+    ):
+        owner.pieces = pieces
+        owner.prepare()
+        landing = _lands_in_two(good, arrived, more)
+        t = threading.Thread(target=lambda: owner.receive(chunk.key, landing))
+        t.start()
+        client = PeerClient(timeout_s=5)
+        assert arrived.wait(5)
+        stream = client.open(server.address, chunk.key, wait_s=2)
+        assert not stream.whole and stream.held_s is None
+        more.set()
+        got = bytearray(CHUNK)
+        assert stream.read_into(memoryview(got), 0, lambda n: None) == CHUNK
+        t.join(5)
+        body = client.open(server.address, chunk.key)
+        assert body.whole and body.held_s is not None and 0.0 <= body.held_s < 5.0
+        body.close()
+        time.sleep(0.3)
+        body = client.open(server.address, chunk.key)
+        assert body.held_s is not None and body.held_s >= 0.3  # it grows
+        body.close()
+    found_on_disk = ChunkIndex()
+    location = store.index.get(chunk.key)
+    assert location is not None
+    found_on_disk.add(chunk.key, location)
+    assert found_on_disk.held_s(chunk.key) is None and store.index.held_s("x") is None
+
+
+def test_a_node_that_stopped_relaying_answers_every_chunk_request_saying_so(
+    tmp_path: Path, model: tuple[Manifest, PieceLayer, Path]
+) -> None:
+    """Once its ``RelayStatus`` stopped (``LAG_NOTICES`` lags), the peer server answers 503
+    with ``RELAYING_HEADER``, which the client raises as PeerNotRelayingError (the fetcher
+    shuns the node and asks above it), also to a request it held while the node stopped;
+    claims are still answered."""
+    m, pieces, src = model
+    chunk = m.chunks[0]
+    store = ChunkStore(tmp_path / "owner")
+    store.claims.open([chunk.key], [])
+    with (
+        ModelStaging(store, m) as owner,
+        PeerServer(store, "127.0.0.1") as server,
+    ):
+        owner.pieces = pieces
+        owner.prepare()
+        client = PeerClient(timeout_s=5)
+        held: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                client.open(server.address, chunk.key, wait_s=3)
+            except PeerError as exc:
+                held.append(exc)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(0.3)  # the request is held: nothing of the chunk is here
+        for _ in range(LAG_NOTICES):
+            store.relaying.parent_held(LAG_S + 1, 0.0)
+        assert not store.relaying.relaying
+        owner.receive(chunk.key, _lands_whole(_bytes(m, src, 0)))  # wakes the held request
+        t.join(5)
+        assert len(held) == 1 and isinstance(held[0], PeerNotRelayingError)
+        with pytest.raises(PeerNotRelayingError):
+            client.open(server.address, chunk.key)
+        with pytest.raises(PeerNotRelayingError):
+            client.fetch(server.address, chunk.key)
+        other = f"blake3:{'ab' * 32}"  # a chunk no stage here fetches: granted
+        assert client.claim(server.address, other, "node-b") == (True, "node-b")
 
 
 class _Canned:

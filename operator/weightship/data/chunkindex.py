@@ -63,6 +63,7 @@ class ChunkIndex:
     def __init__(self) -> None:
         self._where: dict[str, list[ChunkLocation]] = {}
         self._receiving: dict[str, Receiving] = {}
+        self._landed: dict[str, float] = {}  # when each chunk a stage fetched landed here
         self._changed = threading.Condition()
 
     def start_receiving(self, key: str, location: ChunkLocation) -> Receiving:
@@ -104,12 +105,23 @@ class ChunkIndex:
                 self._changed.wait(left)
             return hit
 
-    def add(self, key: str, location: ChunkLocation) -> None:
+    def add(self, key: str, location: ChunkLocation, *, landed: bool = False) -> None:
+        """List a verified copy of ``key``; ``landed``: fetched by a stage just now (not
+        found on disk), so its ``held_s`` counts from now."""
         with self._changed:
+            if landed:
+                self._landed.setdefault(key, time.monotonic())
             places = self._where.setdefault(key, [])
             if location not in places:
                 places.append(location)
             self._changed.notify_all()
+
+    def held_s(self, key: str) -> float | None:
+        """How long ago ``key`` landed here in a stage; None when it was found on disk, or
+        is not here."""
+        with self._changed:
+            landed = self._landed.get(key)
+        return None if landed is None else time.monotonic() - landed
 
     def get(self, key: str) -> ChunkLocation | None:
         with self._changed:
@@ -135,6 +147,7 @@ class ChunkIndex:
                     self._where[sha] = kept
                 else:
                     del self._where[sha]
+                    self._landed.pop(sha, None)
 
     def __len__(self) -> int:
         with self._changed:

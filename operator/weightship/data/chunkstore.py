@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 from weightship.data.chunkindex import ChunkIndex, ChunkLocation
 from weightship.data.claims import ClaimBoard
+from weightship.data.slowrelay import RelayStatus
 from weightship.linux import LIBC
 from weightship.weightformat import cachedir
 from weightship.weightformat.cachedir import STAGED_MARKER
@@ -135,6 +136,8 @@ class ChunkStore:
         # (a stream of a chunk still landing is not counted). stage() reads it to hold
         # back its origin intake while this node's uplink is the bottleneck.
         self.uploads = InFlight()
+        # Whether this node still relays: its peer server answers by it (slowrelay.py).
+        self.relaying = RelayStatus()
         for digest in self.models():
             self._index_finished_files(digest)
 

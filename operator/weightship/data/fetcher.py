@@ -42,8 +42,10 @@ from weightship.data.peer import (
     PeerBusyError,
     PeerClient,
     PeerError,
+    PeerNotRelayingError,
     PeerUnavailableError,
 )
+from weightship.data.slowrelay import RelayStatus
 from weightship.data.split import SplitPieceError, SplitTransfer
 from weightship.weightformat.chunkhash import ChunkVerificationError, PieceVerificationError
 from weightship.weightformat.entries import ChunkEntry
@@ -238,6 +240,13 @@ class PeerHealth:
             self._found_dead.discard(node)
             self.demotions[node] = self.demotions.get(node, 0) + 1
 
+    def shun(self, node: str) -> None:
+        """Avoid ``node`` for the rest of the stage: it said it no longer relays
+        (slowrelay.py). Alive, so neither a death nor a demotion."""
+        with self._lock:
+            self._avoid_until[node] = math.inf
+            self._found_dead.discard(node)
+
     def avoided(self) -> set[str]:
         now = self._clock()
         with self._lock:
@@ -337,6 +346,7 @@ class ChunkFetcher:
         health: PeerHealth | None = None,
         cancel: threading.Event | None = None,
         claims: ClaimBoard | None = None,
+        relaying: RelayStatus | None = None,
         holders: Collection[str] = (),
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -344,6 +354,9 @@ class ChunkFetcher:
         """``chunks``: the whole manifest's, in manifest order, so that every node computes
         the same balanced owners (a chunk not among them gets its rendezvous owner).
         ``claims``: this node's board, shared with its peer server (``ChunkStore.claims``).
+        ``relaying``: whether this node relays, which its peer server answers by
+        (``ChunkStore.relaying``): told how long its relay parents had held the chunks
+        they sent it whole (slowrelay.py).
         ``holders``: peers known to have the whole model staged (a node joining late):
         this node takes its own chunks from them before going to the origin.
         ``clock`` and ``sleep``: the time every wait and deadline here is measured in (the
@@ -368,6 +381,8 @@ class ChunkFetcher:
         self.origin = origin
         self.sink = sink
         self.metrics = metrics
+        self.relaying = relaying or RelayStatus(clock)
+        self.started = clock()  # when this stage began (slowrelay.lags)
         self.client = client or PeerClient(self.policy.peer_timeout_s)
         self.bandwidth = bandwidth
         self.cancel = cancel or threading.Event()
@@ -511,6 +526,10 @@ class ChunkFetcher:
                 if not claimed.is_set():
                     continue
             avoided = self.health.avoided()
+            if not self.relaying.relaying:
+                # Its own chunks too come from the node standing in for it, which its
+                # children ask: not from the origin a second time (slowrelay.py).
+                avoided.add(self.node)
             live = self.live_ranking(chunk.key, avoided, self.policy.peers_per_round + 2)
             if not live or live[0] == self.node:
                 claimant = self.claims.start(chunk.key)
@@ -597,6 +616,20 @@ class ChunkFetcher:
         offset = schedule.tree_offset(index, self.owners.get(key, root))
         fanout = self.policy.relay_fanout
         return schedule.live_parent(members, index, root, self.node, fanout, offset, avoided)
+
+    def tree_parent(self, key: str) -> str | None:
+        """This node's parent in the tree of ``key``'s owner, dead or alive (None: it is
+        the owner, it joined late, or there are no relays): the node it lags when that
+        one had held the chunk whole a while (slowrelay.py). Not an ancestor asked in a
+        dead or shunned parent's place: the nodes below a slow node, behind it, catch up
+        from above it, and are not slow themselves."""
+        owner = self.owners.get(key)
+        if self.policy.relay_wait_s is None or self.late or owner is None:
+            return None
+        index = self._ranker.index
+        offset = schedule.tree_offset(index, owner)
+        fanout = self.policy.relay_fanout
+        return schedule.relay_parent(self._ranker.nodes, owner, self.node, fanout, offset, index)
 
     def _from_relay_parent(
         self, chunk: ChunkEntry, root: str, deadline: float, relayed: set[tuple[str, str]]
@@ -766,6 +799,9 @@ class ChunkFetcher:
         except PeerError as exc:
             self._peer_failed(node, exc, chunk.key)
             return False
+        held_s = body.held_s if body.whole else None
+        if held_s is not None and node == self.tree_parent(chunk.key):
+            self._parent_held(held_s)
         got = [start]
         split = self._splitter(node, chunk, sink, start) if body.whole else None
 
@@ -806,6 +842,12 @@ class ChunkFetcher:
             self.behind_on[node] = body.whole
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
+
+    def _parent_held(self, held_s: float) -> None:
+        """This node's tree parent had held a chunk it sent whole for ``held_s``: this node
+        was that far behind it (slowrelay.py)."""
+        if self.relaying.parent_held(held_s, self._clock() - self.started):
+            self.metrics.relay_stops.inc()
 
     def _splitter(
         self, node: str, chunk: ChunkEntry, sink: InPlaceSink, start: int
@@ -869,6 +911,10 @@ class ChunkFetcher:
             self._bad_at_origin.add(key)
         if isinstance(exc, ChunkNotOnPeerError) and exc.claimant and key is not None:
             self._holder_hint[key] = exc.claimant  # asked first from the next round on
+        if isinstance(exc, PeerNotRelayingError):
+            self.health.shun(node)  # its children ask above it (slowrelay.py)
+            log.info("peer %s no longer relays (its link lags): skipping it this stage", node)
+            return
         if isinstance(exc, (ChunkNotOnPeerError, PeerBusyError)):
             return
         if isinstance(exc, PeerUnavailableError):

@@ -19,6 +19,7 @@ class DataPlaneMetrics:
     chunks_claimed: Counter
     chunk_splits: Counter
     origin_renewals: Counter
+    relay_stops: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
@@ -65,6 +66,13 @@ class DataPlaneMetrics:
                 "weightship_agent_origin_connection_renewals",
                 "Origin connections closed after the chunk they carried, so the next chunk "
                 "starts a new TCP flow (staging with peers; FetchPolicy.renew_origin_connections).",
+                registry=registry,
+            ),
+            relay_stops=Counter(
+                "weightship_agent_relay_stops",
+                "Times this node stopped relaying chunks for a while: its parents in the relay "
+                "trees had held the chunks it asked them for whole for seconds, so its link "
+                "lags, and the nodes below it take them from above it (slowrelay.py).",
                 registry=registry,
             ),
         )

@@ -445,7 +445,8 @@ class ModelStaging:
                     completed.append(chunks[i].file)
         for i in todo:
             c = chunks[i]
-            self.store.index.add(key, ChunkLocation(self.dir.name, c.file, c.offset, c.size))
+            location = ChunkLocation(self.dir.name, c.file, c.offset, c.size)
+            self.store.index.add(key, location, landed=True)
         for path in completed:
             self._finish_file(path)
         return len(todo)

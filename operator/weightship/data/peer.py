@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -48,6 +49,12 @@ STREAM_STALL_S = 5.0
 # have come (a slow peer's transfer is seen as slow, and split, on time).
 READ_STEP = 256 * 1024
 NODE_HEADER = "X-Weightship-Node"  # who claims a chunk
+# On a whole chunk's answer: seconds since it landed here in a stage (absent when it was
+# found on disk). A child that asks its relay parent for a chunk the parent has held whole
+# for a while is that far behind it (slowrelay.py).
+HELD_HEADER = "X-Weightship-Held"
+# "0" on a 503: this node no longer relays (its link lags): ask above it in the tree.
+RELAYING_HEADER = "X-Weightship-Relaying"
 CLAIMANT_HEADER = "X-Weightship-Claimant"  # who a refused claim went to
 MAX_WAIT_S = 5.0  # the longest a server holds a request for a chunk that is not there
 # Transfers a peer server sends at once (streams and whole chunks): past this, 503. The
@@ -76,6 +83,10 @@ class PeerUnavailableError(PeerError):
 
 class PeerBusyError(PeerError):
     """The peer is alive but at its concurrency limit (503)."""
+
+
+class PeerNotRelayingError(PeerBusyError):
+    """503 saying the peer no longer relays: its link lags (slowrelay.py)."""
 
 
 class ChunkNotOnPeerError(PeerError):
@@ -204,6 +215,8 @@ class _ChunkHandler(BoundedHandler):
             self._reply(400, b"expected /chunks/<sha256|blake3>/<64 lowercase hex>\n")
             return
         key, store = f"{m[1]}:{m[2]}", self.server.store
+        if self._not_relaying():
+            return
         if self._bad_at_origin(key):
             return
         wait_s = _wait_seconds(self.headers.get(WAIT_HEADER)) if send_body else 0.0
@@ -225,6 +238,8 @@ class _ChunkHandler(BoundedHandler):
             return
         if stream:
             where = store.index.wait_any(key, wait_s)
+            if wait_s and self._not_relaying():  # stopped while this request waited
+                return
             if isinstance(where, Receiving):
                 claimant = store.claims.claimant(key)
                 if self.server.redirect_claimed and claimant is not None:
@@ -246,7 +261,18 @@ class _ChunkHandler(BoundedHandler):
             return
         f, loc = found
         with f:
-            self._serve_chunk(f, loc.offset, loc.size, send_body=send_body)
+            if wait_s and self._not_relaying():
+                return
+            self._serve_chunk(
+                f, loc.offset, loc.size, send_body=send_body, held_s=store.index.held_s(key)
+            )
+
+    def _not_relaying(self) -> bool:
+        """Answer 503 saying so when this node no longer relays (slowrelay.py)."""
+        if self.server.store.relaying.relaying:
+            return False
+        self._reply(503, b"not relaying: this node's link lags\n", {RELAYING_HEADER: "0"})
+        return True
 
     def _bad_at_origin(self, key: str) -> bool:
         """Answer 410 for a chunk this node does not have and found bad at the origin."""
@@ -302,14 +328,16 @@ class _ChunkHandler(BoundedHandler):
             f.close()
             self.server.transfers.release()
 
-    def _serve_chunk(self, f: BinaryIO, offset: int, size: int, *, send_body: bool) -> None:
+    def _serve_chunk(
+        self, f: BinaryIO, offset: int, size: int, *, send_body: bool, held_s: float | None
+    ) -> None:
         try:
             span = parse_range(self.headers.get("Range"), size)
         except ValueError:
             self._reply(416, headers={"Content-Range": f"bytes */{size}"})
             return
         if not send_body:
-            self._send_head(200, size, size, None)
+            self._send_head(200, size, size, None, held_s)
             return
         uploads = self.server.store.uploads
         spare_only = self.headers.get(SPARE_HEADER) == "1"
@@ -321,26 +349,40 @@ class _ChunkHandler(BoundedHandler):
                 self._reply(503, b"busy\n", {"Retry-After": "1"})
                 return
             try:
-                self._send_chunk(f, offset, size, span)
+                self._send_chunk(f, offset, size, span, held_s)
             finally:
                 self.server.transfers.release()
         finally:
             uploads.leave()
 
-    def _send_head(self, status: int, length: int, size: int, span: tuple[int, int] | None) -> None:
+    def _send_head(
+        self,
+        status: int,
+        length: int,
+        size: int,
+        span: tuple[int, int] | None,
+        held_s: float | None,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
+        if held_s is not None:
+            self.send_header(HELD_HEADER, f"{held_s:.3f}")
         if span:
             self.send_header("Content-Range", f"bytes {span[0]}-{span[1] - 1}/{size}")
         self.end_headers()
 
     def _send_chunk(
-        self, f: BinaryIO, offset: int, size: int, span: tuple[int, int] | None
+        self,
+        f: BinaryIO,
+        offset: int,
+        size: int,
+        span: tuple[int, int] | None,
+        held_s: float | None,
     ) -> None:
         start, end = span or (0, size)
-        self._send_head(206 if span else 200, end - start, size, span)
+        self._send_head(206 if span else 200, end - start, size, span, held_s)
         try:
             self.connection.sendfile(f, offset + start, end - start)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -484,7 +526,7 @@ class PeerClient:
             claimant = resp.getheader(CLAIMANT_HEADER)
             raise ChunkNotOnPeerError(f"{address} has no chunk {key}", claimant)
         if resp.status == 503:
-            raise PeerBusyError(f"{address} is busy")
+            raise _busy(address, resp)
         raise PeerError(f"{address} answered {resp.status} for chunk {key}")
 
     def has(self, address: str, key: str) -> bool:
@@ -520,8 +562,6 @@ class PeerClient:
             raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if status == 404:
             raise ChunkNotOnPeerError(f"{address} has no chunk {key}", claimant)
-        if status == 503:
-            raise PeerBusyError(f"{address} is busy")
         return status, body
 
     def _call(
@@ -548,7 +588,16 @@ class PeerClient:
             self._http.drop("http", address)
             raise PeerError(f"{address} answered more than the {max_bytes} bytes asked")
         self._http.done("http", address, resp)
+        if resp.status == 503:
+            raise _busy(address, resp)
         return resp.status, body, resp.getheader(CLAIMANT_HEADER)
+
+
+def _busy(address: str, resp: http.client.HTTPResponse) -> PeerBusyError:
+    """The error for a 503: the peer stopped relaying, or is at a limit."""
+    if resp.getheader(RELAYING_HEADER) == "0":
+        return PeerNotRelayingError(f"{address} no longer relays (its link lags)")
+    return PeerBusyError(f"{address} is busy")
 
 
 def _chunk_target(key: str) -> str:
@@ -569,6 +618,15 @@ class PeerBody:
     def whole(self) -> bool:
         """The peer sent the chunk whole (a sized answer, not a stream of it landing)."""
         return not self._resp.chunked
+
+    @property
+    def held_s(self) -> float | None:
+        """How long the peer had held the chunk whole (``HELD_HEADER``), if it said."""
+        try:
+            held = float(self._resp.getheader(HELD_HEADER) or "nan")
+        except ValueError:
+            return None
+        return held if 0.0 <= held < math.inf else None
 
     def read_into(
         self,

@@ -151,6 +151,7 @@ def stage(
                 bandwidth=bandwidth,
                 cancel=cancel,
                 claims=store.claims,
+                relaying=store.relaying,
                 holders=holders,
             )
             # Peers may claim this model's chunks while it stages, and only they (claims.py).
