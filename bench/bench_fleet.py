@@ -76,11 +76,6 @@ def cleanup() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
-def slow_hosts(nodes: int, count: int) -> list[int]:
-    """``count`` hosts (1-based) spread evenly over ``nodes``."""
-    return sorted({1 + (2 * j + 1) * nodes // (2 * count) for j in range(count)})
-
-
 def setup_network(
     nodes: int, rate_mbit: int, slowed: Collection[int] = (), slow_factor: float = 1.0
 ) -> None:
@@ -315,7 +310,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cache-root", help="node caches (default: /dev/shm when it has room)")
     p.add_argument("--quick", action="store_true", help="64 MiB model, 1 MiB chunks")
     p.add_argument(
-        "--slow-hosts", type=int, default=0, help="hosts whose links run at --slow-factor of B"
+        "--slow-hosts",
+        default="",
+        help="hosts (numbers: 8,13) whose links run at --slow-factor of B, both ways",
     )
     p.add_argument("--slow-factor", type=float, default=0.1)
     args = p.parse_args(argv)
@@ -346,7 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": args.workers,
         "bound_seconds": manifest.total_size / rate,
     }
-    slowed = slow_hosts(args.nodes, args.slow_hosts) if args.slow_hosts else []
+    slowed = [int(i) for i in args.slow_hosts.split(",") if i]
+    if any(not 1 <= i <= args.nodes for i in slowed):
+        raise SystemExit(f"--slow-hosts: hosts are numbered 1 to {args.nodes}")
     results["slow_hosts"] = [f"n{i}" for i in slowed]
     results["slow_factor"] = args.slow_factor
     results["loadavg_before"] = os.getloadavg()[0]
@@ -366,6 +365,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         summary(results[mode], manifest.total_size, rate)
                         | {"load_at_start": started_at_load}
                     )
+                    if slowed:
+                        slow_report(results, results[mode])  # each round's, as it ends
     finally:
         cleanup()
     results["loadavg_after"] = os.getloadavg()[0]
@@ -378,13 +379,15 @@ def slow_report(r: dict[str, Any], m: dict[str, Any]) -> None:
     """The hosts not slowed (S/B at the full link), and who stopped relaying."""
     slowed = set(r["slow_hosts"])
     others = sorted(n["seconds"] for n in m["nodes"] if n["node"] not in slowed)
-    stopped = {n["node"] for n in m["nodes"] if n.get("relay_stops")}
+    stopped = {n["node"]: n.get("relay_stopped_s") for n in m["nodes"] if n.get("relay_stops")}
     bound = r["bound_seconds"]
+    when = ", ".join(f"{node} at {s:.1f} s" for node, s in sorted(stopped.items()) if s)
     print(
         f"slow hosts: {len(slowed)} of {r['nodes']} at {r['slow_factor']:.0%} of B "
         f"({', '.join(sorted(slowed))}); the others' slowest {others[-1] / bound:.2f}x S/B, "
         f"p50 {others[len(others) // 2] / bound:.2f}x; {len(stopped)} stopped relaying "
-        f"({len(stopped - slowed)} of them not slowed)"
+        f"({len(set(stopped) - slowed)} of them not slowed{'; ' + when if when else ''})",
+        flush=True,
     )
 
 
@@ -500,6 +503,9 @@ def report(r: dict[str, Any]) -> None:
         )
         if r.get("slow_hosts"):
             slow_report(r, m)
+        else:
+            stopped = [n["node"] for n in m["nodes"] if n.get("relay_stops")]
+            print(f"{len(stopped)} nodes stopped relaying {stopped if stopped else ''}")
         sys_s = sum(n.get("cpu_sys_s", 0.0) for n in m["nodes"])
         wakeups = sum(n.get("wakeups", 0) for n in m["nodes"])
         print(f"of which {sys_s:.1f} CPU s in the kernel; {wakeups} thread wakeups")

@@ -143,6 +143,22 @@ def trace_transfers(start_at: float) -> list[tuple[str, str, str, float, float]]
     return events
 
 
+def record_relay_stop(store: ChunkStore, start_at: float) -> list[float]:
+    """When (seconds from the start) this node stopped relaying, once it has."""
+    stopped: list[float] = []
+    status = store.relaying
+    told = status.parent_held
+
+    def parent_held(held_s: float, staging_s: float) -> bool:
+        stops = told(held_s, staging_s)
+        if stops:
+            stopped.append(time.time() - start_at)
+        return stops
+
+    status.parent_held = parent_held  # type: ignore[method-assign]
+    return stopped
+
+
 def run(args: argparse.Namespace, run_dir: Path) -> None:
     manifest = Manifest.parse(Path(args.manifest).read_bytes())
     store = ChunkStore(Path(args.cache))
@@ -159,6 +175,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         start_at = float(wait_for(run_dir / "go", args.timeout))
         time.sleep(max(0.0, start_at - time.time()))
         trace = trace_transfers(start_at)
+        relay_stopped = record_relay_stop(store, start_at)
         client = CountingClient()
         registry = CollectorRegistry()
         last_origin = {"bytes": 0, "at": 0.0}  # when this node's last origin chunk came in
@@ -224,6 +241,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "demotions": registry.get_sample_value("weightship_agent_peer_demotions_total") or 0,
             # stopped relaying: its tree parents were ahead of it (slowrelay.py)
             "relay_stops": registry.get_sample_value("weightship_agent_relay_stops_total") or 0,
+            "relay_stopped_s": relay_stopped[0] if relay_stopped else None,
             "piece_verified": staged_with_pieces(store, manifest),
             "timeline": timeline,
             "trace": trace,

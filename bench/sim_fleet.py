@@ -96,6 +96,7 @@ class Scenario:
     kill_fraction: float = 0.0  # nodes killed (connections reset) ...
     kill_at: float = 0.5  # ... at this fraction of S/B
     slow_fraction: float = 0.0  # nodes whose links run at slow_factor
+    slow_nodes: tuple[int, ...] = ()  # ... or these (indexes), as bench_fleet --slow-hosts
     slow_factor: float = 0.1
     schedule: str = "tree"  # "ring": every node fetches, relays in a ring (before)
     workers: int = BENCH_WORKERS
@@ -261,7 +262,9 @@ class Fleet:
         self.alive = np.ones(self.n, dtype=bool)
         rng = np.random.default_rng(s.seed)
         self.link_up = np.full(self.n, s.link)
-        slow = rng.choice(self.n, int(s.slow_fraction * self.n), replace=False)
+        slow = np.array(s.slow_nodes, dtype=np.int64)
+        if not len(slow):
+            slow = rng.choice(self.n, int(s.slow_fraction * self.n), replace=False)
         self.link_up[slow] *= s.slow_factor
         self.slowed = frozenset(int(d) for d in slow)
         self.link_down = self.link_up.copy()

@@ -222,8 +222,8 @@ def test_a_node_that_stopped_relaying_answers_every_chunk_request_saying_so(
 ) -> None:
     """Once its ``RelayStatus`` stopped (``LAG_NOTICES`` lags), the peer server answers 503
     with ``RELAYING_HEADER``, which the client raises as PeerNotRelayingError (the fetcher
-    shuns the node and asks above it), also to a request it held while the node stopped;
-    claims are still answered."""
+    shuns the node and asks above it), also to a request it held while the node stopped,
+    and to a claim (its stand-in fetches its chunks: a grant would fetch them twice)."""
     m, pieces, src = model
     chunk = m.chunks[0]
     store = ChunkStore(tmp_path / "owner")
@@ -256,8 +256,9 @@ def test_a_node_that_stopped_relaying_answers_every_chunk_request_saying_so(
             client.open(server.address, chunk.key)
         with pytest.raises(PeerNotRelayingError):
             client.fetch(server.address, chunk.key)
-        other = f"blake3:{'ab' * 32}"  # a chunk no stage here fetches: granted
-        assert client.claim(server.address, other, "node-b") == (True, "node-b")
+        other = f"blake3:{'ab' * 32}"  # a chunk no stage here fetches: else granted
+        with pytest.raises(PeerNotRelayingError):
+            client.claim(server.address, other, "node-b")
 
 
 class _Canned:

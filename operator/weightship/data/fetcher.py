@@ -728,6 +728,10 @@ class ChunkFetcher:
         target = claimable[1] if len(claimable) > 1 else claimable[0]
         try:
             granted, holder = self.client.claim(self.address[owner], target, self.node)
+        except PeerNotRelayingError as exc:  # its stand-in fetches its chunks
+            self._claim_refused.add(target)
+            self._peer_failed(owner, exc)
+            return
         except PeerError:
             self._claim_refused.add(target)  # the fetch finds out whether it is dead
             return

@@ -164,7 +164,8 @@ class _ChunkHandler(BoundedHandler):
         started it, or it went to the node named in X-Weightship-Claimant; 403: a claim on
         a chunk this node is staging from a node that is not a peer of that stage, or
         from another address than its peer endpoint's. A claim on a chunk this node is
-        not staging is granted to its first claimant, or refused naming it (claims.py)."""
+        not staging is granted to its first claimant, or refused naming it (claims.py).
+        503 saying so once this node stopped relaying (slowrelay.py)."""
         if self.headers.get("Content-Length", "0") != "0":
             self.close_connection = True  # a body we will not read: never reuse the stream
         m = CLAIM_PATH.fullmatch(self.path)
@@ -175,6 +176,10 @@ class _ChunkHandler(BoundedHandler):
             )
             return
         sha, board, store = f"{m[1]}:{m[2]}", self.server.store.claims, self.server.store
+        if self._not_relaying():
+            # Its chunks are fetched by the node standing in for it, which the claimant
+            # does not know of: a grant here would send them through the origin twice.
+            return
         if store.has_chunk(sha):
             self._reply(409, b"refused\n")  # take it from here
             return
