@@ -49,7 +49,7 @@ from weightship.data.peer import (
     PeerNotRelayingError,
     PeerUnavailableError,
 )
-from weightship.data.slowrelay import RelayStatus
+from weightship.data.slowrelay import LAG_S, RelayStatus
 
 # Real seconds one fetch thread may run before it blocks or returns, and a whole run may
 # take: past either the run fails (a deadlock, a fetcher spinning on the virtual clock).
@@ -366,6 +366,11 @@ class RealFleet(Fleet):
         assert isinstance(task, RealFetch)
         self.answer(task, PeerNotRelayingError(f"{self.names[task.source]} no longer relays"))
 
+    def answer_later(self, f: RealFetch) -> None:
+        """Resume ``f`` a round trip from now, with no error."""
+        f.on_timer = None
+        self.timer(self.now + self.s.rtt_s, f)
+
     def answer(self, f: RealFetch, error: PeerError) -> None:
         """Answer ``f``'s request with ``error`` a round trip from now."""
         f.on_timer = error
@@ -395,6 +400,29 @@ class RealFleet(Fleet):
     def relays(self, d: int) -> bool:
         return self.relay_status[d].relaying
 
+    def wake_at(self, f: RealFetch, at: float) -> None:
+        """Resume ``f``, blocked mid-transfer, at ``at`` (unless the transfer ends first)."""
+        f.on_timer = None
+        self.seq += 1
+        f.head = self.seq
+        heapq.heappush(self.timers, (at, self.seq, f, self.seq))
+
+    def held(self, src: int) -> float | None:
+        """The current fetch's HEAD to ``src`` (``PeerClient.held``), beside its stream
+        from there: how long ``src`` has held the chunk whole, answered a round trip
+        later (sooner when the stream ends meanwhile); None when it does not hold it
+        whole, is dead, or no longer relays (the fetcher takes those as nothing learned)."""
+        f = self.current()
+        c = f.chunk
+        whole = self.alive[src] and self.relays(src) and self.done[src, c]
+        held_s = self.now - float(self.came_at[src, c, 1]) if whole else None
+        if f.moving:
+            self.wake_at(f, self.now + self.s.rtt_s)
+        else:
+            self.answer_later(f)
+        self.lockstep.block(f)
+        return held_s
+
     def verified(self, d: int, c: int) -> int:
         """Node ``d``'s verified prefix of chunk ``c``: its whole pieces."""
         if self.done[d, c]:
@@ -409,6 +437,7 @@ class WorldBody:
     def __init__(self, fleet: RealFleet, f: RealFetch) -> None:
         self.fleet, self.f = fleet, f
         self.whole, self.held_s = f.whole, f.held_s
+        self.began = fleet.now
 
     def read_into(
         self,
@@ -417,7 +446,18 @@ class WorldBody:
         landed: Callable[[int], None],
         stop_at: Callable[[int], int] | None = None,
     ) -> int:
+        """Wait for the transfer to end, saying what landed; a stream still running says
+        so each ``LAG_S`` after its first byte too, when the fetcher looks whether to ask
+        its parent how long it has held the chunk (``ChunkFetcher._lag_probe``)."""
         fleet, f = self.fleet, self.f
+        seen, step = begin, 1
+        while f.moving and not self.whole:
+            fleet.wake_at(f, self.began + step * LAG_S + 1e-9)  # past it however it rounds
+            fleet.lockstep.block(f)  # raises a reset
+            step += 1
+            if f.moving and (part := fleet.verified(f.node, f.chunk)) > seen:
+                seen = part
+                landed(part)
         if f.moving:
             fleet.lockstep.block(f)  # until the transfer ends; raises a reset
         end = fleet.verified(f.node, f.chunk)
@@ -453,6 +493,11 @@ class WorldClient:
 
     def has(self, address: str, key: str) -> bool:
         raise AssertionError("late joins are not simulated")
+
+    def held(self, address: str, key: str) -> float | None:
+        fleet = self.fleet
+        assert key == fleet.keys[fleet.current().chunk], "a fetch asks of its own chunk"
+        return fleet.held(fleet.index[address])
 
     def claim(self, address: str, key: str, node: str) -> tuple[bool, str | None]:
         raise AssertionError("tail claims are not simulated (unmodelled_off)")

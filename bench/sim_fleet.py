@@ -197,6 +197,7 @@ class Task(Fetch):
         "root",
         "round_started",
         "rounds",
+        "shunning",
         "source",
     )
 
@@ -218,6 +219,7 @@ class Task(Fetch):
         self.round_started = 0.0
         self.relayed: set[tuple[int, int]] = set()
         self.source = -1
+        self.shunning = -1  # a source that answered it no longer relays (-1: none)
         # The round's holder probes (None: not probing), the next one to ask, and the
         # rounds that asked peers (the fetcher probes from the second on).
         self.probes: list[int] | None = None
@@ -307,6 +309,9 @@ class Fleet:
         # Slow relays (slowrelay.py): the notices of lagging each node took, and whether it
         # still relays.
         self.notices: list[list[float]] = [[] for _ in range(self.n)]
+        # Lag probes (``fire_lag_probes``): at, seq, src, dst, chunk, the parent's answer
+        # (how long it had held the chunk; -1: not asked yet), the look's step.
+        self.lag_probes: list[tuple[float, int, int, int, int, float, int]] = []
         self.relaying = np.ones(self.n, dtype=bool)
         self._plan_lanes()
 
@@ -458,6 +463,9 @@ class Fleet:
         health = self.health[d]
         if task.source >= 0 and not self.alive[task.source]:  # refused, or reset
             health.mark_dead(self.names[task.source], self.policy.dead_cooldown_s, refused=True)
+        if task.shunning >= 0:
+            health.shun(self.names[task.shunning])
+            task.shunning = -1
         task.source = -1
         avoided = health.avoided()
         if not self.relays(d):
@@ -552,29 +560,68 @@ class Fleet:
 
     def answers(self, src: int, d: int) -> bool:
         """Whether live ``src`` serves ``d``'s chunk request: not once it stopped relaying
-        (then ``d`` shuns it for the rest of the stage: slowrelay.py)."""
-        if self.relays(src):
-            return True
-        self.health[d].shun(self.names[src])
-        return False
+        (``not_relaying``: slowrelay.py)."""
+        return self.relays(src)
 
     def answered_whole(self, src: int, d: int, c: int, held_s: float) -> None:
         """``src`` answers ``d`` with chunk ``c`` whole, having held it ``held_s``
         (``peer.HELD_HEADER``): when ``src`` is ``d``'s parent in the chunk's tree
         (``ChunkFetcher.tree_parent``), ``d`` lags it by that much (slowrelay.py)."""
-        if src != self.tree_parent(d, c):
-            return
-        if slowrelay.lags(held_s, self.now):  # every node's stage began at 0
-            self.notices[d].append(self.now)
-            if slowrelay.stops_relaying(self.notices[d], self.now):
+        if src == self.tree_parent(d, c):
+            self.parent_held(d, held_s, self.now)
+
+    def parent_held(self, d: int, held_s: float, at: float) -> None:
+        """``RelayStatus.parent_held`` of node ``d`` at ``at`` (every stage began at 0)."""
+        if slowrelay.lags(held_s, at):
+            self.notices[d].append(at)
+            if slowrelay.stops_relaying(self.notices[d], at):
                 self.relaying[d] = False
+
+    def fire_lag_probes(self) -> None:
+        """``ChunkFetcher._lag_probe``: a stream from the tree parent still running
+        another ``LAG_S`` after its first byte asks the parent (a HEAD) how long it has
+        held the chunk whole, until once it lags; the answer comes a round trip later."""
+        while self.lag_probes and self.lag_probes[0][0] <= self.now:
+            _, _, src, d, c, held_s, step = heapq.heappop(self.lag_probes)
+            if held_s >= 0:  # the answer: a notice, or the next look
+                if slowrelay.lags(held_s, self.now):
+                    self.parent_held(d, held_s, self.now)
+                else:
+                    self.lag_probe(src, d, c, step + 1)
+                continue
+            if self.done[d, c] or not self.alive[d] or not self.alive[src]:
+                continue
+            if (src, d, c) not in zip(self.f_src, self.f_dst, self.f_chunk, strict=True):
+                continue  # ended short: its next ask is another stream
+            if not self.relays(src) or not self.done[src, c]:
+                self.lag_probe(src, d, c, step + 1)  # 503, or not whole there yet
+                continue
+            self.seq += 1
+            held_s = self.now - float(self.came_at[src, c, 1])
+            answer = (self.now + self.s.rtt_s, self.seq, src, d, c, held_s, step)
+            heapq.heappush(self.lag_probes, answer)
+
+    def lag_probe(self, src: int, d: int, c: int, step: int) -> None:
+        """Look, ``step`` times ``LAG_S`` after its first byte, whether the stream of
+        ``c`` from ``src`` to ``d`` (begun ``f_from``) lags (``fire_lag_probes``)."""
+        rows = zip(self.f_src, self.f_dst, self.f_chunk, self.f_from, strict=True)
+        began = next((t for s, x, k, t in rows if (s, x, k) == (src, d, c)), None)
+        if began is None:
+            return
+        self.seq += 1
+        at = began + step * slowrelay.LAG_S + 1e-9  # as bench/sim_fetcher.py
+        heapq.heappush(self.lag_probes, (at, self.seq, src, d, c, -1.0, step))
 
     def busy(self, task: Fetch) -> None:
         """Answer ``task``'s request 503 (busy), a round trip from now."""
         self.timer(self.now + self.s.rtt_s, task)
 
     def not_relaying(self, task: Fetch) -> None:
-        """Answer ``task``'s request 503, not relaying (``peer.RELAYING_HEADER``)."""
+        """Answer ``task``'s request 503, not relaying (``peer.RELAYING_HEADER``): with the
+        answer, a round trip from now, its node shuns the source for the rest of the
+        stage (``Task.shunning``)."""
+        if isinstance(task, Task):
+            task.shunning = task.source
         self.timer(self.now + self.s.rtt_s, task)
 
     def ask_peer(self, task: Task, avoided: Collection[str]) -> bool:
@@ -659,6 +706,10 @@ class Fleet:
         self.f_whole.append(whole)
         if whole and isinstance(task, Task):
             self.answered_whole(src, dst, c, self.now - float(self.came_at[src, c, 1]))
+        elif src >= 0 and isinstance(task, Task) and src == self.tree_parent(dst, c):
+            self.seq += 1
+            probe_at = self.now + latency + slowrelay.LAG_S + 1e-9  # as bench/sim_fetcher.py
+            heapq.heappush(self.lag_probes, (probe_at, self.seq, src, dst, c, -1.0, 1))
         self.f_src.append(src)
         self.f_dst.append(dst)
         self.f_chunk.append(c)
@@ -752,6 +803,7 @@ class Fleet:
 
     def step(self) -> None:
         self.fire_timers()
+        self.fire_lag_probes()
         self.move()
 
     def fire_timers(self) -> None:

@@ -199,6 +199,8 @@ def test_a_peer_says_how_long_it_has_held_a_chunk_it_sends_whole(
         assert arrived.wait(5)
         stream = client.open(server.address, chunk.key, wait_s=2)
         assert not stream.whole and stream.held_s is None
+        # Asked beside the stream (this thread's connection is carrying it): not whole yet.
+        assert client.held(server.address, chunk.key) is None
         more.set()
         got = bytearray(CHUNK)
         assert stream.read_into(memoryview(got), 0, lambda n: None) == CHUNK
@@ -210,6 +212,8 @@ def test_a_peer_says_how_long_it_has_held_a_chunk_it_sends_whole(
         body = client.open(server.address, chunk.key)
         assert body.held_s is not None and body.held_s >= 0.3  # it grows
         body.close()
+        held = client.held(server.address, chunk.key)  # a HEAD says the same
+        assert held is not None and held >= 0.3
     found_on_disk = ChunkIndex()
     location = store.index.get(chunk.key)
     assert location is not None
@@ -256,6 +260,8 @@ def test_a_node_that_stopped_relaying_answers_every_chunk_request_saying_so(
             client.open(server.address, chunk.key)
         with pytest.raises(PeerNotRelayingError):
             client.fetch(server.address, chunk.key)
+        with pytest.raises(PeerNotRelayingError):
+            client.held(server.address, chunk.key)
         other = f"blake3:{'ab' * 32}"  # a chunk no stage here fetches: else granted
         with pytest.raises(PeerNotRelayingError):
             client.claim(server.address, other, "node-b")

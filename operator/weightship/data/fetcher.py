@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -45,7 +46,7 @@ from weightship.data.peer import (
     PeerNotRelayingError,
     PeerUnavailableError,
 )
-from weightship.data.slowrelay import RelayStatus
+from weightship.data.slowrelay import LAG_S, RelayStatus, lags
 from weightship.data.split import SplitPieceError, SplitTransfer
 from weightship.weightformat.chunkhash import ChunkVerificationError, PieceVerificationError
 from weightship.weightformat.entries import ChunkEntry
@@ -806,6 +807,7 @@ class ChunkFetcher:
         held_s = body.held_s if body.whole else None
         if held_s is not None and node == self.tree_parent(chunk.key):
             self._parent_held(held_s)
+        probe = None if body.whole else self._lag_probe(node, chunk)
         got = [start]
         split = self._splitter(node, chunk, sink, start) if body.whole else None
 
@@ -816,6 +818,8 @@ class ChunkFetcher:
                 landed(end)
                 if split is not None:
                     split.landed(end)
+                if probe is not None:
+                    probe()
 
             if split is None:
                 return body.read_into(view, begin, counted)
@@ -846,6 +850,33 @@ class ChunkFetcher:
             self.behind_on[node] = body.whole
         # Nothing written: another worker of this node holds it (the loop says where from).
         return written > 0
+
+    def _lag_probe(self, node: str, chunk: ChunkEntry) -> Callable[[], None] | None:
+        """For a stream from this node's tree parent: each time it has run another
+        ``LAG_S`` (looked at as bytes land), ask the parent how long it has held the
+        chunk whole (``PeerClient.held``), until once it lags (``slowrelay.lags``). A
+        slow node's first streams run most of a stage, each at its share of a slow link;
+        looking only when it asked for its next chunks, it stopped relaying after 24-26 s
+        of a 21.5 s S/B (the fleet benchmark, 16 hosts, one at a tenth of its link).
+        None for a stream from any other node."""
+        if node != self.tree_parent(chunk.key):
+            return None
+        began, looked = self._clock(), [0]
+
+        def probe() -> None:
+            step = int((self._clock() - began) // LAG_S)
+            if step <= looked[0]:
+                return
+            looked[0] = step
+            try:
+                held_s = self.client.held(self.address[node], chunk.key)
+            except PeerError:
+                return  # the stream finds out what is wrong with it
+            if held_s is not None and lags(held_s, self._clock() - self.started):
+                looked[0] = sys.maxsize  # one notice a stream
+                self._parent_held(held_s)
+
+        return probe
 
     def _parent_held(self, held_s: float) -> None:
         """This node's tree parent had held a chunk it sent whole for ``held_s``: this node

@@ -463,6 +463,7 @@ class PeerClient:
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
         self._http = ThreadConnections(timeout_s)
+        self._probes = ThreadConnections(timeout_s)  # held(), beside a stream in flight
 
     def fetch(
         self,
@@ -519,12 +520,7 @@ class PeerClient:
         if resp.status == 200:  # the whole chunk where a range was asked: never misplace it
             self._http.drop("http", address)
             raise PeerError(f"{address} ignored the range from {start} of chunk {key}")
-        try:
-            resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self._http.drop("http", address)
-            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
-        self._http.done("http", address, resp)
+        _read_to_end(self._http, address, resp)
         if resp.status == 410:
             raise ChunkBadAtOriginError(f"{address} found chunk {key} bad at the origin")
         if resp.status == 404:
@@ -541,6 +537,21 @@ class PeerClient:
             return False
         return status == 200
 
+    def held(self, address: str, key: str) -> float | None:
+        """How long the peer has held the chunk whole (``HELD_HEADER``, a HEAD), on a
+        connection of its own: this thread's usual one to ``address`` may be carrying a
+        stream of the same chunk. None when the peer does not hold it whole."""
+        try:
+            resp = self._probes.request(
+                "HEAD", address, _chunk_target(key), {}, timeout_s=self.timeout_s
+            )
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+        _read_to_end(self._probes, address, resp)
+        if resp.status == 503:
+            raise _busy(address, resp)
+        return held_seconds(resp.getheader(HELD_HEADER)) if resp.status == 200 else None
+
     def claim(self, address: str, key: str, node: str) -> tuple[bool, str | None]:
         """Ask the owner at ``address`` to let ``node`` fetch the chunk from the origin.
         Returns (granted, the node it went to instead when one did)."""
@@ -551,6 +562,7 @@ class PeerClient:
     def close(self) -> None:
         """Close this thread's connections."""
         self._http.close()
+        self._probes.close()
 
     def _request(
         self,
@@ -605,6 +617,25 @@ def _busy(address: str, resp: http.client.HTTPResponse) -> PeerBusyError:
     return PeerBusyError(f"{address} is busy")
 
 
+def _read_to_end(pool: ThreadConnections, address: str, resp: http.client.HTTPResponse) -> None:
+    """Read the rest of a short answer; keep its connection when the server does."""
+    try:
+        resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        pool.drop("http", address)
+        raise PeerUnavailableError(f"{address}: {exc!r}") from exc
+    pool.done("http", address, resp)
+
+
+def held_seconds(value: str | None) -> float | None:
+    """A ``HELD_HEADER`` value: seconds, finite and not negative; None otherwise."""
+    try:
+        held = float(value or "nan")
+    except ValueError:
+        return None
+    return held if 0.0 <= held < math.inf else None
+
+
 def _chunk_target(key: str) -> str:
     algorithm, _, hex_digest = chunk_key(key).partition(":")
     return f"/chunks/{algorithm}/{hex_digest}"
@@ -627,11 +658,7 @@ class PeerBody:
     @property
     def held_s(self) -> float | None:
         """How long the peer had held the chunk whole (``HELD_HEADER``), if it said."""
-        try:
-            held = float(self._resp.getheader(HELD_HEADER) or "nan")
-        except ValueError:
-            return None
-        return held if 0.0 <= held < math.inf else None
+        return held_seconds(self._resp.getheader(HELD_HEADER))
 
     def read_into(
         self,
