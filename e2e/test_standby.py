@@ -160,10 +160,14 @@ def reconciled_at(op: OperatorProcess, port: int, namespace: str, name: str) -> 
     return float(match.group(1)) if match else None
 
 
-def serves(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def scraped(port: int) -> dict[str, float]:
+    """The weightship_* series of an operator's /metrics, without labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        name: float(value)
+        for name, value in re.findall(r"^(weightship_[a-z_]+) (\S+)$", text, re.M)
+    }
 
 
 def step_runs(seen: list[Seen], revision: str) -> list[int]:
@@ -232,7 +236,10 @@ def test_standby_takes_over_mid_canary_and_finishes_it(
             ),
         )
         assert reconciled_at(a, ports["a"], namespace, "llm") is not None
-        assert not serves(ports["b"]), "the standby runs no kopf, no workers, no metrics"
+        # The standby runs no kopf and no workers; it answers the scrape (no target down)
+        # with weightship_operator_leader 0 alone, none of the leader's series.
+        assert scraped(ports["a"])["weightship_operator_leader"] == 1.0
+        assert scraped(ports["b"]) == {"weightship_operator_leader": 0.0}
         pause_started = paused["status"]["pauseStartTime"]
 
         killed_at = time.time()

@@ -86,9 +86,10 @@ def operator_command(
     if not leader_elect:
         run()
         return
-    from weightship.controller import leader
+    from weightship.controller import leader, metrics
 
-    leader.run_elected(run, leader.config_from_env(leader_elect_namespace), liveness or None)
+    config = leader.config_from_env(leader_elect_namespace)
+    leader.run_elected(run, config, liveness or None, metrics_port=metrics.serving_port() or None)
 
 
 def _api() -> Any:

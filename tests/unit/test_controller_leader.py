@@ -4,6 +4,7 @@ API server's optimistic concurrency (a replace with a stale resourceVersion is a
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from typing import Any
 
@@ -18,6 +19,7 @@ class MemoryLease:
         self.spec: dict[str, Any] | None = None
         self.version = 0
         self.fail = False
+        self.timeouts: list[float | None] = []  # each request's timeout_s
 
     def _record(self) -> Record:
         if self.spec is None:
@@ -30,12 +32,14 @@ class MemoryLease:
             renew_time=self.spec["renewTime"],
         )
 
-    def get(self) -> Record:
+    def get(self, timeout_s: float | None = None) -> Record:
+        self.timeouts.append(timeout_s)
         if self.fail:
             raise OSError("API server unreachable")
         return self._record()
 
-    def create(self, spec: dict[str, Any]) -> Record:
+    def create(self, spec: dict[str, Any], timeout_s: float | None = None) -> Record:
+        self.timeouts.append(timeout_s)
         if self.fail:
             raise OSError("API server unreachable")
         if self.spec is not None:
@@ -43,7 +47,8 @@ class MemoryLease:
         self.spec, self.version = dict(spec), self.version + 1
         return self._record()
 
-    def replace(self, version: str, spec: dict[str, Any]) -> Record:
+    def replace(self, version: str, spec: dict[str, Any], timeout_s: float | None = None) -> Record:
+        self.timeouts.append(timeout_s)
         if self.fail:
             raise OSError("API server unreachable")
         if self.spec is None or version != str(self.version):
@@ -71,9 +76,10 @@ def test_the_first_replica_creates_the_lease_and_the_second_waits_for_it_to_expi
     a, b = Elector(lease, config("a"), clock), Elector(lease, config("b"), clock)
     assert a.try_acquire()
     assert lease.spec is not None and lease.spec["holderIdentity"] == "a"
-    assert lease.spec["leaseDurationSeconds"] == 8 and "acquireTime" in lease.spec
-    assert not b.try_acquire()  # b sees it for the first time now: 8 s from now
-    clock.now += 7.9
+    # controller-runtime's defaults: 15 s Lease, 10 s renew deadline, 2 s retry period.
+    assert lease.spec["leaseDurationSeconds"] == 15 and "acquireTime" in lease.spec
+    assert not b.try_acquire()  # b sees it for the first time now: 15 s from now
+    clock.now += 14.9
     assert not b.try_acquire()
     clock.now += 0.2
     assert b.try_acquire()
@@ -110,16 +116,18 @@ def test_two_standbys_racing_for_an_expired_lease_take_it_once() -> None:
     b, c = Elector(lease, config("b"), clock), Elector(lease, config("c"), clock)
     assert a.try_acquire()
     assert not b.try_acquire() and not c.try_acquire()
-    clock.now += 9
+    clock.now += 16
 
     class Racing(MemoryLease):
         """c reads the expired Lease, then b takes it before c's write lands."""
 
-        def replace(self, version: str, spec: dict[str, Any]) -> Record:
+        def replace(
+            self, version: str, spec: dict[str, Any], timeout_s: float | None = None
+        ) -> Record:
             assert b.try_acquire()
             return lease.replace(version, spec)
 
-        def get(self) -> Record:
+        def get(self, timeout_s: float | None = None) -> Record:
             return lease.get()
 
     c.store = Racing()
@@ -206,6 +214,40 @@ def test_the_leader_gives_up_at_once_when_someone_else_holds_the_lease() -> None
     assert lost.reasons == ["Lease taken by intruder"]
 
 
+def test_a_renewals_requests_end_by_its_renew_deadline() -> None:
+    """A hung request cannot keep a leader past its renew deadline: each request of a
+    renewal gets at most the time left (and at most half the deadline, so a first hung
+    one leaves time for another); past the deadline none is sent."""
+    lease, clock = MemoryLease(), Clock()
+    a = Elector(lease, config("a"), clock)
+    assert a.try_acquire()
+    assert a.config.request_timeout_s == 5.0
+    lease.timeouts.clear()
+    assert a.renew(deadline=clock.now + 3)
+    assert a.renew(deadline=clock.now + 10)
+    assert lease.timeouts == [3.0, 5.0]
+    with pytest.raises(TimeoutError):
+        a.renew(deadline=clock.now)
+    assert len(lease.timeouts) == 2
+
+
+def test_the_leaders_renewals_are_bounded_by_its_deadline() -> None:
+    """keep() passes the deadline: every renewal's request is given at most what is left
+    of renew_deadline_s since the last renewal that succeeded."""
+    lease = MemoryLease()
+    a = Elector(lease, fast("a"))
+    assert a.try_acquire()
+    lease.timeouts.clear()
+    lost, stop = Lost(), threading.Event()
+    keeper = threading.Thread(target=a.keep, args=(lost, stop), daemon=True)
+    keeper.start()
+    time.sleep(0.3)
+    stop.set()
+    keeper.join(5)
+    assert lease.timeouts and not lost.reasons
+    assert all(t is not None and 0 < t <= 0.15 for t in lease.timeouts), lease.timeouts
+
+
 def test_settings_must_leave_the_leader_time_to_stop() -> None:
     with pytest.raises(ValueError, match="renew deadline < lease duration"):
         LeaseConfig(namespace="ws", identity="a", lease_duration_s=5, renew_deadline_s=5)
@@ -214,16 +256,22 @@ def test_settings_must_leave_the_leader_time_to_stop() -> None:
 def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAMESPACE", "weightship-system")
     monkeypatch.setenv("POD_ID", "ws-operator-abc")
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S", "15")
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S", "10")
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S", "2")
+    defaults = leader.config_from_env()  # controller-runtime's
+    assert (defaults.lease_duration_s, defaults.renew_deadline_s, defaults.retry_period_s) == (
+        15,
+        10,
+        2,
+    )
+    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S", "8")
+    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S", "5")
+    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S", "1")
     cfg = leader.config_from_env()
     assert (cfg.namespace, cfg.identity, cfg.name) == (
         "weightship-system",
         "ws-operator-abc",
         "weightship-operator",
     )
-    assert (cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s) == (15, 10, 2)
+    assert (cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s) == (8, 5, 1)
     assert leader.config_from_env("other").namespace == "other"
 
 
@@ -237,3 +285,21 @@ def test_a_standby_answers_its_liveness_probe() -> None:
             assert b"standby" in resp.read()
     finally:
         server.stop()
+
+
+def test_a_standby_serves_metrics_that_say_it_is_not_the_leader() -> None:
+    """The metrics Service selects every operator pod: a standby answers the scrape (no
+    target down) with `weightship_operator_leader 0` and none of the leader's series, so
+    absent(weightship_workqueue_depth) (WeightshipOperatorDown) still means no leader."""
+    server = leader.standby_metrics(0, host="127.0.0.1")
+    assert server is not None
+    try:
+        port = server.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+            text = resp.read().decode()
+    finally:
+        server.stop()
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert series == ["weightship_operator_leader 0.0"]
+    assert leader.standby_metrics(None) is None

@@ -142,8 +142,9 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     metrics.QUEUE_DEPTH.set_function(lambda: len(queue))
     metrics.QUEUE_WAITING.set_function(queue.waiting)
     workers.start()
-    port = int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))
+    port = metrics.serving_port()
     if port:
+        metrics.LEADER.set(1)
         await asyncio.to_thread(start_http_server, port)
 
 

@@ -8,6 +8,9 @@ leader renews the Lease every `retry_period_s`; when it has not renewed it for
 the process at once, without cleanup, before a standby may take the Lease
 (`lease_duration_s` after it last saw it change). Kubernetes restarts it as a standby.
 On a graceful stop the leader releases the Lease, so the standby takes over at once.
+A standby serves /metrics too (`weightship_operator_leader 0` and nothing else), so a
+scrape of every operator pod finds no target down and no second copy of the leader's
+series.
 
 This is client-go's scheme (tools/leaderelection), with its safety argument:
 
@@ -15,8 +18,9 @@ This is client-go's scheme (tools/leaderelection), with its safety argument:
   change, never by the renewTime written in it: the replicas' wall clocks need not agree.
 - The leader counts its renew deadline from when it *sent* the last renewal that
   succeeded; that renewal landed after that, and a standby saw it later still. So the
-  leader is gone `lease_duration_s - renew_deadline_s` (3 s by default) before a standby
-  may write.
+  leader is gone `lease_duration_s - renew_deadline_s` (5 s by default) before a standby
+  may write. A renewal's requests are cut at the renew deadline (as client-go's context
+  does), so a hung request cannot keep the leader past it.
 - Every write of the Lease is a replace guarded by its resourceVersion: two standbys that
   both see it expire race on one write, and one of them gets a 409.
 
@@ -28,6 +32,7 @@ informers and timers running, which this operator drives its reconciles from.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -52,9 +57,10 @@ class LeaseConfig:
     namespace: str
     identity: str
     name: str = DEFAULT_LEASE
-    lease_duration_s: float = 8.0
-    renew_deadline_s: float = 5.0
-    retry_period_s: float = 1.0
+    # controller-runtime's defaults (client-go's leaderelection).
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
@@ -62,6 +68,13 @@ class LeaseConfig:
                 "leader election needs 0 < retry period < renew deadline < lease duration, "
                 f"got {self.retry_period_s}, {self.renew_deadline_s}, {self.lease_duration_s}"
             )
+
+    @property
+    def request_timeout_s(self) -> float:
+        """The most one Lease request may take: half the renew deadline, so a leader
+        whose first renewal hangs still has time for another (a busy managed API server
+        can take seconds); a renewal's requests are cut at its deadline besides."""
+        return self.renew_deadline_s / 2
 
 
 @dataclass(frozen=True)
@@ -83,9 +96,13 @@ class Conflict(Exception):
 
 
 class LeaseStore(Protocol):
-    def get(self) -> Record: ...
-    def create(self, spec: dict[str, Any]) -> Record: ...
-    def replace(self, version: str, spec: dict[str, Any]) -> Record: ...
+    """`timeout_s`: the most the request may take (None: the store's own limit)."""
+
+    def get(self, timeout_s: float | None = None) -> Record: ...
+    def create(self, spec: dict[str, Any], timeout_s: float | None = None) -> Record: ...
+    def replace(
+        self, version: str, spec: dict[str, Any], timeout_s: float | None = None
+    ) -> Record: ...
 
 
 def may_acquire(record: Record, identity: str, observed_at: float, now: float) -> bool:
@@ -162,17 +179,29 @@ class Elector:
         return False
 
     # ---- leader -------------------------------------------------------------------------
-    def renew(self) -> bool:
-        """One renewal. False: the Lease is someone else's now (no point retrying)."""
+    def renew(self, deadline: float | None = None) -> bool:
+        """One renewal. False: the Lease is someone else's now (no point retrying).
+        `deadline` (on `clock`): no request of it runs past that."""
         record = self.record
         if record.version is None:
             raise Conflict("no Lease to renew")
+
+        def timeout() -> float | None:
+            if deadline is None:
+                return None
+            left = deadline - self.clock()
+            if left <= 0:
+                raise TimeoutError("renew deadline reached")
+            return min(left, self.config.request_timeout_s)
+
         try:
-            self.record = self.store.replace(record.version, self._spec(record, taking=False))
+            spec = self._spec(record, taking=False)
+            self.record = self.store.replace(record.version, spec, timeout_s=timeout())
             return True
         except Conflict:
             pass
-        current = self.store.get()  # 409: who changed it? (errors count against the deadline)
+        # 409: who changed it? (errors count against the deadline)
+        current = self.store.get(timeout_s=timeout())
         self.record = current
         if current.holder != self.config.identity:
             return False
@@ -185,7 +214,7 @@ class Elector:
         while not stop.wait(config.retry_period_s):
             started = self.clock()
             try:
-                if not self.renew():
+                if not self.renew(deadline=last_ok + config.renew_deadline_s):
                     lost(f"Lease taken by {self.record.holder}")
                     return
                 last_ok = started
@@ -227,17 +256,18 @@ class KubeLeaseStore:
     """The Lease through the API (coordination.k8s.io/v1)."""
 
     def __init__(self, api: Any, namespace: str, name: str, timeout_s: float) -> None:
+        """`timeout_s`: the limit of a request given none of its own."""
         from kubernetes import client
 
         self.leases = client.CoordinationV1Api(api)
         self.namespace, self.name, self.timeout_s = namespace, name, timeout_s
 
-    def get(self) -> Record:
+    def get(self, timeout_s: float | None = None) -> Record:
         from kubernetes.client.rest import ApiException
 
         try:
             lease = self.leases.read_namespaced_lease(
-                self.name, self.namespace, _request_timeout=self.timeout_s
+                self.name, self.namespace, _request_timeout=timeout_s or self.timeout_s
             )
         except ApiException as e:
             if e.status == 404:
@@ -245,15 +275,15 @@ class KubeLeaseStore:
             raise
         return self._record(lease)
 
-    def create(self, spec: dict[str, Any]) -> Record:
+    def create(self, spec: dict[str, Any], timeout_s: float | None = None) -> Record:
         body = {"metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
         return self._write(
             lambda: self.leases.create_namespaced_lease(
-                self.namespace, body, _request_timeout=self.timeout_s
+                self.namespace, body, _request_timeout=timeout_s or self.timeout_s
             )
         )
 
-    def replace(self, version: str, spec: dict[str, Any]) -> Record:
+    def replace(self, version: str, spec: dict[str, Any], timeout_s: float | None = None) -> Record:
         body = {
             "metadata": {
                 "name": self.name,
@@ -264,7 +294,7 @@ class KubeLeaseStore:
         }
         return self._write(
             lambda: self.leases.replace_namespaced_lease(
-                self.name, self.namespace, body, _request_timeout=self.timeout_s
+                self.name, self.namespace, body, _request_timeout=timeout_s or self.timeout_s
             )
         )
 
@@ -305,6 +335,37 @@ def standby_liveness(url: str | None) -> Server | None:
     return Server((host, port), _Healthz).start("standby-liveness")
 
 
+@functools.cache
+def _standby_registry() -> Any:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from weightship.controller.metrics import LEADER_HELP
+
+    registry = CollectorRegistry()
+    Gauge("weightship_operator_leader", LEADER_HELP, registry=registry).set(0)
+    return registry
+
+
+class _StandbyMetrics(QuietHandler):
+    def do_GET(self) -> None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if urlsplit(self.path).path != "/metrics":
+            self.send_bytes(404, b"", "text/plain")
+            return
+        self.send_bytes(200, generate_latest(_standby_registry()), CONTENT_TYPE_LATEST)
+
+
+def standby_metrics(port: int | None, host: str = "0.0.0.0") -> Server | None:  # noqa: S104
+    """Serve /metrics on the leader's port while this replica is a standby: the metrics
+    Service selects every operator pod, and a pod that refused the scrape would be a
+    target down (kube-prometheus' TargetDown). Only `weightship_operator_leader 0`: none
+    of the leader's series, so absent(weightship_workqueue_depth) still means no leader."""
+    if port is None:
+        return None
+    return Server((host, port), _StandbyMetrics).start("standby-metrics")
+
+
 def identity() -> str:
     """The chart's pod name (POD_ID, as kopf uses it), else host and process."""
     return os.environ.get("POD_ID") or f"{socket.gethostname()}_{os.getpid()}"
@@ -322,23 +383,24 @@ def run_elected(
     liveness_url: str | None,
     api: Any = None,
     lost: Callable[[str], object] = _exit_now,
+    metrics_port: int | None = None,
 ) -> None:
-    """Run `run` (kopf) only while this process holds the Lease."""
+    """Run `run` (kopf) only while this process holds the Lease; until then, answer the
+    liveness probe and the metrics scrape as a standby."""
     if api is None:
         from weightship.kube.client import load_client
 
         api = load_client()
-    # A request may take no longer than a renewal round, so a hung one cannot hold the
-    # leader past its renew deadline unnoticed.
-    store = KubeLeaseStore(api, config.namespace, config.name, timeout_s=config.retry_period_s)
+    store = KubeLeaseStore(api, config.namespace, config.name, config.request_timeout_s)
     elector = Elector(store, config)
     waited = time.monotonic()
-    server = standby_liveness(liveness_url)
+    servers = [standby_liveness(liveness_url), standby_metrics(metrics_port)]
     try:
         elector.acquire()
     finally:
-        if server is not None:
-            server.stop()
+        for server in servers:
+            if server is not None:
+                server.stop()  # kopf's startup binds these ports next
     log.info(
         "leader: took Lease %s/%s as %s after %.2f s (transitions: %d)",
         config.namespace,
@@ -371,7 +433,7 @@ def config_from_env(namespace: str | None = None) -> LeaseConfig:
         or "default",
         identity=identity(),
         name=env("WEIGHTSHIP_LEADER_ELECT_LEASE") or DEFAULT_LEASE,
-        lease_duration_s=float(env("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S") or 8),
-        renew_deadline_s=float(env("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S") or 5),
-        retry_period_s=float(env("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S") or 1),
+        lease_duration_s=float(env("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S") or 15),
+        renew_deadline_s=float(env("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S") or 10),
+        retry_period_s=float(env("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S") or 2),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -18,6 +19,17 @@ RECONCILE_SECONDS = Histogram(
     "Reconcile duration",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+
+
+def serving_port() -> int:
+    """Where /metrics is served (WEIGHTSHIP_METRICS_PORT; 0: nowhere)."""
+    return int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))
+
+
+LEADER_HELP = "1 on the operator replica that runs, 0 on a standby (leader election)"
+# Served by the replica that runs kopf; a standby serves this name alone, at 0
+# (controller/leader.py), as client-go's leader_election_master_status.
+LEADER = Gauge("weightship_operator_leader", LEADER_HELP)
 QUEUE_DEPTH = Gauge("weightship_workqueue_depth", "Rollouts ready to reconcile, not yet taken")
 QUEUE_WAITING = Gauge("weightship_workqueue_waiting", "Rollouts waiting on a requeue timer")
 EVENTS_DROPPED = Counter(
