@@ -440,3 +440,206 @@ def test_network_policy_fences_the_peer_port_to_agents() -> None:
     assert peers == {"from": [{"podSelector": rollout_pods}]}
     assert one(scoped, "NetworkPolicy", "-agent")["spec"]["ingress"][0]["ports"][0]["port"] == 9000
     assert not of_kind(render(("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+# ---- Extension points and kube-prometheus-stack (issue 40) ---------------------------------
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def pod_spec(docs: tuple[dict[str, Any], ...], kind: str, suffix: str) -> dict[str, Any]:
+    return dict(one(docs, kind, suffix)["spec"]["template"]["spec"])
+
+
+def test_an_image_digest_pins_every_container() -> None:
+    docs = render((f"image.digest={DIGEST}", "image.tag=ignored", "agent.cacheInit.enabled=true"))
+    images = [c["image"] for _, c in containers(docs)]
+    assert len(images) == 3  # operator, agent and the cache init container
+    assert set(images) == {f"ghcr.io/weightship/weightship@{DIGEST}"}
+    result = helm(
+        "template", "ws", str(CHART), "--kube-version", KUBE_VERSION,
+        "--set", "image.digest=latest", check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "/image/digest" in result.stderr
+
+
+def test_extra_volumes_and_mounts_for_operator_and_agent() -> None:
+    """e.g. a private S3 endpoint's CA from a ConfigMap, beside the chart's own volumes."""
+    values = tuple(
+        f"{who}.{key}"
+        for who in ("operator", "agent")
+        for key in (
+            "extraVolumes[0].name=s3-ca",
+            "extraVolumes[0].configMap.name=corp-ca",
+            "extraVolumeMounts[0].name=s3-ca",
+            "extraVolumeMounts[0].mountPath=/etc/ssl/corp",
+            "extraVolumeMounts[0].readOnly=true",
+        )
+    )
+    docs = render(values)
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        pod = pod_spec(docs, kind, suffix)
+        assert {"name": "s3-ca", "configMap": {"name": "corp-ca"}} in pod["volumes"]
+        assert any(v["name"] == "tmp" for v in pod["volumes"])  # the chart's own stay
+        (container,) = pod["containers"]
+        mount = {"name": "s3-ca", "mountPath": "/etc/ssl/corp", "readOnly": True}
+        assert mount in container["volumeMounts"]
+        assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
+    default = render(DEFAULT)
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        assert not [v for v in pod_spec(default, kind, suffix)["volumes"] if "configMap" in v]
+
+
+def test_topology_spread_constraints_select_the_operator_pods_by_default() -> None:
+    docs = render(
+        (
+            "operator.replicas=2",
+            "operator.topologySpreadConstraints[0].maxSkew=1",
+            "operator.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+            "operator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+            "operator.topologySpreadConstraints[1].maxSkew=1",
+            "operator.topologySpreadConstraints[1].topologyKey=kubernetes.io/hostname",
+            "operator.topologySpreadConstraints[1].whenUnsatisfiable=DoNotSchedule",
+            "operator.topologySpreadConstraints[1].labelSelector.matchLabels.team=ml",
+        )
+    )
+    deploy = one(docs, "Deployment", "-operator")
+    zone, host = deploy["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert zone == {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": deploy["spec"]["selector"]["matchLabels"]},
+    }
+    assert host["labelSelector"] == {"matchLabels": {"team": "ml"}}  # the user's, as given
+    assert "topologySpreadConstraints" not in pod_spec(render(DEFAULT), "Deployment", "-operator")
+
+
+def test_pod_annotations_and_labels() -> None:
+    values = tuple(
+        f"{who}.{key}"
+        for who in ("operator", "agent")
+        for key in ("podAnnotations.example\\.com/owner=ml-platform", "podLabels.team=ml")
+    )
+    docs = render(values)
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        workload = one(docs, kind, suffix)
+        meta = workload["spec"]["template"]["metadata"]
+        assert meta["annotations"] == {"example.com/owner": "ml-platform"}
+        assert meta["labels"]["team"] == "ml"
+        # Selectors stay the chart's: a label value cannot orphan the pods.
+        assert "team" not in workload["spec"]["selector"]["matchLabels"]
+
+
+def test_agent_probes_use_the_peer_servers_healthz() -> None:
+    (container,) = pod_spec(render(DEFAULT), "DaemonSet", "-agent")["containers"]
+    ports = {p["name"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "peer"}, probe
+        assert container[probe]["httpGet"]["port"] in ports
+    # Liveness gives a busy peer server two minutes before a restart.
+    liveness = container["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
+    tuned = pod_spec(render(("agent.readinessProbe.periodSeconds=3",)), "DaemonSet", "-agent")
+    assert tuned["containers"][0]["readinessProbe"]["periodSeconds"] == 3
+
+
+def test_the_cache_init_container_chowns_only_the_cache_dir_with_chown_alone() -> None:
+    assert "initContainers" not in pod_spec(render(DEFAULT), "DaemonSet", "-agent")
+    docs = render(
+        (
+            "agent.cacheInit.enabled=true",
+            "agent.cacheDir=/mnt/nvme/ws",
+            "agent.podSecurityContext.runAsUser=1001",
+            "agent.podSecurityContext.runAsGroup=2002",
+        )
+    )
+    pod = pod_spec(docs, "DaemonSet", "-agent")
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["chown", "1001:2002", "/mnt/nvme/ws"]  # not -R: its contents
+    assert init["volumeMounts"] == [{"name": "cache", "mountPath": "/mnt/nvme/ws"}]
+    ctx = init["securityContext"]
+    assert ctx["runAsUser"] == 0 and ctx["runAsNonRoot"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    (agent,) = pod["containers"]
+    assert agent["securityContext"]["runAsNonRoot"] is True  # the agent itself is unchanged
+
+
+def test_a_pod_monitor_for_the_agents() -> None:
+    assert not of_kind(render(DEFAULT), "PodMonitor")
+    docs = render(
+        (
+            "podMonitor.enabled=true",
+            "podMonitor.labels.release=kps",
+            "podMonitor.relabelings[0].targetLabel=cluster",
+            "podMonitor.relabelings[0].replacement=gpu-east",
+            "podMonitor.metricRelabelings[0].action=drop",
+            "podMonitor.metricRelabelings[0].sourceLabels[0]=__name__",
+            "podMonitor.metricRelabelings[0].regex=python_gc_.*",
+        )
+    )
+    monitor = one(docs, "PodMonitor", "-agent")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    ds = one(docs, "DaemonSet", "-agent")
+    assert monitor["spec"]["selector"]["matchLabels"] == ds["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["weightship-system"]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": 9101, "protocol": "TCP"} in container["ports"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    node, cluster = endpoint["relabelings"]  # the chart's `node` first, then the user's
+    assert node == {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}
+    assert cluster == {"targetLabel": "cluster", "replacement": "gpu-east"}
+    assert endpoint["metricRelabelings"] == [
+        {"action": "drop", "sourceLabels": ["__name__"], "regex": "python_gc_.*"}
+    ]
+    assert not of_kind(render(("podMonitor.enabled=true", "agent.enabled=false")), "PodMonitor")
+
+
+def test_service_monitor_labels_and_relabelings() -> None:
+    docs = render(
+        (
+            "serviceMonitor.enabled=true",
+            "serviceMonitor.labels.release=kps",
+            "serviceMonitor.relabelings[0].targetLabel=cluster",
+            "serviceMonitor.relabelings[0].replacement=gpu-east",
+            "serviceMonitor.metricRelabelings[0].action=drop",
+            "serviceMonitor.metricRelabelings[0].sourceLabels[0]=__name__",
+            "serviceMonitor.metricRelabelings[0].regex=python_gc_.*",
+        )
+    )
+    monitor = one(docs, "ServiceMonitor", "-operator")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["relabelings"] == [{"targetLabel": "cluster", "replacement": "gpu-east"}]
+    assert endpoint["metricRelabelings"][0]["regex"] == "python_gc_.*"
+    assert endpoint["honorLabels"] is True
+    plain = one(render(EXTRAS), "ServiceMonitor", "-operator")["spec"]["endpoints"][0]
+    assert "relabelings" not in plain and "metricRelabelings" not in plain
+
+
+def test_extra_objects_render_through_tpl() -> None:
+    as_object = 'extraObjects[0]={"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "{{ include \\"weightship.fullname\\" . }}-ca"}, "data": {"ca.crt": "x"}}'  # noqa: E501
+    as_string = "extraObjects[1]=apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-extra\n  namespace: {{ .Release.Namespace }}\n"  # noqa: E501
+    out = helm(
+        "template", "ws", str(CHART), "--namespace", "weightship-system",
+        "--kube-version", KUBE_VERSION, "--set-json", as_object, "--set-string", as_string,
+    ).stdout  # fmt: skip
+    docs = tuple(doc for doc in yaml.safe_load_all(out) if doc)
+    maps = {d["metadata"]["name"]: d for d in of_kind(docs, "ConfigMap")}
+    assert maps["ws-weightship-ca"]["data"] == {"ca.crt": "x"}
+    assert maps["ws-extra"]["metadata"]["namespace"] == "weightship-system"
+    assert not [d for d in render(DEFAULT) if d["kind"] == "ConfigMap"]
+
+
+def test_the_new_values_are_strict_too() -> None:
+    for bogus in ("podMonitor.bogus=1", "agent.cacheInit.bogus=1", "image.bogus=1"):
+        result = helm(
+            "template", "ws", str(CHART), "--kube-version", KUBE_VERSION, "--set", bogus,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode != 0, bogus
+        assert "additional properties" in result.stderr, result.stderr

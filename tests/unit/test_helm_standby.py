@@ -32,7 +32,7 @@ def test_two_replicas_elect_a_leader_on_a_lease() -> None:
         float(env[f"WEIGHTSHIP_LEADER_ELECT_{key}_S"]["value"])
         for key in ("RETRY_PERIOD", "RENEW_DEADLINE", "LEASE_DURATION")
     ]
-    assert timings == [1, 5, 8] and timings == sorted(timings)
+    assert timings == [2, 10, 15] and timings == sorted(timings)  # controller-runtime's
     # The standby keeps its own liveness endpoint: the probe is the same for both.
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     anti = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -91,7 +91,7 @@ def test_a_budget_comes_with_more_than_one_replica() -> None:
 def test_more_replicas_without_leader_election_do_not_render() -> None:
     for values in (
         (*TWO, "operator.leaderElection.enabled=false"),
-        ("operator.leaderElection.renewDeadlineSeconds=8",),
+        ("operator.leaderElection.renewDeadlineSeconds=15",),
     ):
         result = helm(
             "template", "ws", str(CHART), "--kube-version", KUBE_VERSION, *set_args(values),
