@@ -13,6 +13,8 @@ GATEWAY_API_VERSION="${GATEWAY_API_VERSION:-v1.4.1}"
 # Prometheus 3.x is published as v0.3xx.y Go module versions. Debian's package lacks
 # Kubernetes service discovery, so build it with only that discovery plugin.
 PROMETHEUS_VERSION="${PROMETHEUS_VERSION:-v0.316.0}"
+# The chart's linter (tests/unit/test_helm_chart.py), with schemas of K8S_VERSION.
+KUBECONFORM_VERSION="${KUBECONFORM_VERSION:-v0.8.0}"
 
 CACHE="${WEIGHTSHIP_CACHE:-$HOME/.cache/weightship}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -83,6 +85,22 @@ build_helm() {
   log "building helm $HELM_VERSION"
   GOBIN="$BIN" go install -ldflags "-s -w" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
   mark helm "$HELM_VERSION"
+}
+
+# kubeconform validates `helm template` output against each kind's schema. Its default
+# schemas are downloaded from a repository this machine cannot reach: make the same
+# (standalone, strict) from the OpenAPI spec in the k8s.io/kubernetes module that build_k8s
+# builds from, into $CACHE/kubeconform-schemas. Keyed by both versions and the converter.
+build_kubeconform() {
+  local key dir
+  key="$KUBECONFORM_VERSION-$K8S_VERSION-$(sha256sum "$REPO/hack/kubeconform-schemas.py" | cut -c1-12)"
+  have kubeconform "$key" && [[ -d "$CACHE/kubeconform-schemas" ]] && return
+  log "building kubeconform $KUBECONFORM_VERSION and its schemas of Kubernetes $K8S_VERSION"
+  GOBIN="$BIN" go install -ldflags "-s -w" "github.com/yannh/kubeconform/cmd/kubeconform@$KUBECONFORM_VERSION"
+  dir="$(cd /tmp && GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  rm -rf "$CACHE/kubeconform-schemas"
+  python3 "$REPO/hack/kubeconform-schemas.py" "$dir/api/openapi-spec/swagger.json" "$CACHE/kubeconform-schemas"
+  mark kubeconform "$key"
 }
 
 # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
@@ -218,6 +236,7 @@ main() {
     etcd) build_etcd ;;
     versitygw) build_versitygw ;;
     helm) build_helm ;;
+    kubeconform) build_kubeconform ;;
     prometheus) build_prometheus ;;
     promtool) build_promtool ;;
     k8s) build_k8s ;;
@@ -226,7 +245,7 @@ main() {
     vllm) build_vllm ;;
     all)
       install_apt
-      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_promtool); (build_helm); (build_argocd_lua); (build_vllm)
+      (build_kwok); (build_etcd); (build_versitygw); (fetch_gateway_api); (build_k8s); (build_prometheus); (build_promtool); (build_helm); (build_kubeconform); (build_argocd_lua); (build_vllm)
       ;;
     *) echo "unknown target $what" >&2; exit 2 ;;
   esac

@@ -1,7 +1,9 @@
 """The Helm chart in charts/weightship, linted and rendered by the real helm binary.
 
-helm comes from `make deps` (hack/deps.sh builds it into ~/.cache/weightship/bin). Without
-it these tests fail rather than skip, so a green run always means the chart was rendered.
+helm comes from `make deps` (hack/deps.sh builds it into ~/.cache/weightship/bin), and so
+does kubeconform, with schemas made from the Kubernetes OpenAPI, which lints the rendered
+chart. Without them these tests fail rather than skip, so a green run always means the
+chart was rendered and linted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightship"
 CACHE = Path(os.environ.get("WEIGHTSHIP_CACHE", Path.home() / ".cache" / "weightship"))
 HELM = CACHE / "bin" / "helm"
+KUBECONFORM = CACHE / "bin" / "kubeconform"  # and its schemas: `bash hack/deps.sh kubeconform`
+SCHEMAS = CACHE / "kubeconform-schemas"
 KUBE_VERSION = "1.34.0"
 DEFAULT: tuple[str, ...] = ()
 EXTRAS = ("serviceMonitor.enabled=true", "operator.peering.enabled=true")
@@ -643,3 +647,93 @@ def test_the_new_values_are_strict_too() -> None:
         )  # fmt: skip
         assert result.returncode != 0, bogus
         assert "additional properties" in result.stderr, result.stderr
+
+
+# ---- The rendered chart through kubeconform ------------------------------------------------
+
+# Every optional part on, so that each template is linted.
+EVERYTHING = (
+    EXTRAS
+    + SCOPED
+    + (
+        "operator.replicas=2",
+        "podMonitor.enabled=true",
+        "agent.cacheInit.enabled=true",
+        "agent.s3.existingSecret=agent-s3",
+        "alerts.configMap.enabled=true",
+        "grafanaDashboard.enabled=true",
+        "networkPolicy.rolloutNamespaces={serving}",
+        f"image.digest={DIGEST}",
+        "operator.topologySpreadConstraints[0].maxSkew=1",
+        "operator.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+        "operator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+        "agent.extraVolumes[0].name=s3-ca",
+        "agent.extraVolumes[0].configMap.name=corp-ca",
+        "agent.extraVolumeMounts[0].name=s3-ca",
+        "agent.extraVolumeMounts[0].mountPath=/etc/ssl/corp",
+    )
+)
+# Kinds of CRDs that are not Kubernetes' own (the Prometheus Operator's, kopf's): there is
+# no schema of theirs here, so kubeconform skips them by name; the tests above check them
+# field by field. Everything else must have a schema and pass it.
+NOT_KUBERNETES = (
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+    "KopfPeering",
+    "ClusterKopfPeering",
+)
+
+
+def kubeconform(manifests: str) -> tuple[int, list[dict[str, Any]]]:
+    """kubeconform -strict on `manifests`: its exit status and each resource's result."""
+    if not KUBECONFORM.is_file() or not SCHEMAS.is_dir():
+        pytest.fail(
+            f"kubeconform or its schemas missing in {CACHE}: `bash hack/deps.sh kubeconform`"
+        )
+    result = subprocess.run(
+        [
+            str(KUBECONFORM), "-strict", "-verbose", "-output", "json",
+            "-schema-location", f"{SCHEMAS}/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json",
+            "-skip", ",".join(NOT_KUBERNETES), "-",
+        ],
+        input=manifests, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return result.returncode, json.loads(result.stdout)["resources"]
+
+
+def rendered_text(values: tuple[str, ...]) -> str:
+    return helm(
+        "template", "ws", str(CHART), "--namespace", "weightship-system",
+        "--kube-version", KUBE_VERSION, "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+        *set_args(values),
+    ).stdout  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [DEFAULT, EVERYTHING], ids=["default", "everything"])
+def test_the_rendered_chart_passes_kubeconform(values: tuple[str, ...]) -> None:
+    text = rendered_text(values)
+    code, resources = kubeconform(text)
+    bad = [r for r in resources if r["status"] not in ("statusValid", "statusSkipped")]
+    assert code == 0 and not bad, bad
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    valid = sorted(r["kind"] for r in resources if r["status"] == "statusValid")
+    assert valid == sorted(d["kind"] for d in docs if d["kind"] not in NOT_KUBERNETES)
+    if values == EVERYTHING:
+        kinds = {d["kind"] for d in docs}
+        assert set(NOT_KUBERNETES) - {"ClusterKopfPeering"} <= kinds  # each template rendered
+
+
+def test_kubeconform_catches_a_misspelled_field_and_a_wrong_type() -> None:
+    text = rendered_text(
+        (
+            "operator.extraVolumes[0].name=ca",
+            "operator.extraVolumes[0].confgMap.name=corp-ca",
+            "agent.readinessProbe.periodSecond=3",
+        )
+    )
+    code, resources = kubeconform(text)
+    invalid = {r["kind"]: r["msg"] for r in resources if r["status"] == "statusInvalid"}
+    assert code != 0
+    assert "'confgMap' not allowed" in invalid["Deployment"]
+    assert "'periodSecond' not allowed" in invalid["DaemonSet"]
