@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test lint unit e2e bench deps venv lock cluster-up cluster-down cluster-status crds clean
+.PHONY: demo test lint unit e2e bench deps venv lock wheel cluster-up cluster-down cluster-status crds clean
 
 # The dev and test venv, from its lock (requirements/dev.txt: every package pinned with its
 # hashes, pip and uv included; torch is PyPI's build): pip installs the lock's uv, uv the
@@ -22,6 +22,15 @@ $(STAMP): requirements/dev.txt pyproject.toml devtools/pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The weightship wheel (operator, agent, CLI and the vLLM plugin) into $(DIST)/, git-ignored:
+# what a vLLM image COPYs in (docs/integrations.md). Built as the Dockerfile builds it: the
+# lock's hatchling, no build isolation, nothing fetched.
+DIST ?= dist
+wheel: venv
+	rm -f $(DIST)/weightship-*.whl
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+	@ls $(DIST)/weightship-*.whl
 
 # Re-resolve the lock files in requirements/ with the dev venv's pinned uv, keeping every
 # pin that still fits (UPGRADE=1: newest versions; UPGRADE_PACKAGE=name: that one).
