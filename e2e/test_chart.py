@@ -6,6 +6,7 @@ Secret RBAC, through the admission policies, as non-root."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from e2e.operator_fixtures import (
 )
 from weightship.api.names import GROUP, VERSION
 from weightship.controller.builders import staged_node_label
-from weightship_dev import testkit
+from weightship_dev import promctl, testkit
 from weightship_dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY
 
@@ -60,6 +61,54 @@ def test_chart_installs_and_its_operator_runs_a_rollout(
         s3.delete_bucket(Bucket=bucket)
 
 
+# The local cluster's Prometheus scrapes the pods annotated so (components.prometheus_config):
+# like a ServiceMonitor on the metrics Service, every operator pod, standbys included.
+def scrape_annotations(who: str, port: int) -> list[str]:
+    return [
+        f"{who}.podAnnotations.prometheus\\.io/scrape=true",
+        f"{who}.podAnnotations.prometheus\\.io/port={port}",
+    ]
+
+
+def up_by_pod(namespace: str, component: str, window: str) -> dict[str, float]:
+    """Each scraped pod of the component: the lowest `up` over the window (0: a scrape
+    failed in it, the target was down)."""
+    result = promctl.query(
+        f'min_over_time(up{{namespace="{namespace}",'
+        f'app_kubernetes_io_component="{component}"}}[{window}])'
+    )
+    return {r["metric"]["pod"]: float(r["value"][1]) for r in result}
+
+
+def test_two_operator_replicas_are_two_scrape_targets_up(cluster: Any, namespace: str) -> None:
+    """issue 40: with operator.replicas 2 the standby answers the scrape too (no target
+    down, so no TargetDown in kube-prometheus-stack), saying it is not the leader."""
+    apply_crds(cluster.api)
+    name = testkit.unique_name("ws")
+    install_chart(
+        cluster.paths, name, namespace, [namespace], "operator.replicas=2",
+        node_selector=PROCESS, set_strings=scrape_annotations("operator", 9100),
+    )  # fmt: skip
+    try:
+        pods = cluster.core.list_namespaced_pod(
+            namespace, label_selector="app.kubernetes.io/component=operator"
+        ).items
+        assert len(pods) == 2
+
+        def leader_values() -> list[float] | None:
+            got = promctl.query(f'weightship_operator_leader{{namespace="{namespace}"}}')
+            values = sorted(float(r["value"][1]) for r in got)
+            return values if values == [0.0, 1.0] else None
+
+        testkit.wait_until(leader_values, timeout=90, what="a leader and a standby scraped")
+        # Then, for 20 s (ten scrapes), every scrape of both pods succeeds.
+        time.sleep(20)
+        up = up_by_pod(namespace, "operator", "20s")
+        assert up == {p.metadata.name: 1.0 for p in pods}, up
+    finally:
+        helm(cluster.paths, "uninstall", name, "-n", namespace, "--wait", "--timeout", "60s")
+
+
 @pytest.fixture
 def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
     apply_crds(cluster.api)
@@ -83,6 +132,7 @@ def release_with_agents(cluster: Any, namespace: str) -> Iterator[str]:
         "agent.extraEnv[0].name=WEIGHTSHIP_WATCH_NAMESPACES",
         f"agent.extraEnv[0].value={namespace}",
         agent=True, node_selector=PROCESS, peer_group=lanes.peer_group(),
+        set_strings=scrape_annotations("agent", 9101),
     )  # fmt: skip
     try:
         yield name
@@ -141,6 +191,18 @@ def test_the_charts_agents_stage_with_the_mounted_credential_and_no_secret_rbac(
             assert states.get(digest) == "Staged", (node, states)
             labels = cluster.core.read_node(node).metadata.labels or {}
             assert labels.get(staged_node_label(digest)) == "true", node
+        # Ready through their probes (helm --wait), and scraped (what a PodMonitor does):
+        # no agent target down.
+        agents = cluster.core.list_namespaced_pod(
+            namespace, label_selector="app.kubernetes.io/component=agent"
+        ).items
+        assert all(a.spec.containers[0].readiness_probe for a in agents)
+        up = testkit.wait_until(
+            lambda: (u := up_by_pod(namespace, "agent", "10s")) and len(u) == len(agents) and u,
+            timeout=60,
+            what="every agent scraped",
+        )
+        assert set(up.values()) == {1.0}, up
     finally:
         testkit.empty_bucket(s3, bucket)
         s3.delete_bucket(Bucket=bucket)

@@ -65,10 +65,12 @@ def install_chart(
     chart: Path = CHART,
     node_selector: Mapping[str, str] | None = None,
     peer_group: str = "",
+    set_strings: Iterable[str] = (),
 ) -> None:
     """`helm upgrade --install` the chart (the working tree's, or `chart`: an earlier
     release's, weightship_dev.release), with the operator (and the agents) on process
-    nodes (those `node_selector` picks, when given), the agents in `peer_group`."""
+    nodes (those `node_selector` picks, when given), the agents in `peer_group`.
+    `set_strings`: values given as strings (`--set-string`, e.g. an annotation "true")."""
     selector = node_selector or {NODE_KIND_LABEL: "process"}
     sets = [
         f"operator.watchNamespaces={{{','.join(watch_namespaces)}}}",
@@ -93,6 +95,8 @@ def install_chart(
     ]
     for s in sets:
         args += ["--set", s]
+    for s in set_strings:
+        args += ["--set-string", s]
     helm(paths, *args)
 
 
