@@ -86,10 +86,10 @@ def operator_command(
     if not leader_elect:
         run()
         return
-    from weightship.controller import leader, metrics
+    from weightship.controller import leader
 
     config = leader.config_from_env(leader_elect_namespace)
-    leader.run_elected(run, config, liveness or None, metrics_port=metrics.serving_port() or None)
+    leader.run_elected(run, config, liveness or None, metrics_port=leader.metrics_port())
 
 
 def _api() -> Any:

@@ -356,6 +356,14 @@ class _StandbyMetrics(QuietHandler):
         self.send_bytes(200, generate_latest(_standby_registry()), CONTENT_TYPE_LATEST)
 
 
+def metrics_port() -> int | None:
+    """The leader's metrics port (WEIGHTSHIP_METRICS_PORT), which a standby serves too;
+    None: no metrics."""
+    from weightship.controller.metrics import serving_port
+
+    return serving_port() or None
+
+
 def standby_metrics(port: int | None, host: str = "0.0.0.0") -> Server | None:  # noqa: S104
     """Serve /metrics on the leader's port while this replica is a standby: the metrics
     Service selects every operator pod, and a pod that refused the scrape would be a
