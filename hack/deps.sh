@@ -205,17 +205,27 @@ sys.exit(1 if diff else 0)
 PYEOF
 }
 
-install_apt() {
-  local missing=()
-  command -v ip >/dev/null || missing+=(iproute2)
-  command -v tc >/dev/null || missing+=(iproute2)
-  command -v openssl >/dev/null || missing+=(openssl)
-  command -v nsenter >/dev/null || missing+=(util-linux)
+# apt_install COMMAND:PACKAGE... -> installs from Debian each PACKAGE whose COMMAND is missing.
+apt_install() {
+  local missing=() want
+  for want in "$@"; do
+    command -v "${want%%:*}" >/dev/null || missing+=("${want#*:}")
+  done
   if ((${#missing[@]})); then
     log "apt-get install ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
   fi
+}
+
+install_apt() {
+  apt_install ip:iproute2 tc:iproute2 openssl:openssl nsenter:util-linux
+}
+
+# make image's builder where the machine has none (hack/image.sh): podman builds, runs and
+# pushes; runc runs what Debian 12's crun refuses to (hybrid cgroup v1 hosts).
+install_image_builder() {
+  apt_install podman:podman runc:runc
 }
 
 build_argocd_lua() {
@@ -232,6 +242,9 @@ main() {
   local what="${1:-all}"
   case "$what" in
     apt) install_apt ;;
+    image-builder) install_image_builder ;;
+    # make image's Debian base where the public Python image cannot be pulled.
+    debootstrap) apt_install debootstrap:debootstrap ;;
     kwok) build_kwok ;;
     etcd) build_etcd ;;
     versitygw) build_versitygw ;;
