@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test lint unit e2e bench deps venv lock wheel cluster-up cluster-down cluster-status crds clean
+.PHONY: demo test lint unit e2e bench deps venv lock wheel image image-push push cluster-up cluster-down cluster-status crds clean
 
 # The dev and test venv, from its lock (requirements/dev.txt: every package pinned with its
 # hashes, pip and uv included; torch is PyPI's build): pip installs the lock's uv, uv the
@@ -31,6 +31,19 @@ wheel: venv
 	rm -f $(DIST)/weightship-*.whl
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
 	@ls $(DIST)/weightship-*.whl
+
+# The operator image from the Dockerfile, tagged $(IMAGE):VERSION and $(IMAGE):VERSION-COMMIT,
+# with the machine's builder (docker with a daemon, else podman or buildah, else podman from
+# Debian); a Debian base where the Dockerfile's cannot be pulled (hack/image.sh).
+# `make image IMAGE=registry.example.com/team/weightship push` builds and pushes both tags.
+IMAGE ?= weightship
+image:
+	IMAGE='$(IMAGE)' bash hack/image.sh build
+
+image-push: image
+	IMAGE='$(IMAGE)' bash hack/image.sh push
+
+push: image-push
 
 # Re-resolve the lock files in requirements/ with the dev venv's pinned uv, keeping every
 # pin that still fits (UPGRADE=1: newest versions; UPGRADE_PACKAGE=name: that one).

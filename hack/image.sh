@@ -177,13 +177,14 @@ run() {
     docker) flags+=(--tmpfs /tmp) ;; # podman's --read-only mounts one itself
     podman)
       # runc where installed: Debian 12's crun refuses hybrid cgroup v1 hosts. Podman asks
-      # for nofile and nproc limits above the host's, which fails without CAP_SYS_RESOURCE:
-      # ask for the host's own.
+      # for nofile and nproc limits above what it has itself where it lacks
+      # CAP_SYS_RESOURCE (runc: "error setting rlimits ... operation not permitted"): ask
+      # for modest ones, ample for the operator and the agent.
       ! command -v runc >/dev/null || global+=(--runtime "$(command -v runc)")
-      local nofile nproc
-      nofile="$(ulimit -Hn)" nproc="$(ulimit -Hu)"
-      flags+=(--ulimit "nofile=${nofile/unlimited/-1}:${nofile/unlimited/-1}"
-        --ulimit "nproc=${nproc/unlimited/-1}:${nproc/unlimited/-1}")
+      local nofile
+      nofile="$(ulimit -Hn)"
+      [[ "$nofile" != unlimited ]] && ((nofile < 65536)) || nofile=65536
+      flags+=(--ulimit "nofile=$nofile:$nofile" --ulimit nproc=4096:4096)
       ;;
   esac
   [[ "${1:-}" != --entrypoint=* ]] || {
