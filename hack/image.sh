@@ -8,6 +8,7 @@
 #   hack/image.sh push                       push both (IMAGE must name a registry)
 #   hack/image.sh run [--entrypoint=X] ARGS  run IMAGE:VERSION-COMMIT as the chart runs it:
 #                                            read-only root, non-root, no capabilities
+#   hack/image.sh labels                     print IMAGE:VERSION-COMMIT's labels (JSON)
 #   hack/image.sh base                       print the base image, making it if needed
 #
 # Environment: IMAGE (default weightship), BASE_IMAGE (default the Dockerfile's; where that
@@ -144,7 +145,13 @@ build() {
   local base ca args
   base="$(base_image)"
   args=(build -f "$REPO/Dockerfile" -t "${REFS[0]}" -t "${REFS[1]}"
-    --build-arg "BASE_IMAGE=$base" --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION")
+    --build-arg "BASE_IMAGE=$base" --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION"
+    # The Dockerfile's LABELs from these build args are right for a fresh build, but buildah
+    # (podman) reuses a cached LABEL layer when only an ARG's value changed (buildah issue
+    # 5501): a rebuild at a new commit kept the old commit's revision. --label is applied
+    # to the final image whatever was cached.
+    --label "org.opencontainers.image.version=$VERSION" --label "org.opencontainers.image.revision=$REVISION"
+    --label "org.opencontainers.image.base.name=$base")
   [[ "$BUILDER" != buildah ]] || args+=(--layers) # podman and docker keep layers by default
   ca="$(pip_ca)"
   if [[ -n "$ca" ]]; then
@@ -194,6 +201,14 @@ run() {
   "$BUILDER" "${global[@]}" run "${flags[@]}" "${REFS[1]}" "$@"
 }
 
+labels() {
+  image_exists "${REFS[1]}" || die "${REFS[1]} is not built: run make image first"
+  case "$BUILDER" in
+    buildah) buildah inspect --type image --format '{{json .OCIv1.Config.Labels}}' "${REFS[1]}" ;;
+    *) "$BUILDER" image inspect --format '{{json .Config.Labels}}' "${REFS[1]}" ;;
+  esac
+}
+
 main() {
   local what="${1:-build}"
   shift || true
@@ -202,8 +217,9 @@ main() {
     build) build ;;
     push) push ;;
     run) run "$@" ;;
+    labels) labels ;;
     base) base_image ;;
-    *) die "unknown command $what (build, push, run, base)" ;;
+    *) die "unknown command $what (build, push, run, labels, base)" ;;
   esac
 }
 main "$@"
