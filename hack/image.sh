@@ -41,6 +41,7 @@ REFS=("$IMAGE:$VERSION" "$IMAGE:$TAG")
 
 pick_builder() {
   if [[ -n "${BUILDER:-}" ]]; then
+    [[ "$BUILDER" == @(docker|podman|buildah) ]] || die "BUILDER=$BUILDER: use docker, podman or buildah"
     command -v "$BUILDER" >/dev/null || die "BUILDER=$BUILDER is not installed"
   elif command -v docker >/dev/null && docker info >/dev/null 2>&1; then
     BUILDER=docker
@@ -58,7 +59,6 @@ pick_builder() {
     # RUN steps in a chroot: no OCI runtime, cgroups or nested namespaces needed, so the
     # build works inside containers and VMs where podman's default isolation does not.
     podman | buildah) export BUILDAH_ISOLATION="${BUILDAH_ISOLATION:-chroot}" ;;
-    *) die "BUILDER=$BUILDER: use docker, podman or buildah" ;;
   esac
 }
 
