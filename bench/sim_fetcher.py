@@ -331,14 +331,17 @@ class RealFleet(Fleet):
         self.timer(self.now + seconds, f)
         self.lockstep.block(f)
 
-    def request(self, src: int, wait_s: float, spare_only: bool = False) -> WorldBody:
+    def request(
+        self, src: int, wait_s: float, spare_only: bool = False, below: bool = False
+    ) -> WorldBody:
         """The current fetch's GET of its chunk from ``src`` (``PeerClient.open``), answered
         as the peer server answers it; returns once the body is in, or cut short.
-        ``spare_only`` (a holder probe): only the whole chunk, never held."""
+        ``spare_only`` (a holder probe): only the whole chunk, never held; ``below``: from
+        below ``src`` in the chunk's tree (``peer.BELOW_HEADER``)."""
         f = self.current()
         c, name = f.chunk, self.names[src]
         self.asks += 1
-        f.source = src
+        f.source, f.below = src, below and not spare_only
         if not self.alive[src]:
             self.answer(f, refused(name))
         elif not self.relays(src):
@@ -346,7 +349,7 @@ class RealFleet(Fleet):
         elif spare_only and not self.done[src, c]:
             self.answer(f, ChunkNotOnPeerError(f"{name} has no whole chunk {c}"))
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if not self.admits(src, bool(self.done[src, c]), spare_only):
+            if not self.admits(src, bool(self.done[src, c]), spare_only, f.below):
                 self.busy(f)
             else:
                 self.transfer(src, f.node, c, f, self.s.rtt_s)
@@ -483,10 +486,11 @@ class WorldClient:
         start: int = 0,
         wait_s: float = 0.0,
         spare_only: bool = False,
+        below: bool = False,
     ) -> WorldBody:
         fleet = self.fleet
         assert key == fleet.keys[fleet.current().chunk], "a fetch asks for its own chunk"
-        return fleet.request(fleet.index[address], wait_s, spare_only)
+        return fleet.request(fleet.index[address], wait_s, spare_only, below)
 
     def fetch(self, address: str, key: str, **kwargs: object) -> bytes:
         raise AssertionError("whole-chunk fetches (splits) are not simulated")

@@ -137,6 +137,7 @@ class Result:
     slowed: frozenset[int] = frozenset()  # nodes at slow_factor
     stalled: int = 0  # streams ended by the peer server's stall rule (STREAM_STALL_S)
     not_relaying: frozenset[int] = frozenset()  # nodes that stopped relaying (slowrelay.py)
+    stopped_at: dict[int, float] = field(default_factory=dict)  # ... and when
     tail: list[str] = field(default_factory=list)  # the slowest nodes' last transfers
 
     def ratio(self, q: float, *, healthy: bool = False) -> float:
@@ -160,11 +161,12 @@ class Fetch:
     long-polls it waits on, and what it does when one ends. ``Task`` re-creates the
     fetcher's rounds; bench/sim_fetcher.py runs the agent's real fetcher instead."""
 
-    __slots__ = ("chunk", "node", "waiting")
+    __slots__ = ("below", "chunk", "node", "waiting")
 
     def __init__(self, node: int, chunk: int) -> None:
         self.node, self.chunk = node, chunk
         self.waiting: int | None = None  # the source it long-polls
+        self.below = False  # its request is from below the source (``peer.BELOW_HEADER``)
 
     def landed(self, fleet: Fleet) -> None:
         """Its transfer ended with the whole chunk in."""
@@ -313,6 +315,7 @@ class Fleet:
         # (how long it had held the chunk; -1: not asked yet), the look's step.
         self.lag_probes: list[tuple[float, int, int, int, int, float, int]] = []
         self.relaying = np.ones(self.n, dtype=bool)
+        self.stopped_at: dict[int, float] = {}  # node -> when it stopped relaying
         self._plan_lanes()
 
     def clock(self) -> float:
@@ -514,7 +517,7 @@ class Fleet:
             task.relayed.add((parent, task.root))
             left = max(0.0, task.deadline - self.now)
             wait_s = min(self.policy.relay_wait_s or 0.0, left)
-        self.ask(task, parent, wait_s)
+        self.ask(task, parent, wait_s, below=True)
         return True
 
     def holder_candidates(self, task: Task, avoided: Collection[str]) -> list[int]:
@@ -545,13 +548,13 @@ class Fleet:
             return True
         return False
 
-    def admits(self, src: int, whole: bool, spare_only: bool) -> bool:
+    def admits(self, src: int, whole: bool, spare_only: bool, below: bool = False) -> bool:
         """Whether ``src``'s peer server takes one more transfer now, of the whole chunk or
         a stream of it (the server's rules: ``peer.MAX_TRANSFERS`` transfers at once,
         ``peer.whole_upload_limit`` of them whole; a 503 otherwise)."""
         if self.uploads[src] >= MAX_TRANSFERS:
             return False
-        limit = whole_upload_limit(self.s.whole_uploads, spare_only)
+        limit = whole_upload_limit(self.s.whole_uploads, spare_only, below)
         return not whole or bool(self.uploads_whole[src] < limit)
 
     def relays(self, d: int) -> bool:
@@ -574,8 +577,9 @@ class Fleet:
         """``RelayStatus.parent_held`` of node ``d`` at ``at`` (every stage began at 0)."""
         if slowrelay.lags(held_s, at):
             self.notices[d].append(at)
-            if slowrelay.stops_relaying(self.notices[d], at):
+            if slowrelay.stops_relaying(self.notices[d], at) and self.relaying[d]:
                 self.relaying[d] = False
+                self.stopped_at[d] = at
 
     def fire_lag_probes(self) -> None:
         """``ChunkFetcher._lag_probe``: a stream from the tree parent still running
@@ -649,19 +653,19 @@ class Fleet:
             return True
         return False
 
-    def ask(self, task: Task, src: int, wait_s: float) -> None:
+    def ask(self, task: Task, src: int, wait_s: float, *, below: bool = False) -> None:
         """The peer server's answer: a dead node refuses, a node holding the chunk's first
         piece sends it (503 past its whole uploads), another holds the request ``wait_s``
         (404 at once with none). A failed answer comes a round trip later."""
         self.asks += 1
         c = task.chunk
-        task.source = src
+        task.source, task.below = src, below
         if not self.alive[src]:
             self.timer(self.now + self.s.rtt_s, task)  # refused
         elif not self.answers(src, task.node):
             self.not_relaying(task)
         elif self.got[src, c] >= min(self.piece, self.sizes[c]) or self.done[src, c]:
-            if not self.admits(src, bool(self.done[src, c]), False):
+            if not self.admits(src, bool(self.done[src, c]), False, below):
                 self.busy(task)  # 503
             else:
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
@@ -692,7 +696,7 @@ class Fleet:
                 continue
             if not self.answers(src, task.node):
                 self.not_relaying(task)
-            elif self.admits(src, bool(self.done[src, c]), False):
+            elif self.admits(src, bool(self.done[src, c]), False, task.below):
                 self.transfer(src, task.node, c, task, self.s.rtt_s)
             else:
                 self.busy(task)  # woken, the server found no transfer slot: 503
@@ -748,15 +752,18 @@ class Fleet:
         result.slowed = self.slowed
         result.stalled = self.stalled
         result.not_relaying = frozenset(d for d in range(self.n) if not self.relays(d))
+        result.stopped_at = dict(self.stopped_at)
         result.tail = self.tail(5)
         return result
 
     def tail(self, count: int) -> list[str]:
-        """The ``count`` slowest survivors, each with its last transfers: which chunk,
-        from whom (o: the origin; * dead now), when, whole or streamed, and when the
-        chunk first came in whole from the origin (at its fetcher or a stand-in)."""
+        """The ``count`` slowest survivors (of those not slowed, where some are), each
+        with its last transfers: which chunk, from whom (o: the origin; * dead now), when,
+        whole or streamed, and when the chunk first came in whole from the origin (at its
+        fetcher or a stand-in)."""
         lines = []
-        for d in sorted(self.finish, key=lambda x: -self.finish[x])[:count]:
+        shown = [d for d in self.finish if d not in self.slowed] or list(self.finish)
+        for d in sorted(shown, key=lambda x: -self.finish[x])[:count]:
             moves = []
             for c, src, t0, t1, whole in self.last[d]:
                 who = "o" if src < 0 else f"{src}{'' if self.alive[src] else '*'}"
@@ -764,8 +771,8 @@ class Fleet:
                 landed = self.from_origin_at.get(c, math.nan)
                 moves.append(f"c{c} from {who} {t0:.1f}-{t1:.1f} {kind} (origin {landed:.1f})")
             lines.append(f"node {d} done {self.finish[d]:.1f} s: " + "; ".join(moves))
-        if self.finish:
-            lines.append(self.chain(max(self.finish, key=lambda x: self.finish[x])))
+        if shown:
+            lines.append(self.chain(max(shown, key=lambda x: self.finish[x])))
         return lines
 
     def chain(self, d: int) -> str:
@@ -1023,9 +1030,11 @@ def report(r: Result) -> None:
         flush=True,
     )
     stopped = r.not_relaying
+    when = sorted(r.stopped_at.values())
+    at = f", at {when[len(when) // 2]:.1f} s (p50) to {when[-1]:.1f} s" if when else ""
     print(
         f"  {len(stopped)} nodes stopped relaying, behind their tree parents "
-        f"({len(stopped - r.slowed)} of them not slowed)",
+        f"({len(stopped - r.slowed)} of them not slowed){at}",
         flush=True,
     )
     if r.slowed:  # a slowed node itself takes 1 / slow_factor x S/B at least

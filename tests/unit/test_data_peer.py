@@ -530,6 +530,27 @@ def test_whole_chunks_going_up_at_once_are_capped(
         assert client.fetch(server.address, DIGEST) == DATA
 
 
+def test_a_request_from_below_in_the_tree_is_not_refused_for_the_whole_upload_cap(
+    tmp_path: Path, store: ChunkStore, model: Manifest
+) -> None:
+    """X-Weightship-Below (a node below this one in the chunk's relay tree): a whole chunk
+    is sent while whole_uploads go up, where any other asker is answered 503; only
+    MAX_TRANSFERS whole chunks at once refuse it. A spare-only request stays spare-only."""
+    put_all(store, model, tmp_path / "src")
+    client = PeerClient(timeout_s=5)
+    with PeerServer(store, "127.0.0.1", whole_uploads=1) as server, ExitStack() as uploading:
+        hold_uploads(uploading, store, 1)
+        with pytest.raises(PeerBusyError):
+            client.open(server.address, DIGEST)
+        assert read_body(client.open(server.address, DIGEST, below=True), len(DATA)) == DATA
+        with pytest.raises(PeerBusyError):
+            client.open(server.address, DIGEST, spare_only=True, below=True)
+        hold_uploads(uploading, store, peer.MAX_TRANSFERS - 1)
+        with pytest.raises(PeerBusyError):
+            client.open(server.address, DIGEST, below=True)
+    assert store.uploads.count == 0
+
+
 def get_claimant(address: str, sha: str) -> tuple[int, str | None]:
     """A plain GET of the chunk: its status and X-Weightship-Claimant header."""
     conn = http.client.HTTPConnection(address, timeout=5)

@@ -99,8 +99,10 @@ def test_slow_nodes_stop_relaying_alike(sim: tuple[ModuleType, ModuleType]) -> N
     their tree parents, take notices of it (slowrelay.py) and stop relaying, on both
     sides at the same moments; the others then take the chunks from above them, and the
     chunks the two had not fetched from the origin yet come from their stand-ins, to
-    them too. The others are done at 3.4-3.5x S/B (5.2x while the slow nodes relayed),
-    the origin sending each chunk once."""
+    them too. The others are done at 3.64x S/B (5.2x while the slow nodes relayed; 3.4-
+    3.5x before their children took whole chunks past the whole-upload cap of the nodes
+    above them, ``peer.BELOW_HEADER``: at this size a little slower, at 1,000 and 5,000
+    nodes much faster), the origin sending each chunk once."""
     s = scenario(sim, 8, 32, slow_fraction=0.25, slow_factor=0.25)
     simulated = sim[0].Fleet(s).run()
     fleet = sim[1].RealFleet(s)
@@ -110,9 +112,9 @@ def test_slow_nodes_stop_relaying_alike(sim: tuple[ModuleType, ModuleType]) -> N
     assert fleet.sources == {"origin": 32, "peer": 7 * 32} and fleet.stranded == 0
     assert real.origin_bytes == pytest.approx(s.size, rel=1e-3)
     assert simulated.origin_bytes == pytest.approx(s.size, rel=1e-3)
-    assert real.ratio(1.0, healthy=True) < 3.6
     assert real.unstaged == simulated.unstaged == 0
     assert_same_stage(simulated, real)
+    assert real.ratio(1.0, healthy=True) < 3.7
 
 
 # Two of 8 killed at S/B / 2: a fetcher (node-3, its chunks then fetched by its stand-in)

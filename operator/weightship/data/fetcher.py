@@ -643,7 +643,8 @@ class ChunkFetcher:
         once, while the stand-in had not started the chunk yet, all asked the stand-in
         after, three whole chunks at a time: 7.0x S/B). A relay found dead meanwhile is
         skipped for its own parent, asked at once: the children of a node killed
-        mid-stage go on down the tree, not to the root."""
+        mid-stage go on down the tree, not to the root. Asked as a node below it
+        (``peer.BELOW_HEADER``): its whole chunks for this node are the tree's flow."""
         if self.policy.relay_wait_s is None:
             return False
         asked: set[str] = set()
@@ -656,7 +657,7 @@ class ChunkFetcher:
             if (parent, root) not in relayed:
                 relayed.add((parent, root))
                 wait_s = min(self.policy.relay_wait_s, max(0.0, deadline - self._clock()))
-            if self._from_peer(parent, chunk, wait_s):
+            if self._from_peer(parent, chunk, wait_s, below=True):
                 return True
 
     def _holder_candidates(self, key: str, owner: str, avoided: set[str]) -> list[str]:
@@ -758,15 +759,22 @@ class ChunkFetcher:
         return any(self._from_peer(n, chunk) for n in ranked)
 
     def _from_peer(
-        self, node: str, chunk: ChunkEntry, wait_s: float = 0.0, *, spare_only: bool = False
+        self,
+        node: str,
+        chunk: ChunkEntry,
+        wait_s: float = 0.0,
+        *,
+        spare_only: bool = False,
+        below: bool = False,
     ) -> bool:
         """Get the chunk from ``node``; ``spare_only``: only if it holds it whole and its
-        uplink has room (a holder asked before the owner)."""
+        uplink has room (a holder asked before the owner); ``below``: this node is below
+        ``node`` in the chunk's relay tree (``peer.BELOW_HEADER``; streams only)."""
         if node in self.health.avoided():
             return False  # found dead or demoted since this round listed it
         sink = self.sink
         if isinstance(sink, InPlaceSink):
-            return self._stream_from_peer(node, chunk, sink, wait_s, spare_only)
+            return self._stream_from_peer(node, chunk, sink, wait_s, spare_only, below)
         try:
             data = self.client.fetch(
                 self.address[node], chunk.key, wait_s=wait_s, spare_only=spare_only
@@ -783,7 +791,13 @@ class ChunkFetcher:
         return True
 
     def _stream_from_peer(
-        self, node: str, chunk: ChunkEntry, sink: InPlaceSink, wait_s: float, spare_only: bool
+        self,
+        node: str,
+        chunk: ChunkEntry,
+        sink: InPlaceSink,
+        wait_s: float,
+        spare_only: bool,
+        below: bool = False,
     ) -> bool:
         """Receive the chunk from ``node`` into its place, from this node's verified
         prefix on. A peer still receiving the chunk streams its verified pieces as they
@@ -799,7 +813,7 @@ class ChunkFetcher:
             return self._commit_verified(chunk, sink)
         try:
             body = self.client.open(
-                address, chunk.key, start=start, wait_s=wait_s, spare_only=spare_only
+                address, chunk.key, start=start, wait_s=wait_s, spare_only=spare_only, below=below
             )
         except PeerError as exc:
             self._peer_failed(node, exc, chunk.key)

@@ -40,6 +40,14 @@ STREAM_HEADER = "X-Weightship-Stream"  # "1": stream a chunk still arriving (cut
 # spread over the holders with idle uplinks instead of queueing at a busy one.
 SPARE_HEADER = "X-Weightship-Spare"
 SPARE_UPLOADS = 1  # whole chunks in flight at which a spare-only request is refused
+# "1": the asker is below this node in the chunk's relay tree (its child there, or the
+# child of a node between them that died or no longer relays): the tree's own flow, never
+# refused for WHOLE_UPLOADS (MAX_TRANSFERS bounds it). The nodes below a slow relay that
+# stopped relaying are behind by then, and catch up on whole chunks from the node above
+# it; refused there while late nodes from all over the fleet took its whole uploads, they
+# fell further behind, and every node below them with them (the simulator, 1,000 nodes
+# with 5 % slow: 1.96x S/B; slowrelay.py).
+BELOW_HEADER = "X-Weightship-Below"
 # Whole chunks sent at once at most: a late peer asked for more is answered 503 and asks
 # a holder with room, or again; those in flight get a fair share of the uplink each.
 WHOLE_UPLOADS = 3
@@ -346,7 +354,9 @@ class _ChunkHandler(BoundedHandler):
             return
         uploads = self.server.store.uploads
         spare_only = self.headers.get(SPARE_HEADER) == "1"
-        if not uploads.enter_below(whole_upload_limit(self.server.whole_uploads, spare_only)):
+        below = self.headers.get(BELOW_HEADER) == "1"
+        limit = whole_upload_limit(self.server.whole_uploads, spare_only, below)
+        if not uploads.enter_below(limit):
             self._reply(503, b"uplink busy\n", {"Retry-After": "1"})
             return
         try:
@@ -394,11 +404,14 @@ class _ChunkHandler(BoundedHandler):
             self.close_connection = True
 
 
-def whole_upload_limit(whole_uploads: int, spare_only: bool) -> int:
+def whole_upload_limit(whole_uploads: int, spare_only: bool, below: bool = False) -> int:
     """Whole chunks a peer server may be sending when it takes one more request for a
-    whole chunk (503 at this many): ``whole_uploads``, or ``SPARE_UPLOADS`` for a
-    spare-only request (a holder probe). The fleet simulator answers by the same rule."""
-    return SPARE_UPLOADS if spare_only else whole_uploads
+    whole chunk (503 at this many): ``whole_uploads``, ``SPARE_UPLOADS`` for a spare-only
+    request (a holder probe), ``MAX_TRANSFERS`` for one from below this node in the
+    chunk's tree (``BELOW_HEADER``). The fleet simulator answers by the same rule."""
+    if spare_only:
+        return SPARE_UPLOADS
+    return MAX_TRANSFERS if below else whole_uploads
 
 
 def _wait_seconds(header: str | None) -> float:
@@ -497,13 +510,17 @@ class PeerClient:
         start: int = 0,
         wait_s: float = 0.0,
         spare_only: bool = False,
+        below: bool = False,
     ) -> PeerBody:
         """Ask for the chunk's bytes from ``start`` on, streamed if the peer is still
         receiving it (cut-through), unless ``spare_only``: then only a chunk the peer holds
         whole, and only while its uplink has room (404, or 503 while it sends another).
+        ``below``: this node is below the peer in the chunk's relay tree (``BELOW_HEADER``).
         Returns the body to read; raises ChunkNotOnPeerError, PeerBusyError,
         PeerUnavailableError or PeerError as ``fetch`` does."""
         headers = {SPARE_HEADER: "1"} if spare_only else {STREAM_HEADER: "1"}
+        if below and not spare_only:
+            headers[BELOW_HEADER] = "1"
         if start:
             headers["Range"] = f"bytes={start}-"
         if wait_s > 0:
