@@ -68,7 +68,7 @@ from e2e.operator_fixtures import Rollouts, rollout_body, s3_secret  # noqa: E40
 from kubernetes import client  # noqa: E402
 
 from benchlib import table  # noqa: E402
-from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL  # noqa: E402
+from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL  # noqa: E402
 from weightship_dev import cluster as local_cluster  # noqa: E402
 from weightship_dev import demo, testkit  # noqa: E402
 from weightship_dev.install import apply_crds  # noqa: E402

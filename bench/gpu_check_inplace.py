@@ -53,6 +53,7 @@ for _path in (REPO / "operator", REPO / "devtools"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from weightship.api.env import POD_NAME_ENV, ROLLOUT_UID_ENV, SEED_KEY_ENV  # noqa: E402
 from weightship.core.seedtoken import join_token  # noqa: E402
 from weightship.integrations.vllm.settings import (  # noqa: E402
     RUN_DIR_ENV,
@@ -60,7 +61,6 @@ from weightship.integrations.vllm.settings import (  # noqa: E402
     TERMINATION_LOG_ENV,
 )
 from weightship.integrations.vllm.swap import SWAP_PATH, SwapAuth, SwapRequest  # noqa: E402
-from weightship.seeding.config import KEY_ENV, MEMBER_ENV, ROLLOUT_UID_ENV  # noqa: E402
 
 LOADED_PATH = "/weightship/v1/loaded"
 POD = "gpu-check-inplace-0"
@@ -162,9 +162,9 @@ def pod_env(models: Models, key: bytes, work: Path) -> dict[str, str]:
         "WEIGHTSHIP_CACHE_DIR": str(models.cache),
         "WEIGHTSHIP_MANIFEST_DIGEST": models.digests["v1"],
         "WEIGHTSHIP_MODEL_REVISION": "v1",
-        KEY_ENV: key.hex(),
+        SEED_KEY_ENV: key.hex(),
         ROLLOUT_UID_ENV: ROLLOUT_UID,
-        MEMBER_ENV: POD,
+        POD_NAME_ENV: POD,
         SEED_ROOT_ENV: "0",  # keep no extra copy for seeding: this check swaps only
         RUN_DIR_ENV: str(work / "run"),
         TERMINATION_LOG_ENV: str(work / "termination-log"),
@@ -176,7 +176,7 @@ def swap_token(env: dict[str, str], digest: str, now: float) -> str:
     checks it with (seedtoken.join_token; group swap/<pod>, two minutes)."""
     auth = SwapAuth.from_env(env)
     if auth.key is None:
-        raise ValueError(f"{KEY_ENV} is not a seeding key")
+        raise ValueError(f"{SEED_KEY_ENV} is not a seeding key")
     return join_token(auth.key, auth.rollout_uid, digest, auth.group, int(now) + 120)
 
 
@@ -190,7 +190,7 @@ def check_token_offline(env: dict[str, str], digest: str) -> None:
     refusal = auth.check(f"Bearer {token}", request, now)
     if refusal is not None:
         fail(f"the plugin refuses the minted token: {refusal}")
-    other_pod = SwapAuth.from_env({**env, MEMBER_ENV: "another-pod"})
+    other_pod = SwapAuth.from_env({**env, POD_NAME_ENV: "another-pod"})
     if other_pod.check(f"Bearer {token}", request, now) is None:
         fail("another pod's server accepts this pod's token")
     other = SwapRequest("sha256:" + "0" * 64, "v3")
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("would run: " + " ".join(argv_))
         print(
             "with env: "
-            + " ".join(f"{k}=…" if k == KEY_ENV else f"{k}={v}" for k, v in env.items())
+            + " ".join(f"{k}=…" if k == SEED_KEY_ENV else f"{k}={v}" for k, v in env.items())
         )
         result["argv"] = argv_
         write(result)

@@ -24,8 +24,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
-from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL
+from weightship.api.names import GROUP, REVISION_LABEL, ROLLOUT_LABEL, ROLLOUT_PLURAL, VERSION
 
 DAEMONS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 HOPS = (

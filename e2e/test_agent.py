@@ -18,8 +18,7 @@ from e2e.operator_fixtures import (
     publish_models,
     rollout_body,
 )
-from weightship.api.names import GROUP
-from weightship.controller.builders import staged_node_label
+from weightship.api.names import GROUP, staged_node_label
 from weightship.data.s3 import S3Location, S3Origin
 from weightship.weightformat.manifest import Manifest
 from weightship_dev import testkit

@@ -22,8 +22,7 @@ from e2e.operator_fixtures import (
     rollout_body,
     s3_secret,
 )
-from weightship.api.names import GROUP, VERSION
-from weightship.controller.builders import staged_node_label
+from weightship.api.names import GROUP, VERSION, staged_node_label
 from weightship_dev import promctl, testkit
 from weightship_dev.install import apply_crds, helm, install_chart, prepare_cache_dirs
 from weightship_dev.layout import S3_ACCESS_KEY, S3_SECRET_KEY

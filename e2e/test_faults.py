@@ -30,7 +30,7 @@ from e2e.operator_fixtures import (
     wait_reconciled,
 )
 from weightship import rollouts as user_actions
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.api.names import REVISION_LABEL, VERIFIED_GATE
 from weightship.data.cli import verify_files_command
 from weightship.data.s3 import S3Location, S3Origin
 from weightship_dev import components, nodes, processes, testkit

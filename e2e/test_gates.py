@@ -14,7 +14,7 @@ from e2e.operator_fixtures import (
     tinyllm_models,
     tinyllm_rollout_body,
 )
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.api.names import REVISION_LABEL, VERIFIED_GATE
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
 from weightship_dev.slackreceiver import SlackReceiver

@@ -14,7 +14,7 @@ import pytest
 
 from e2e.operator_fixtures import Rollouts, tinyllm_models, tinyllm_rollout_body
 from weightship import rollouts as user_actions
-from weightship.controller.builders import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE
+from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE
 from weightship.core.verification import DRAINING
 from weightship_dev import testkit
 from weightship_dev.loadgen import ServiceLoad, app_service

@@ -18,10 +18,9 @@ from kubernetes import client
 from e2e.agent_fixtures import CACHE_DIR, PROCESS, Agents, cache_root
 from e2e.operator_fixtures import Rollouts, publish_models, rollout_body
 from weightship import rollouts as user_actions
-from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
+from weightship.api.names import GROUP, ROLLOUT_LABEL, ROLLOUT_PLURAL, VERSION
 from weightship.controller.builders import (
     MODEL_VOLUMES,
-    ROLLOUT_LABEL,
     VIEW_READY_VOLUME,
     VIEW_VOLUME,
     rollout_view_root,

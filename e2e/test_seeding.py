@@ -19,8 +19,9 @@ from e2e.operator_fixtures import (
     tinyllm_rollout_body,
 )
 from weightship import rollouts as user_actions
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
-from weightship.controller.seedkey import KEY_ENV, seed_key_secret_name
+from weightship.api.env import SEED_KEY_ENV
+from weightship.api.names import REVISION_LABEL, VERIFIED_GATE
+from weightship.controller.seedkey import seed_key_secret_name
 from weightship.core.seedtoken import join_token
 from weightship.seeding.protocol import JOIN_PATH
 from weightship_dev import testkit
@@ -117,7 +118,9 @@ def assert_root_refuses_strangers(cluster: Any, rollouts: Rollouts, root: Any) -
     assert secret.metadata.labels["weightship.io/seeding-key"] == "true"
     assert [o.uid for o in secret.metadata.owner_references] == [uid]
     env = {e.name: e for e in root.spec.containers[0].env}
-    assert env[KEY_ENV].value is None and env[KEY_ENV].value_from.secret_key_ref.key == "key"
+    assert (
+        env[SEED_KEY_ENV].value is None and env[SEED_KEY_ENV].value_from.secret_key_ref.key == "key"
+    )
 
 
 def promote_to_healthy(cluster: Any, rollouts: Rollouts) -> None:

@@ -28,8 +28,7 @@ import pytest
 from e2e.agent_fixtures import PROCESS, Agents, cache_root
 from e2e.operator_fixtures import Rollouts, publish_models, rollout_body
 from weightship import rollouts as user_actions
-from weightship.api.names import GROUP
-from weightship.controller.builders import staged_node_label
+from weightship.api.names import GROUP, staged_node_label
 from weightship.data.s3 import S3Location, S3Origin
 from weightship.weightformat.manifest import Manifest
 from weightship_dev import testkit

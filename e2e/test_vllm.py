@@ -19,7 +19,7 @@ import pytest
 from e2e.agent_fixtures import PROCESS, Agents, cache_root
 from e2e.operator_fixtures import PROCESS_NODES, Rollouts, rollout_body
 from weightship import rollouts as user_actions
-from weightship.controller.builders import REVISION_LABEL, VERIFIED_GATE
+from weightship.api.names import REVISION_LABEL, VERIFIED_GATE
 from weightship.weightformat.manifest import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP

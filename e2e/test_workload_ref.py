@@ -21,11 +21,11 @@ from e2e.operator_fixtures import (
     rollout_body,
     wait_reconciled,
 )
+from weightship.api.names import FINALIZER
 from weightship_dev import testkit
 
 NAMESPACE_PREFIX = "wr-"
 REPLICAS = 2
-FINALIZER = "weightship.io/finalizer"
 
 
 @pytest.fixture(scope="module")

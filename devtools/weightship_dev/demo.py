@@ -36,8 +36,7 @@ from kubernetes.client.rest import ApiException
 from rich.console import Console
 from rich.table import Table
 
-from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERSION
-from weightship.controller.builders import VERIFIED_GATE
+from weightship.api.names import GROUP, ROLLOUT_PLURAL, VERIFIED_GATE, VERSION
 from weightship_dev import cluster as local_cluster
 from weightship_dev import install, nodes, testkit
 from weightship_dev.layout import BRIDGE_IP, S3_ACCESS_KEY, S3_SECRET_KEY, ClusterPaths

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.cachedir import MANIFEST_FILE, STAGED_MARKER
 from weightship.weightformat.manifest import Manifest, digest_hex
 from weightship.weightformat.paths import MANIFEST_NAME
 from weightship_dev.kubelet.images import vllm_venv
@@ -42,7 +42,7 @@ def stage(cache: Path, built: BuiltModel | Path, manifest: Manifest | None = Non
     model = cache / "models" / digest_hex(manifest.digest)
     shutil.rmtree(model, ignore_errors=True)
     shutil.copytree(folder, model / "files", ignore=shutil.ignore_patterns(MANIFEST_NAME))
-    (model / "manifest.json").write_bytes(manifest.canonical_bytes())
+    (model / MANIFEST_FILE).write_bytes(manifest.canonical_bytes())
     (model / STAGED_MARKER).write_text("")
     return model / "files"
 

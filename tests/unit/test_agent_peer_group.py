@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightship.agent.kube import PEER_GROUP_LABEL, AgentKube
+from weightship.agent.kube import AgentKube
+from weightship.api.names import PEER_GROUP_LABEL
 
 NODE = {"metadata": {"name": "gpu-1", "uid": "u-1"}}
 

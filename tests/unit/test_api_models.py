@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from weightship.api import ModelRollout, WeightCache
+from weightship.api.models import ModelRollout, WeightCache
 from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.api.status import ControlRequest, ModelRolloutStatus
 

@@ -7,7 +7,8 @@ import json
 import threading
 from typing import Any
 
-from weightship.controller.builders import CACHE_VOLUME, ROLLOUT_LABEL
+from weightship.api.names import ROLLOUT_LABEL
+from weightship.controller.builders import CACHE_VOLUME
 from weightship.controller.cache import (
     ClusterView,
     WriteOverlay,

@@ -6,16 +6,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE, staged_node_label
 from weightship.api.samples import VALID_MANIFEST
-from weightship.controller.builders import (
-    REVISION_LABEL,
-    ROLLOUT_LABEL,
-    VERIFIED_GATE,
-    gate_condition,
-    replicaset_body,
-    scale_patch,
-    staged_node_label,
-)
+from weightship.controller.builders import gate_condition, replicaset_body, scale_patch
 from weightship.controller.snapshot import (
     observed_pods,
     prefetch_observation,

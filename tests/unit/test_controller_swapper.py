@@ -12,12 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from weightship.controller.builders import (
-    DIGEST_ANNOTATION,
-    REVISION_LABEL,
-    SWAP_ANNOTATION,
-    VERIFIED_GATE,
-)
+from weightship.api.names import DIGEST_ANNOTATION, REVISION_LABEL, SWAP_ANNOTATION, VERIFIED_GATE
 from weightship.controller.seedkey import swap_group
 from weightship.controller.snapshot import pod_swap
 from weightship.controller.swapper import Swapper

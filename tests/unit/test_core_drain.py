@@ -10,14 +10,9 @@ from datetime import datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import DELETION_COST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
 from weightship.api.status import AbortRequest, ControlStatus, PromoteRequest
-from weightship.controller.builders import (
-    DELETION_COST_ANNOTATION,
-    DRAINED_DELETION_COST,
-    REVISION_LABEL,
-    VERIFIED_GATE,
-    draining_condition,
-)
+from weightship.controller.builders import DRAINED_DELETION_COST, draining_condition
 from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction

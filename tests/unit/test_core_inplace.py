@@ -12,13 +12,8 @@ from typing import Any
 import pytest
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import REVISION_LABEL, SWAP_ANNOTATION, TEMPLATE_LABEL, VERIFIED_GATE
 from weightship.api.status import ControlStatus, PromoteRequest
-from weightship.controller.builders import (
-    REVISION_LABEL,
-    SWAP_ANNOTATION,
-    TEMPLATE_LABEL,
-    VERIFIED_GATE,
-)
 from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction, SwapPod

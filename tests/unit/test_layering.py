@@ -7,10 +7,15 @@ may all the same (`allowed`: pairs of a folder or file and a module prefix; a pa
 importing itself is one), and why. Imports inside functions count too. To add a rule, add
 a row.
 
-Devtools, benches and tests may use the controller for what is the controller's (running
-it, its builders, its label and annotation keys); the API's names and the Kubernetes
-access layer (client, retries, the list-then-watch cache) they take from `weightship.api`
-and `weightship.kube`, as the product does.
+Tests may use the controller for what is the controller's (running it, its builders);
+every label, annotation and environment name they take from `weightship.api.names` and
+`weightship.api.env`, the Kubernetes access layer (client, retries, the list-then-watch
+cache) from `weightship.kube`, as the product does. Devtools and benches do not import
+the controller at all.
+
+Besides the rules, no package imports in a circle among its own modules
+(`test_no_package_imports_in_a_circle`): a circle is what once made a module spell out a
+label rather than import it.
 """
 
 from __future__ import annotations
@@ -35,10 +40,24 @@ class Rule:
     allowed: tuple[tuple[str, str], ...] = ()
 
 
-KUBE_LAYER = frozenset(
-    {"GROUP", "VERSION", "API_VERSION", "PLURAL", "load_client", "api_retry", "Informer"}
-)
-TEST_RIG = ("devtools", "bench", "e2e", "tests")
+def defined_names(path: str) -> frozenset[str]:
+    """The names a module defines at its top level (assignments, functions, classes)."""
+    tree = ast.parse((REPO / path).read_text(), path)
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+    return frozenset(names)
+
+
+API_NAMES = defined_names(f"{PRODUCT}/api/names.py") | defined_names(f"{PRODUCT}/api/env.py")
+KUBE_LAYER = frozenset({"PLURAL", "load_client", "api_retry", "Informer"})
+TESTS = ("e2e", "tests")
+RIG = ("devtools", "bench")
 
 RULES = (
     Rule(
@@ -61,13 +80,23 @@ RULES = (
     ),
     *(
         Rule(
+            tests,
+            "weightship.controller",
+            "labels, annotations and environment names come from weightship.api.names and "
+            "weightship.api.env, the client, retries and the list-then-watch cache from "
+            "weightship.kube",
+            names=API_NAMES | KUBE_LAYER,
+        )
+        for tests in TESTS
+    ),
+    *(
+        Rule(
             rig,
             "weightship.controller",
-            "the API's names come from weightship.api.names, the client, retries and the "
-            "list-then-watch cache from weightship.kube",
-            names=KUBE_LAYER,
+            "the dev rig and the benches drive the operator as a user does: names from "
+            "weightship.api, the Kubernetes access layer from weightship.kube",
         )
-        for rig in TEST_RIG
+        for rig in RIG
     ),
 )
 
@@ -170,6 +199,83 @@ def test_the_check_catches_what_each_form_of_import_names() -> None:
     kube = next(r for r in RULES if r.where == f"{PRODUCT}/kube")
     below = "from weightship.kube import selector\nfrom weightship.api import names\n"
     assert [f.line for f in imports(f"{PRODUCT}/kube/x.py", below) if breaks(kube, f)] == [2]
+    tests = next(r for r in RULES if r.where == "tests")
+    mixed = "from weightship.controller.builders import VERIFIED_GATE, replicaset_body\n"
+    assert [f.name for f in imports("tests/x.py", mixed) if breaks(tests, f)] == ["VERIFIED_GATE"]
     rig = next(r for r in RULES if r.where == "devtools")
-    mixed = "from weightship.controller.builders import GROUP, VERIFIED_GATE\n"
-    assert [f.name for f in imports("devtools/x.py", mixed) if breaks(rig, f)] == ["GROUP"]
+    found = [f.name for f in imports("devtools/x.py", mixed) if breaks(rig, f)]
+    assert found == ["VERIFIED_GATE", "replicaset_body"]
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module to the product modules it imports (`from a import b` counts as a.b where b
+    is a module), from ``sources``: file path to its text. Imports under TYPE_CHECKING
+    and inside functions count: a circle through them is still a circle of knowledge."""
+    modules = {m: path for path in sources if (m := module_of(path))}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for found in imports(path, sources[path]):
+            target = found.target if found.target in modules else found.module
+            if target in modules and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def package_of(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles among the modules of one package each (Tarjan's strongly
+    connected components, on the edges that stay inside a package)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if package_of(target) != package_of(module):
+                continue
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component: list[str] = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_package_imports_in_a_circle() -> None:
+    sources = {path: (REPO / path).read_text() for path in files(PRODUCT)}
+    found = circles(import_graph(sources))
+    assert not found, "modules of one package import each other in a circle:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
+def test_the_circle_check_sees_a_circle_through_type_checking_imports() -> None:
+    sources = {
+        f"{PRODUCT}/p/a.py": "from weightship.p.b import X\n",
+        f"{PRODUCT}/p/b.py": "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from weightship.p import c\n",
+        f"{PRODUCT}/p/c.py": "def f():\n    from .a import Y\n",
+        f"{PRODUCT}/q/d.py": "from weightship.p.a import Z\n",  # another package: no circle
+        f"{PRODUCT}/p/e.py": "from weightship.q.d import Z\n",
+    }
+    assert circles(import_graph(sources)) == [
+        ["weightship.p.a", "weightship.p.b", "weightship.p.c"]
+    ]
+    del sources[f"{PRODUCT}/p/c.py"]
+    assert circles(import_graph(sources)) == []

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
+from weightship.api.env import ROLLOUT_UID_ENV, SEED_KEY_ENV
 from weightship.api.models import ModelRollout
 from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import replicaset_body
 from weightship.controller.seedkey import ensure_seed_key, seed_key_secret
 from weightship.core.seedtoken import parse_key
-from weightship.seeding.config import KEY_ENV, ROLLOUT_UID_ENV
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -45,12 +45,12 @@ def container_env(r: ModelRollout) -> dict[str, dict[str, Any]]:
 def test_every_rollout_pod_reads_the_key_by_reference_never_by_value() -> None:
     env = container_env(rollout())
     assert env[ROLLOUT_UID_ENV] == {"name": ROLLOUT_UID_ENV, "value": "u-1"}
-    assert env[KEY_ENV] == {
-        "name": KEY_ENV,
+    assert env[SEED_KEY_ENV] == {
+        "name": SEED_KEY_ENV,
         "valueFrom": {"secretKeyRef": {"name": "llm-seed-key", "key": "key", "optional": True}},
     }
     off = container_env(rollout(broadcast=False))
-    assert KEY_ENV not in off and ROLLOUT_UID_ENV not in off
+    assert SEED_KEY_ENV not in off and ROLLOUT_UID_ENV not in off
 
 
 def test_the_key_secret_is_owned_labelled_and_holds_32_random_bytes() -> None:

@@ -16,22 +16,19 @@ import pytest
 from prometheus_client import REGISTRY
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
-from weightship.api.spec import GoldenPrompt
-from weightship.controller.builders import (
+from weightship.api.names import (
     DIGEST_ANNOTATION,
-    REVISION_LABEL,
-    VERIFIED_GATE,
-    gate_condition,
-)
-from weightship.controller.snapshot import observed_pods, replica_set_observations
-from weightship.controller.verifier import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
     RESTARTS_ANNOTATION,
-    Verifier,
-    needs_check,
+    REVISION_LABEL,
+    VERIFIED_GATE,
 )
+from weightship.api.samples import VALID_MANIFEST
+from weightship.api.spec import GoldenPrompt
+from weightship.controller.builders import gate_condition
+from weightship.controller.snapshot import observed_pods, replica_set_observations
+from weightship.controller.verifier import Verifier, needs_check
 from weightship.core.observed import ReplicaSetObservation
 from weightship.core.pod_gates import pod_gates
 from weightship.core.seeding import scale_up_seed, seed_root

@@ -15,20 +15,18 @@ import pytest
 from pydantic import ValidationError
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
-from weightship.api.spec import GoldenPrompt, ValidationSpec
-from weightship.controller.builders import (
-    CACHE_VOLUME,
+from weightship.api.names import (
     DIGEST_ANNOTATION,
+    LOADED_ANNOTATION,
     SWAP_ANNOTATION,
-    gate_condition,
-    staged_model_dir,
     staged_node_label,
 )
+from weightship.api.samples import VALID_MANIFEST
+from weightship.api.spec import GoldenPrompt, ValidationSpec
+from weightship.controller.builders import CACHE_VOLUME, gate_condition, staged_model_dir
 from weightship.controller.seedkey import KEY_FIELD, seed_key_secret_name
 from weightship.controller.snapshot import observed_pods
 from weightship.controller.verifier import (
-    LOADED_ANNOTATION,
     VERIFIED_PATH,
     Verifier,
     completion_request,

@@ -24,6 +24,7 @@ from weightship.data.s3 import S3Location, S3Origin, make_client
 from weightship.data.stage import stage
 from weightship.loader.load import WeightsVerificationError, load_model, locate_staged
 from weightship.seeding.errors import SeedingError
+from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.chunkhash import ChunkVerificationError
 from weightship.weightformat.manifest import Manifest
 from weightship_testing.tinyllm.build import CONFIG_NAME
@@ -145,7 +146,7 @@ def _origin(settings: Settings) -> S3Origin:
 def _find_manifest(settings: Settings, staged: Path | None) -> Manifest:
     try:
         if staged is not None:
-            path = staged.parent / "manifest.json"
+            path = staged.parent / MANIFEST_FILE
             manifest = Manifest.parse(path.read_bytes(), source=str(path))
         else:
             manifest = _origin(settings).read_manifest()

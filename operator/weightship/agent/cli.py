@@ -57,6 +57,12 @@ def agent_command(
     from weightship.agent.kube import AgentKube
     from weightship.agent.main import Agent
     from weightship.agent.metrics import AgentMetrics
+    from weightship.api.env import (
+        CACHE_DIR_ENV,
+        METRICS_PORT_ENV,
+        PEER_PORT_ENV,
+        WATCH_NAMESPACES_ENV,
+    )
     from weightship.kube.client import load_client
 
     logging.basicConfig(
@@ -68,10 +74,10 @@ def agent_command(
     overrides = {
         "NODE_NAME": node_name,
         "POD_IP": pod_ip,
-        "WEIGHTSHIP_CACHE_DIR": str(cache_dir) if cache_dir else None,
-        "WEIGHTSHIP_PEER_PORT": None if peer_port is None else str(peer_port),
-        "WEIGHTSHIP_METRICS_PORT": None if metrics_port is None else str(metrics_port),
-        "WEIGHTSHIP_WATCH_NAMESPACES": ",".join(namespaces) or None,
+        CACHE_DIR_ENV: str(cache_dir) if cache_dir else None,
+        PEER_PORT_ENV: None if peer_port is None else str(peer_port),
+        METRICS_PORT_ENV: None if metrics_port is None else str(metrics_port),
+        WATCH_NAMESPACES_ENV: ",".join(namespaces) or None,
     }
     env.update({k: v for k, v in overrides.items() if v is not None})
     try:

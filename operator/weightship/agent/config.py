@@ -7,6 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightship.api.base import LABEL_VALUE_PATTERN, matches
+from weightship.api.env import (
+    CACHE_DIR_ENV,
+    METRICS_PORT_ENV,
+    PEER_PORT_ENV,
+    WATCH_NAMESPACES_ENV,
+)
 
 DEFAULT_CACHE_DIR = Path("/var/cache/weightship")
 DEFAULT_PEER_PORT = 8479
@@ -62,7 +68,7 @@ class AgentConfig:
                 "API (fieldRef spec.nodeName and status.podIP)"
             )
         namespaces = tuple(
-            n.strip() for n in env.get("WEIGHTSHIP_WATCH_NAMESPACES", "").split(",") if n.strip()
+            n.strip() for n in env.get(WATCH_NAMESPACES_ENV, "").split(",") if n.strip()
         )
         capacity = env.get("WEIGHTSHIP_CACHE_CAPACITY_BYTES", "").strip()
         peer_group = env.get(PEER_GROUP_ENV, "").strip()
@@ -74,10 +80,10 @@ class AgentConfig:
         return cls(
             node_name=node,
             pod_ip=pod_ip,
-            cache_dir=Path(env.get("WEIGHTSHIP_CACHE_DIR") or DEFAULT_CACHE_DIR),
+            cache_dir=Path(env.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR),
             s3_credentials_dir=Path(creds) if (creds := env.get(CREDENTIALS_ENV)) else None,
-            peer_port=_int(env, "WEIGHTSHIP_PEER_PORT", DEFAULT_PEER_PORT),
-            metrics_port=_int(env, "WEIGHTSHIP_METRICS_PORT", DEFAULT_METRICS_PORT),
+            peer_port=_int(env, PEER_PORT_ENV, DEFAULT_PEER_PORT),
+            metrics_port=_int(env, METRICS_PORT_ENV, DEFAULT_METRICS_PORT),
             namespaces=namespaces,
             capacity_bytes=int(capacity) if capacity else None,
             reserve_bytes=_int(env, "WEIGHTSHIP_CACHE_RESERVE_BYTES", 1 << 30),

@@ -20,14 +20,12 @@ from weightship.api.names import (
     CACHE_KIND,
     CACHE_PLURAL,
     GROUP,
+    PEER_GROUP_LABEL,
     ROLLOUT_PLURAL,
     VERSION,
 )
 from weightship.kube.client import api_retry
 from weightship.kube.informer import Informer
-
-# The label on a WeightCache that names its agent's peer group (AgentConfig.peer_group).
-PEER_GROUP_LABEL = f"{GROUP}/peer-group"
 
 
 class AgentKube:

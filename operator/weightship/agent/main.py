@@ -36,6 +36,7 @@ from weightship.data.peer import PeerServer
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import StageCancelledError, StageProgress, StageResult, stage
 from weightship.data.views import Views
+from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 from weightship.weightformat.paths import MANIFEST_NAME
 
@@ -257,7 +258,7 @@ class Agent:
             total = self._totals.get(digest)
             if total is None:
                 try:
-                    raw = (self.store.model_dir(digest) / "manifest.json").read_bytes()
+                    raw = (self.store.model_dir(digest) / MANIFEST_FILE).read_bytes()
                     total = Manifest.parse(raw).total_size
                     self._totals[digest] = total
                 except (OSError, ManifestError):
@@ -399,7 +400,7 @@ class Agent:
                 f"the manifest at {location} has digest {manifest.digest}, not {want.digest} "
                 "(the weights there were republished after the rollout recorded its digest)"
             )
-        saved = self.store.model_dir(want.digest) / "manifest.json"
+        saved = self.store.model_dir(want.digest) / MANIFEST_FILE
         kept: Manifest | None = None
         with contextlib.suppress(OSError, ManifestError):
             kept = Manifest.parse(saved.read_bytes(), source=str(saved))

@@ -1,21 +1,8 @@
-"""weightship.io/v1alpha1 API: pydantic models that are the single source of truth for the CRDs."""
+"""weightship.io/v1alpha1 API: pydantic models that are the single source of truth for the
+CRDs (`models`, `spec`, `status`, `weightcache`), and the names everyone agrees on
+(`names`, `env`).
 
-from weightship.api.models import ModelRollout, ObjectMeta, WeightCache
-from weightship.api.names import API_VERSION, GROUP, VERSION
-from weightship.api.spec import ModelRolloutSpec
-from weightship.api.status import Condition, ModelRolloutStatus
-from weightship.api.weightcache import WeightCacheSpec, WeightCacheStatus
-
-__all__ = [
-    "API_VERSION",
-    "GROUP",
-    "VERSION",
-    "Condition",
-    "ModelRollout",
-    "ModelRolloutSpec",
-    "ModelRolloutStatus",
-    "ObjectMeta",
-    "WeightCache",
-    "WeightCacheSpec",
-    "WeightCacheStatus",
-]
+Nothing is imported here: `weightship.api.names` and `weightship.api.env` are read by the
+vLLM plugin, installed without the operator's dependencies (pydantic's models need
+google-re2), so importing this package must not load the models.
+"""

@@ -12,11 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from weightship.api.models import ModelRollout
+from weightship.api.names import DELETION_COST_ANNOTATION, REVISION_LABEL, staged_node_label
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
-    DELETION_COST_ANNOTATION,
     DRAINED_DELETION_COST,
-    REVISION_LABEL,
     draining_condition,
     gate_condition,
     pending_condition,
@@ -24,7 +23,6 @@ from weightship.controller.builders import (
     replicaset_name,
     retemplate_patch,
     scale_patch,
-    staged_node_label,
 )
 from weightship.controller.kube import Kube, PodConditionWrite
 from weightship.controller.seedkey import SeedKeys

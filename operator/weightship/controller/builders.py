@@ -11,33 +11,43 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from weightship.api.env import (
+    CACHE_DIR_ENV,
+    MANIFEST_DIGEST_ENV,
+    MODEL_DIR_ENV,
+    MODEL_REVISION_ENV,
+    MODEL_URI_ENV,
+    POD_IP_ENV,
+    POD_NAME_ENV,
+    S3_ENDPOINT_ENV,
+)
 from weightship.api.models import ModelRollout
-from weightship.api.names import GROUP
+from weightship.api.names import (
+    DIGEST_ANNOTATION,
+    MODEL_REVISION_ANNOTATION,
+    REVISION_LABEL,
+    ROLLOUT_LABEL,
+    TEMPLATE_LABEL,
+    VERIFIED_GATE,
+    staged_node_label,
+)
 from weightship.controller.seedkey import seed_key_env
 from weightship.core.decision import DrainPod, SeedEnv, SetGate
 from weightship.core.verification import DRAINING
 from weightship.data import viewlayout
-from weightship.weightformat.cachedir import FILES_DIR, MANIFEST_DIGEST, host_model_root
+from weightship.weightformat.cachedir import (
+    FILES_DIR,
+    MANIFEST_DIGEST,
+    MANIFEST_FILE,
+    STAGED_MARKER,
+    host_model_root,
+)
 
-ROLLOUT_LABEL = f"{GROUP}/rollout"
-REVISION_LABEL = f"{GROUP}/revision-hash"
-DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
-MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
-VERIFIED_GATE = f"{GROUP}/weights-verified"
-FINALIZER = f"{GROUP}/finalizer"  # kopf's; on a rollout only while it holds a workload
-# updatePolicy InPlaceIfPossible: one ReplicaSet per pod template selects its pods by this
-# label, so a pod that swaps its weights (its revision-hash label changes) stays in it.
-TEMPLATE_LABEL = f"{GROUP}/template-hash"
-# The swapper's record of a pod's last in-place swap (JSON; controller/swapper.py).
-SWAP_ANNOTATION = f"{GROUP}/swap"
-# The ReplicaSet controller deletes the pods of lowest cost first: a drained pod's
-# (core.drain) is the lowest there is, so a scale-down takes exactly the drained ones.
-DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+# The lowest pod-deletion-cost there is: a scale-down takes exactly the drained pods.
 DRAINED_DELETION_COST = str(-(2**31))
 # The node cache is install-time configuration (the chart's agent.cacheDir, the operator's
 # WEIGHTSHIP_CACHE_DIR), never a rollout's: a rollout-chosen hostPath could be `/`.
 DEFAULT_CACHE_DIR = "/var/cache/weightship"
-CACHE_DIR_ENV = "WEIGHTSHIP_CACHE_DIR"
 # A pod mounts, read-only, only what reading its pinned model needs: the model's files
 # (the folder it serves), its manifest and the marker saying every chunk was verified
 # (weightship.loader.locate_staged). `File` mounts wait for the marker: the pod starts on
@@ -45,12 +55,9 @@ CACHE_DIR_ENV = "WEIGHTSHIP_CACHE_DIR"
 CACHE_VOLUME = "weightship-cache"
 MODEL_VOLUMES = {
     CACHE_VOLUME: ("files", "Directory"),
-    "weightship-manifest": ("manifest.json", "File"),
-    "weightship-staged": ("STAGED", "File"),
+    "weightship-manifest": (MANIFEST_FILE, "File"),
+    "weightship-staged": (STAGED_MARKER, "File"),
 }
-# The pinned model's staged folder, for servers that read it themselves (`vllm serve
-# $(WEIGHTSHIP_MODEL_DIR)`): the path the node agent stages it at (data.chunkstore).
-MODEL_DIR_ENV = "WEIGHTSHIP_MODEL_DIR"
 # A pod of an updatePolicy InPlaceIfPossible rollout swaps to weights that were not known
 # when it started, so instead it mounts its rollout's view (weightship.data.views): one
 # folder the node agent keeps holding exactly the models that rollout pins and the node
@@ -111,11 +118,6 @@ def pod_model_dir(
     return viewlayout.view_model_dir(cache_dir, view_uid, manifest_digest)
 
 
-def staged_node_label(manifest_digest: str) -> str:
-    """Node label set once a node has every chunk of `manifest_digest` staged."""
-    return f"staged.{GROUP}/{manifest_digest.removeprefix('sha256:')[:16]}"
-
-
 def replicaset_name(rollout_name: str, revision_hash: str) -> str:
     return f"{rollout_name}-{revision_hash}"[:253]
 
@@ -147,17 +149,17 @@ def model_env(
             {"name": MODEL_DIR_ENV, "value": staged_model_dir(cache_dir, manifest_digest) or ""},
         ]
     env: list[dict[str, Any]] = [
-        {"name": "WEIGHTSHIP_MODEL_URI", "value": model.source.uri},
-        {"name": "WEIGHTSHIP_MODEL_REVISION", "value": model.revision},
-        {"name": "WEIGHTSHIP_MANIFEST_DIGEST", "value": manifest_digest},
+        {"name": MODEL_URI_ENV, "value": model.source.uri},
+        {"name": MODEL_REVISION_ENV, "value": model.revision},
+        {"name": MANIFEST_DIGEST_ENV, "value": manifest_digest},
         *cache_env,
         # Who this replica is and where peers reach it, for broadcast seeding.
-        {"name": "WEIGHTSHIP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "WEIGHTSHIP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *seed_key_env(rollout),  # the rollout's seeding key, by reference (seedkey.py)
     ]
     if model.source.endpoint:
-        env.append({"name": "WEIGHTSHIP_S3_ENDPOINT", "value": model.source.endpoint})
+        env.append({"name": S3_ENDPOINT_ENV, "value": model.source.endpoint})
     return env
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from weightship.controller.builders import ROLLOUT_LABEL
+from weightship.api.names import ROLLOUT_LABEL
 from weightship.kube.informer import Informer
 from weightship.kube.selector import labels_match
 

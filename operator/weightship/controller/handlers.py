@@ -26,15 +26,11 @@ import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
-from weightship.api.names import CACHE_PLURAL, GROUP, VERSION
+from weightship.api.env import CACHE_DIR_ENV
+from weightship.api.names import CACHE_PLURAL, FINALIZER, GROUP, ROLLOUT_LABEL, VERSION
 from weightship.api.status import WorkloadStatus
 from weightship.controller import apply, cache, metrics
-from weightship.controller.builders import (
-    CACHE_DIR_ENV,
-    DEFAULT_CACHE_DIR,
-    FINALIZER,
-    ROLLOUT_LABEL,
-)
+from weightship.controller.builders import DEFAULT_CACHE_DIR
 from weightship.controller.events import EventPoster
 from weightship.controller.kube import POD_WRITERS, Conflict, Kube
 from weightship.controller.reconcile import Reconciler

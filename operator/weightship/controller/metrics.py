@@ -8,6 +8,7 @@ import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from weightship.api.env import METRICS_PORT_ENV
 from weightship.api.status import ModelRolloutStatus
 
 PHASES = ("Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded")
@@ -23,7 +24,7 @@ RECONCILE_SECONDS = Histogram(
 
 def serving_port() -> int:
     """Where /metrics is served (WEIGHTSHIP_METRICS_PORT; 0: nowhere)."""
-    return int(os.environ.get("WEIGHTSHIP_METRICS_PORT", "9100"))
+    return int(os.environ.get(METRICS_PORT_ENV, "9100"))
 
 
 LEADER_HELP = "1 on the operator replica that runs, 0 on a standby (leader election)"

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
-from weightship.controller.builders import FINALIZER
+from weightship.api.names import FINALIZER
 from weightship.controller.cache import ClusterView, RolloutKey, RolloutObjects
 from weightship.controller.kube import Kube
 from weightship.controller.snapshot import (

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.rest import ApiException
 
+from weightship.api.env import ROLLOUT_UID_ENV, SEED_KEY_ENV
 from weightship.api.models import ModelRollout
+from weightship.api.names import ROLLOUT_LABEL, SEEDING_KEY_LABEL
 from weightship.core.seedtoken import KEY_BYTES, mint, parse_key
 
 if TYPE_CHECKING:
@@ -30,9 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEY_FIELD = "key"
-KEY_ENV = "WEIGHTSHIP_SEED_KEY"  # weightship.seeding.config reads these two
-ROLLOUT_UID_ENV = "WEIGHTSHIP_ROLLOUT_UID"
-SEEDING_KEY_LABEL = "weightship.io/seeding-key"
 SUFFIX = "-seed-key"
 
 
@@ -71,7 +70,7 @@ def seed_key_env(rollout: ModelRollout) -> list[dict[str, Any]]:
     ref = {"name": seed_key_secret_name(rollout.metadata.name), "key": KEY_FIELD}
     return [
         {"name": ROLLOUT_UID_ENV, "value": rollout.metadata.uid or ""},
-        {"name": KEY_ENV, "valueFrom": {"secretKeyRef": {**ref, "optional": True}}},
+        {"name": SEED_KEY_ENV, "valueFrom": {"secretKeyRef": {**ref, "optional": True}}},
     ]
 
 
@@ -85,7 +84,7 @@ def seed_key_secret(rollout: ModelRollout, key: bytes) -> dict[str, Any]:
         "metadata": {
             "name": seed_key_secret_name(meta.name),
             "namespace": meta.namespace or "default",
-            "labels": {"weightship.io/rollout": meta.name[:63], SEEDING_KEY_LABEL: "true"},
+            "labels": {ROLLOUT_LABEL: meta.name[:63], SEEDING_KEY_LABEL: "true"},
             "ownerReferences": [
                 {
                     "apiVersion": rollout.api_version,

@@ -8,7 +8,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from weightship.controller.builders import (
+from weightship.api.names import (
+    FAILED_PROMPT_ANNOTATION,
+    LOADED_ANNOTATION,
     REVISION_LABEL,
     SWAP_ANNOTATION,
     TEMPLATE_LABEL,
@@ -16,7 +18,6 @@ from weightship.controller.builders import (
     staged_node_label,
 )
 from weightship.controller.pods import condition, is_true
-from weightship.controller.verifier import FAILED_PROMPT_ANNOTATION, LOADED_ANNOTATION
 from weightship.core.observed import (
     NodeStaging,
     ObservedPod,

@@ -35,22 +35,20 @@ from typing import Any
 import urllib3
 
 from weightship.api.models import ModelRollout
-from weightship.controller import metrics
-from weightship.controller.builders import (
+from weightship.api.names import (
     DIGEST_ANNOTATION,
+    FAILED_PROMPT_ANNOTATION,
+    LOADED_ANNOTATION,
     MODEL_REVISION_ANNOTATION,
+    RESTARTS_ANNOTATION,
     REVISION_LABEL,
     SWAP_ANNOTATION,
     VERIFIED_GATE,
 )
+from weightship.controller import metrics
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition, is_true
 from weightship.controller.seedkey import swap_token
-from weightship.controller.verifier import (
-    FAILED_PROMPT_ANNOTATION,
-    LOADED_ANNOTATION,
-    RESTARTS_ANNOTATION,
-)
 from weightship.core.decision import SwapPod
 from weightship.core.pod_gates import verifies
 from weightship.core.verification import PENDING

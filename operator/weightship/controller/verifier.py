@@ -26,20 +26,24 @@ from typing import Any
 import urllib3
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from weightship.api.env import MODEL_DIR_ENV
 from weightship.api.models import ModelRollout
-from weightship.api.names import GROUP
+from weightship.api.names import (
+    DIGEST_ANNOTATION,
+    FAILED_PROMPT_ANNOTATION,
+    LOADED_ANNOTATION,
+    RESTARTS_ANNOTATION,
+    SWAP_ANNOTATION,
+    VERIFIED_GATE,
+    staged_node_label,
+)
 from weightship.api.spec import ChecksumMode, GoldenPrompt
 from weightship.controller import metrics
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
-    DIGEST_ANNOTATION,
-    MODEL_DIR_ENV,
     NODE_VOLUMES,
-    SWAP_ANNOTATION,
-    VERIFIED_GATE,
     mounts_view,
     pod_model_dir,
-    staged_node_label,
 )
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
@@ -69,11 +73,6 @@ LOADED_PATH = "/weightship/v1/loaded"
 # The in-place swap's verification (integrations/vllm/swap.py: HTTP only, no import).
 VERIFIED_PATH = "/weightship/v1/swap/verified"
 VERIFY_HEADER = "X-Weightship-Verify"
-LOADED_ANNOTATION = f"{GROUP}/loaded"
-FAILED_PROMPT_ANNOTATION = f"{GROUP}/failed-prompt"
-# Container restarts when the verdict was written: a restarted server loads again, so its
-# old verdict no longer says anything about what it serves.
-RESTARTS_ANNOTATION = f"{GROUP}/verified-restarts"
 DEFAULT_WORKERS = 8
 VERDICT_TTL = timedelta(minutes=10)  # a verdict reaches its gate in a reconcile or two
 PROMPT_ATTEMPTS = 4

@@ -4,13 +4,20 @@ When a ReplicaSet grows and one of its pods already has verified weights, that p
 the root: the new pods get its address, a group id unique to this scale-up and the group
 size in their env. They join the root's torch.distributed group (weightship.seeding) and
 receive one broadcast; anything that goes wrong makes them load from the node cache.
-The env names are those weightship.seeding.config reads.
+The env names are weightship.api.env's, which weightship.seeding.config reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from weightship.api.env import (
+    SEED_BACKEND_ENV,
+    SEED_GROUP_ENV,
+    SEED_ROOT_ENV,
+    SEED_TIMEOUT_ENV,
+    SEED_WORLD_SIZE_ENV,
+)
 from weightship.api.spec import ModelRolloutSpec
 from weightship.core.decision import EnvVar, SeedEnv
 from weightship.core.observed import ObservedPod, ReplicaSetObservation
@@ -37,11 +44,11 @@ def seed_env(
     seeding = spec.seeding
     on = root_url is not None and seeding.broadcast
     values = {
-        "WEIGHTSHIP_SEED_ROOT": root_url if on and root_url else "",
-        "WEIGHTSHIP_SEED_GROUP": group if on else "",
-        "WEIGHTSHIP_SEED_WORLD_SIZE": str(world_size) if on else "",
-        "WEIGHTSHIP_SEED_BACKEND": seeding.backend,
-        "WEIGHTSHIP_SEED_TIMEOUT_SECONDS": str(seeding.timeout_seconds),
+        SEED_ROOT_ENV: root_url if on and root_url else "",
+        SEED_GROUP_ENV: group if on else "",
+        SEED_WORLD_SIZE_ENV: str(world_size) if on else "",
+        SEED_BACKEND_ENV: seeding.backend,
+        SEED_TIMEOUT_ENV: str(seeding.timeout_seconds),
     }
     return tuple(EnvVar(k, v) for k, v in values.items())
 

@@ -141,7 +141,7 @@ def load_staged(cache_root: Path, digest: str, **options: object) -> LoadedModel
     files = locate_staged(cache_root, digest)
     if files is None:
         raise LoaderError(f"{digest} is not staged in {cache_root}")
-    manifest_path = files.parent / "manifest.json"
+    manifest_path = files.parent / cachedir.MANIFEST_FILE
     try:
         manifest = Manifest.parse(manifest_path.read_bytes(), source=str(manifest_path))
     except (OSError, ManifestError) as exc:

@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightship.api.env import (
+    POD_IP_ENV,
+    POD_NAME_ENV,
+    ROLLOUT_UID_ENV,
+    SEED_BACKEND_ENV,
+    SEED_BUCKET_BYTES_ENV,
+    SEED_GROUP_ENV,
+    SEED_KEY_ENV,
+    SEED_ROOT_ENV,
+    SEED_TIMEOUT_ENV,
+    SEED_WORLD_SIZE_ENV,
+)
 from weightship.core.seedtoken import mint, parse_key
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES
 from weightship.seeding.receiver import Received, receive
@@ -19,38 +31,26 @@ from weightship.weightformat.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-ROOT_ENV = "WEIGHTSHIP_SEED_ROOT"
-GROUP_ENV = "WEIGHTSHIP_SEED_GROUP"
-WORLD_SIZE_ENV = "WEIGHTSHIP_SEED_WORLD_SIZE"
-BACKEND_ENV = "WEIGHTSHIP_SEED_BACKEND"
-TIMEOUT_ENV = "WEIGHTSHIP_SEED_TIMEOUT_SECONDS"
-MEMBER_ENV = "WEIGHTSHIP_POD_NAME"  # injected by the operator (downward API)
 FALLBACK_MEMBER_ENV = "POD_NAME"
-POD_IP_ENV = "WEIGHTSHIP_POD_IP"  # downward API: where receivers reach a root
-BUCKET_BYTES_ENV = "WEIGHTSHIP_SEED_BUCKET_BYTES"
-# The rollout's seeding key (hex; a secretKeyRef to the operator's Secret) and uid: a
-# receiver makes its join token with them, a root checks tokens with them.
-KEY_ENV = "WEIGHTSHIP_SEED_KEY"
-ROLLOUT_UID_ENV = "WEIGHTSHIP_ROLLOUT_UID"
 DEFAULT_TIMEOUT_S = 300.0
 
 
 def seeding_key(env: Mapping[str, str]) -> bytes | None:
     """The rollout's seeding key, or None (unset or malformed: this pod neither joins
     with a token nor admits anyone as a root; it loads from its node cache)."""
-    text = env.get(KEY_ENV, "").strip()
+    text = env.get(SEED_KEY_ENV, "").strip()
     if not text:
         return None
     try:
         return parse_key(text)
     except ValueError as exc:  # the message never quotes the key
-        log.warning("%s ignored: %s", KEY_ENV, exc)
+        log.warning("%s ignored: %s", SEED_KEY_ENV, exc)
         return None
 
 
 def member_name(env: Mapping[str, str]) -> str:
     return (
-        env.get(MEMBER_ENV, "").strip()
+        env.get(POD_NAME_ENV, "").strip()
         or env.get(FALLBACK_MEMBER_ENV, "").strip()
         or socket.gethostname()
     )
@@ -72,10 +72,10 @@ class RootSettings:
     def from_env(cls, env: Mapping[str, str]) -> RootSettings:
         return cls(
             host=env.get(POD_IP_ENV) or None,
-            name=env.get(MEMBER_ENV) or env.get(FALLBACK_MEMBER_ENV) or "local",
-            backend=env.get(BACKEND_ENV) or "auto",
-            timeout_s=float(env.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S),
-            bucket_bytes=int(env.get(BUCKET_BYTES_ENV) or DEFAULT_BUCKET_BYTES),
+            name=env.get(POD_NAME_ENV) or env.get(FALLBACK_MEMBER_ENV) or "local",
+            backend=env.get(SEED_BACKEND_ENV) or "auto",
+            timeout_s=float(env.get(SEED_TIMEOUT_ENV) or DEFAULT_TIMEOUT_S),
+            bucket_bytes=int(env.get(SEED_BUCKET_BYTES_ENV) or DEFAULT_BUCKET_BYTES),
             key=seeding_key(env),
             rollout_uid=env.get(ROLLOUT_UID_ENV, "").strip(),
         )
@@ -96,22 +96,22 @@ class SeedConfig:
     def from_env(cls, env: Mapping[str, str]) -> SeedConfig | None:
         """The config, or None when ``WEIGHTSHIP_SEED_ROOT`` is unset or empty (no seeding:
         load from the node cache). Raises ValueError on a malformed value."""
-        root_url = env.get(ROOT_ENV, "").strip()
+        root_url = env.get(SEED_ROOT_ENV, "").strip()
         if not root_url:
             return None
-        group = env.get(GROUP_ENV, "").strip()
+        group = env.get(SEED_GROUP_ENV, "").strip()
         if not group:
-            raise ValueError(f"{ROOT_ENV} is set but {GROUP_ENV} is not")
-        backend = env.get(BACKEND_ENV, "auto").strip() or "auto"
+            raise ValueError(f"{SEED_ROOT_ENV} is set but {SEED_GROUP_ENV} is not")
+        backend = env.get(SEED_BACKEND_ENV, "auto").strip() or "auto"
         if backend not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
+            raise ValueError(f"{SEED_BACKEND_ENV} must be one of {BACKENDS}, got {backend!r}")
         try:
-            world_size = int(env.get(WORLD_SIZE_ENV, "2"))
-            timeout_s = float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+            world_size = int(env.get(SEED_WORLD_SIZE_ENV, "2"))
+            timeout_s = float(env.get(SEED_TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         except ValueError as exc:
-            raise ValueError(f"{WORLD_SIZE_ENV} / {TIMEOUT_ENV}: {exc}") from exc
+            raise ValueError(f"{SEED_WORLD_SIZE_ENV} / {SEED_TIMEOUT_ENV}: {exc}") from exc
         if world_size < 2 or timeout_s <= 0:
-            raise ValueError(f"{WORLD_SIZE_ENV} must be >= 2 and {TIMEOUT_ENV} > 0")
+            raise ValueError(f"{SEED_WORLD_SIZE_ENV} must be >= 2 and {SEED_TIMEOUT_ENV} > 0")
         return cls(
             root_url,
             group,

@@ -3,6 +3,7 @@
 (``loader.load.locate_staged``) without opening a ChunkStore.
 
     <cache root>/models/<manifest digest hex>/files/<path>   the model's files
+    <cache root>/models/<manifest digest hex>/manifest.json  its manifest
     <cache root>/models/<manifest digest hex>/STAGED         written last, by rename
 """
 
@@ -15,6 +16,7 @@ from weightship.weightformat.manifest import digest_hex
 
 MODELS_DIR = "models"
 FILES_DIR = "files"
+MANIFEST_FILE = "manifest.json"  # beside files/
 STAGED_MARKER = "STAGED"
 MANIFEST_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 """A manifest digest as rollouts and pods carry it: the only rollout-derived part of a

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from weightship.api.env import CACHE_DIR_ENV, MANIFEST_DIGEST_ENV, MODEL_REVISION_ENV
 from weightship.core.loadreport import termination_message
 from weightship.integrations.vllm.settings import DEFAULT_TERMINATION_LOG, TERMINATION_LOG_ENV
 from weightship.integrations.vllm.stamp import Weights
@@ -65,8 +66,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 def initial_weights(env: os._Environ[str] | dict[str, str]) -> Weights:
     """What the pod started with (WEIGHTSHIP_MODEL_REVISION, WEIGHTSHIP_MANIFEST_DIGEST)."""
     return Weights(
-        env.get("WEIGHTSHIP_MODEL_REVISION") or "unknown",
-        env.get("WEIGHTSHIP_MANIFEST_DIGEST") or None,
+        env.get(MODEL_REVISION_ENV) or "unknown",
+        env.get(MANIFEST_DIGEST_ENV) or None,
     )
 
 
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
     upstream = upstream_of(args.sglang_url)
     env = os.environ
-    cache = env.get("WEIGHTSHIP_CACHE_DIR")
+    cache = env.get(CACHE_DIR_ENV)
     adapter = Adapter(
         client=SGLangClient(args.sglang_url, admin_key=env.get(ADMIN_KEY_ENV) or None),
         auth=SwapAuth.from_env(env),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightship.integrations.vllm.swap import CHECKSUM_MISMATCH, MANIFEST_MISMATCH, NOT_STAGED
+from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 LOAD_ERROR = "LoadError"
@@ -52,7 +53,7 @@ def staged_manifest(cache_dir: Path | None, digest: str) -> tuple[Path, Manifest
     if files is None:
         raise VerifyFailure(NOT_STAGED, f"{digest} is not staged in {cache_dir}")
     try:
-        manifest = Manifest.parse((files.parent / "manifest.json").read_bytes())
+        manifest = Manifest.parse((files.parent / MANIFEST_FILE).read_bytes())
     except (OSError, ManifestError) as exc:
         raise VerifyFailure(
             MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"

@@ -21,6 +21,7 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from weightship.api.env import MODEL_REVISION_ENV
 from weightship.core.loadreport import LoadReport, termination_message
 
 from . import roots
@@ -78,7 +79,7 @@ class WeightshipModelLoader(BaseModelLoader):  # type: ignore[misc]
             message=f"{got.manifest.total_size} bytes verified, from {_from(got)}",
         )
         write_rank_report(settings.run_dir, RankReport(rank, world, report))
-        remember_loaded(got.manifest, os.environ.get("WEIGHTSHIP_MODEL_REVISION") or None)
+        remember_loaded(got.manifest, os.environ.get(MODEL_REVISION_ENV) or None)
         log.info("rank %d/%d: %s in %.2f s", rank, world, report.message, got.seconds)
         if rank == 0 and world == 1:
             # Keep the verified raw tensors (host memory: one copy of the checkpoint) and

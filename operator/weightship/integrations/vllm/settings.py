@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightship.api.env import CACHE_DIR_ENV, MANIFEST_DIGEST_ENV
 from weightship.seeding.config import RootSettings, SeedConfig
 
 RUN_DIR_ENV = "WEIGHTSHIP_VLLM_RUN_DIR"
@@ -51,7 +52,7 @@ class PluginSettings:
         def opt(name: str) -> str | None:
             return env.get(name) or None
 
-        cache = extra.get("cache_dir") or opt("WEIGHTSHIP_CACHE_DIR")
+        cache = extra.get("cache_dir") or opt(CACHE_DIR_ENV)
         try:
             seed = SeedConfig.from_env(env)
         except ValueError as exc:
@@ -59,7 +60,7 @@ class PluginSettings:
         seed_root = extra.get("seed_root", env.get(SEED_ROOT_ENV, "1") not in ("0", "false"))
         return cls(
             cache_dir=Path(cache) if cache else None,
-            manifest_digest=extra.get("manifest_digest") or opt("WEIGHTSHIP_MANIFEST_DIGEST"),
+            manifest_digest=extra.get("manifest_digest") or opt(MANIFEST_DIGEST_ENV),
             run_dir=Path(env.get(RUN_DIR_ENV) or f"/tmp/weightship-vllm-{os.getpid()}"),
             seed=seed,
             seed_root=bool(seed_root),

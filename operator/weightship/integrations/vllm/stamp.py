@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from weightship.api.env import MANIFEST_DIGEST_ENV, MODEL_REVISION_ENV
+
 from .swap import UNKNOWN_REVISION, VERIFY_HEADER
 
 REVISION_HEADER = b"x-weightship-revision"
@@ -53,8 +55,8 @@ class Weights:
         """What the server started with (WEIGHTSHIP_MODEL_REVISION and
         WEIGHTSHIP_MANIFEST_DIGEST, which the operator sets on the pod)."""
         return cls(
-            env.get("WEIGHTSHIP_MODEL_REVISION") or UNKNOWN_REVISION,
-            env.get("WEIGHTSHIP_MANIFEST_DIGEST") or None,
+            env.get(MODEL_REVISION_ENV) or UNKNOWN_REVISION,
+            env.get(MANIFEST_DIGEST_ENV) or None,
         )
 
     def headers(self) -> list[tuple[bytes, bytes]]:

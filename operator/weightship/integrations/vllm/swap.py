@@ -174,7 +174,8 @@ class SwapAuth:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SwapAuth:
-        from weightship.seeding.config import ROLLOUT_UID_ENV, member_name, seeding_key
+        from weightship.api.env import ROLLOUT_UID_ENV
+        from weightship.seeding.config import member_name, seeding_key
 
         return cls(seeding_key(env), env.get(ROLLOUT_UID_ENV, "").strip(), member_name(env))
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weightship.loader.load import locate_staged
+from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 from .reports import merge, read_rank_reports
@@ -198,7 +199,7 @@ class SwapDriver:
         if files is None:
             return NOT_STAGED, f"{digest} is not staged in {self.cache_dir}"
         try:
-            new = Manifest.parse((files.parent / "manifest.json").read_bytes())
+            new = Manifest.parse((files.parent / MANIFEST_FILE).read_bytes())
         except (OSError, ManifestError) as exc:
             return MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"[:500]
         if new.digest != digest:
@@ -207,7 +208,7 @@ class SwapDriver:
         at = locate_staged(self.cache_dir, current) if current else None
         if at is not None:
             try:
-                old = Manifest.parse((at.parent / "manifest.json").read_bytes())
+                old = Manifest.parse((at.parent / MANIFEST_FILE).read_bytes())
             except (OSError, ManifestError):
                 return None  # the ranks compare with what they loaded
             changes = config_changes(old, new)

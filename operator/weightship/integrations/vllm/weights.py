@@ -27,6 +27,7 @@ from weightship.loader.load import (
     locate_staged,
 )
 from weightship.seeding.errors import SeedingError
+from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.checksum import checksum_tensor
 from weightship.weightformat.manifest import Manifest, ManifestError
 
@@ -66,7 +67,7 @@ def staged_model(settings: PluginSettings, digest: str | None = None) -> tuple[P
     files = locate_staged(settings.cache_dir, digest)
     if files is None:
         raise LoadFailure("NotStaged", f"{digest} is not staged in {settings.cache_dir}", digest)
-    path = files.parent / "manifest.json"
+    path = files.parent / MANIFEST_FILE
     try:
         manifest = Manifest.parse(path.read_bytes(), source=str(path))
     except (OSError, ManifestError) as exc:
