@@ -29,12 +29,12 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.controller.builders import replicaset_body
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet
 from weightship.core.observed import ManifestResolution, Observed, PrefetchObservation
 from weightship_dev import testkit
+from weightship_testing.samples import INVALID_MANIFESTS, VALID_MANIFEST
 
 NAMESPACE_PREFIX = "adm-"
 GROUP = "weightship.io"

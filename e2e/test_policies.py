@@ -19,9 +19,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightship.api.names import GROUP, VERSION
-from weightship.api.samples import VALID_MANIFEST
 from weightship_dev import testkit
 from weightship_dev.install import helm
+from weightship_testing.samples import VALID_MANIFEST
 
 NAMESPACE_PREFIX = "pol-"
 CHART = "charts/weightship"

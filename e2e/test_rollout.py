@@ -23,12 +23,12 @@ from e2e.operator_fixtures import (
     rollout_body,
 )
 from weightship import rollouts as user_actions
-from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.controller.kube import Conflict, Kube
 from weightship.httpserver import Server
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
 from weightship_dev.slackreceiver import SlackReceiver
+from weightship_testing.samples import INVALID_MANIFESTS, VALID_MANIFEST
 
 NAMESPACE_PREFIX = "ro-"
 

@@ -14,8 +14,8 @@ from kubernetes import client
 
 from e2e.test_policies import Release, refused, release, token_for, user_api
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.seedkey import seed_key_secret
+from weightship_testing.samples import VALID_MANIFEST
 
 __all__ = ["release"]  # the fixture, shared with e2e.test_policies
 

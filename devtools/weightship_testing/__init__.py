@@ -1,1 +1,2 @@
-"""Test fixtures that are real programs: the tiny reference inference server and its models."""
+"""Test fixtures: programs (the tiny reference inference servers and their models) and data
+(`samples`: ModelRollout manifests; `core`: builders for tests of the decision core)."""

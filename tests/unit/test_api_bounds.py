@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from weightship.api.models import ModelRollout
 from weightship.api.regex import compile_re2
-from weightship.api.samples import VALID_MANIFEST
 from weightship.kube.quantity import quantity_value
+from weightship_testing.samples import VALID_MANIFEST
 
 
 def with_changes(**paths: Any) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from weightship.api.models import ModelRollout, WeightCache
-from weightship.api.samples import INVALID_MANIFESTS, VALID_MANIFEST
 from weightship.api.status import ControlRequest, ModelRolloutStatus
+from weightship_testing.samples import INVALID_MANIFESTS, VALID_MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from weightship.api.models import ModelRollout
 from weightship.api.podspec import check_pod_spec
-from weightship.api.samples import VALID_MANIFEST
+from weightship_testing.samples import VALID_MANIFEST
 
 SERVER = {"name": "server", "image": "img:1"}
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from weightship.api.models import ModelRollout
 from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE, staged_node_label
-from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import gate_condition, replicaset_body, scale_patch
 from weightship.controller.snapshot import (
     observed_pods,
@@ -16,6 +15,7 @@ from weightship.controller.snapshot import (
 )
 from weightship.core.decision import EnvVar, SeedEnv, SetGate
 from weightship.core.observed import ObservedPod
+from weightship_testing.samples import VALID_MANIFEST
 
 DIGEST = "sha256:" + "ab" * 32
 

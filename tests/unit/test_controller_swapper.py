@@ -18,8 +18,8 @@ from weightship.controller.snapshot import pod_swap
 from weightship.controller.swapper import Swapper
 from weightship.core.decision import SwapPod
 from weightship.core.seedtoken import check_token
-from weightship.core.testing import make_rollout
 from weightship.httpserver import Server
+from weightship_testing.core import make_rollout
 
 KEY = bytes(range(32))
 DIGEST = "sha256:" + "b" * 64

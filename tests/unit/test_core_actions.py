@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.api.status import RetiringRevision
 from weightship.core.decide import decide
 from weightship.core.decision import (
@@ -23,7 +22,7 @@ from weightship.core.decision import (
 from weightship.core.observed import NodeStaging, ObservedPod, PrefetchObservation
 from weightship.core.pod_gates import pod_gates
 from weightship.core.seeding import scale_up_seed, seed_root
-from weightship.core.testing import (
+from weightship_testing.core import (
     DIGEST_A,
     DIGEST_B,
     T0,
@@ -36,6 +35,7 @@ from weightship.core.testing import (
     with_model_revision,
     with_status,
 )
+from weightship_testing.samples import VALID_MANIFEST
 
 STEPS: list[dict[str, Any]] = [{"setWeight": 25}, {"setWeight": 50}, {"pause": {}}]
 

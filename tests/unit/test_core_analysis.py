@@ -17,7 +17,7 @@ from weightship.core.analysis import (
 )
 from weightship.core.gates import GATES, GateInput, GateSet
 from weightship.core.observed import ObservedMeasurement, PodFailure
-from weightship.core.testing import (
+from weightship_testing.core import (
     DIGEST_B,
     at,
     healthy_rollout,

@@ -12,7 +12,7 @@ from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction
 from weightship.core.gates import ALWAYS_PASS_GATES
 from weightship.core.observed import ObservedMeasurement, PodFailure, PodLoad
-from weightship.core.testing import (
+from weightship_testing.core import (
     DIGEST_A,
     DIGEST_B,
     T0,

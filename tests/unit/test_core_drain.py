@@ -17,7 +17,8 @@ from weightship.controller.snapshot import observed_pods, replica_set_observatio
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction
 from weightship.core.observed import ManifestResolution, Observed
-from weightship.core.testing import (
+from weightship.core.verification import DRAINING
+from weightship_testing.core import (
     DIGEST_A,
     DIGEST_B,
     at,
@@ -26,7 +27,6 @@ from weightship.core.testing import (
     with_model_revision,
     with_status,
 )
-from weightship.core.verification import DRAINING
 
 STEPS = [{"setWeight": 50}, {"pause": {}}]
 

@@ -14,7 +14,7 @@ from weightship.core.patch import merge_patch
 from weightship.core.phase import argocd_health, compute_phase
 from weightship.core.replicas import canary_replicas, replica_counts, weight_at_step
 from weightship.core.revision import revision_hash
-from weightship.core.testing import at
+from weightship_testing.core import at
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from weightship.controller.snapshot import observed_pods, replica_set_observatio
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction, SwapPod
 from weightship.core.observed import Observed
-from weightship.core.testing import (
+from weightship_testing.core import (
     DIGEST_A,
     DIGEST_B,
     T0,

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import WorkloadRef
 from weightship.api.status import AbortRequest, ControlStatus, WorkloadStatus
 from weightship.core.decide import decide
 from weightship.core.decision import Decision, ScaleWorkload
 from weightship.core.observed import Observed, ReplicaSetObservation
-from weightship.core.testing import (
+from weightship.core.workload import give_back
+from weightship_testing.core import (
     DIGEST_A,
     DIGEST_B,
     T0,
@@ -28,7 +28,7 @@ from weightship.core.testing import (
     with_model_revision,
     with_status,
 )
-from weightship.core.workload import give_back
+from weightship_testing.samples import VALID_MANIFEST
 
 TEMPLATE: dict[str, Any] = copy.deepcopy(VALID_MANIFEST["spec"]["template"])
 RECORD = WorkloadStatus(name="llm", replicas=3)

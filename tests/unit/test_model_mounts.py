@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import (
     VIEW_READY_VOLUME,
     VIEW_VOLUME,
@@ -24,6 +23,7 @@ from weightship.controller.builders import (
     rollout_view_root,
 )
 from weightship.controller.verifier import staged_evidence
+from weightship_testing.samples import VALID_MANIFEST
 
 HEX = "ab" * 32
 DIGEST = f"sha256:{HEX}"

@@ -30,6 +30,9 @@ def test_operator_wheel_contains_only_the_weightship_package(tmp_path: Path) -> 
     assert outside == []
     rig = [n for n in code if any(p in n for p in ("kubelet", "tinyllm", "tinyvllm", "/dev/"))]
     assert rig == [], f"test-rig code in the operator wheel: {rig}"
+    # Test fixtures live in devtools' weightship_testing (samples, core) since issue 41.
+    fixtures = [n for n in code if n.endswith(("/samples.py", "/testing.py"))]
+    assert fixtures == [], f"test fixtures in the operator wheel: {fixtures}"
 
 
 def test_the_operator_package_never_imports_the_test_rig() -> None:

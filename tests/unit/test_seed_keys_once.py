@@ -10,8 +10,8 @@ import pytest
 from kubernetes.client.rest import ApiException
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.seedkey import SeedKeys
+from weightship_testing.samples import VALID_MANIFEST
 
 
 def rollout(uid: str = "u-1", broadcast: bool = True) -> ModelRollout:

@@ -13,10 +13,10 @@ from kubernetes.client.rest import ApiException
 
 from weightship.api.env import ROLLOUT_UID_ENV, SEED_KEY_ENV
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.controller.builders import replicaset_body
 from weightship.controller.seedkey import ensure_seed_key, seed_key_secret
 from weightship.core.seedtoken import parse_key
+from weightship_testing.samples import VALID_MANIFEST
 
 DIGEST = "sha256:" + "ab" * 32
 

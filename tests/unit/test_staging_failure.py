@@ -28,15 +28,6 @@ from weightship.controller.snapshot import prefetch_observation
 from weightship.core.decide import decide
 from weightship.core.observed import NodeStaging, PrefetchObservation
 from weightship.core.staging_failure import deterministic_failure, failed_nodes
-from weightship.core.testing import (
-    DIGEST_B,
-    at,
-    healthy_rollout,
-    observe,
-    replica_set,
-    with_model_revision,
-    with_status,
-)
 from weightship.data.chunkstore import ChunkStore, InsufficientSpaceError
 from weightship.data.fetcher import FetchPolicy, OriginMismatchError, Peer
 from weightship.data.metrics import DataPlaneMetrics
@@ -46,6 +37,15 @@ from weightship.data.stage import stage
 from weightship.statusview import render
 from weightship.weightformat.build import LocalFolder, build_manifest
 from weightship.weightformat.entries import ChunkEntry
+from weightship_testing.core import (
+    DIGEST_B,
+    at,
+    healthy_rollout,
+    observe,
+    replica_set,
+    with_model_revision,
+    with_status,
+)
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
 

@@ -11,10 +11,10 @@ import pytest
 
 from weightship.agent.desired import staging_selector, wanted
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.core.decide import decide
 from weightship.core.targets import prefetch_node_selector
-from weightship.core.testing import DIGEST_A, T0, observe, staged
+from weightship_testing.core import DIGEST_A, T0, observe, staged
+from weightship_testing.samples import VALID_MANIFEST
 
 GPU = {"nvidia.com/gpu.present": "true"}
 POOL = {"pool": "a100"}

@@ -24,7 +24,6 @@ from weightship.api.names import (
     REVISION_LABEL,
     VERIFIED_GATE,
 )
-from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import GoldenPrompt
 from weightship.controller.builders import gate_condition
 from weightship.controller.snapshot import observed_pods, replica_set_observations
@@ -41,6 +40,7 @@ from weightship.core.verification import (
     prompts_verdict,
 )
 from weightship.httpserver import QuietHandler, Server
+from weightship_testing.samples import VALID_MANIFEST
 
 DIGEST = "sha256:" + "ab" * 32
 

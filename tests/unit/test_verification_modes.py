@@ -21,7 +21,6 @@ from weightship.api.names import (
     SWAP_ANNOTATION,
     staged_node_label,
 )
-from weightship.api.samples import VALID_MANIFEST
 from weightship.api.spec import GoldenPrompt, ValidationSpec
 from weightship.controller.builders import CACHE_VOLUME, gate_condition, staged_model_dir
 from weightship.controller.seedkey import KEY_FIELD, seed_key_secret_name
@@ -37,6 +36,7 @@ from weightship.core.pod_gates import pod_gates
 from weightship.core.seedtoken import check_token
 from weightship.core.verification import LoadReport, StagedEvidence, termination_message
 from weightship.httpserver import QuietHandler, Server
+from weightship_testing.samples import VALID_MANIFEST
 
 DIGEST = "sha256:" + "cd" * 32
 SEED_KEY = bytes(range(32))

@@ -7,7 +7,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weightship.api.models import ModelRollout
-from weightship.api.samples import VALID_MANIFEST
 from weightship.core.decision import Decision
 from weightship.core.observed import (
     ManifestResolution,
@@ -15,6 +14,7 @@ from weightship.core.observed import (
     PrefetchObservation,
     ReplicaSetObservation,
 )
+from weightship_testing.samples import VALID_MANIFEST
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 DIGEST_A = "sha256:" + "a" * 64
