@@ -10,6 +10,7 @@ from rich.console import Console
 
 from weightship import __version__
 from weightship.agent.cli import agent_command
+from weightship.api.env import LEADER_ELECT_NAMESPACE_ENV
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,7 +49,7 @@ def main() -> None:
 )
 @click.option(
     "--leader-elect-namespace",
-    envvar="WEIGHTSHIP_LEADER_ELECT_NAMESPACE",
+    envvar=LEADER_ELECT_NAMESPACE_ENV,
     default=None,
     help="The Lease's namespace (default: $POD_NAMESPACE).",
 )

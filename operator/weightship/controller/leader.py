@@ -45,6 +45,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from weightship.api.env import LEADER_ELECT_NAMESPACE_ENV
 from weightship.httpserver import QuietHandler, Server
 
 log = logging.getLogger(__name__)
@@ -435,10 +436,7 @@ def config_from_env(namespace: str | None = None) -> LeaseConfig:
     """The Lease settings: the chart sets these variables from operator.leaderElection."""
     env = os.environ.get
     return LeaseConfig(
-        namespace=namespace
-        or env("WEIGHTSHIP_LEADER_ELECT_NAMESPACE")
-        or env("POD_NAMESPACE")
-        or "default",
+        namespace=namespace or env(LEADER_ELECT_NAMESPACE_ENV) or env("POD_NAMESPACE") or "default",
         identity=identity(),
         name=env("WEIGHTSHIP_LEADER_ELECT_LEASE") or DEFAULT_LEASE,
         lease_duration_s=float(env("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S") or 15),
