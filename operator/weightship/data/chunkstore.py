@@ -42,7 +42,7 @@ from weightship.data.claims import ClaimBoard
 from weightship.data.slowrelay import RelayStatus
 from weightship.linux import LIBC
 from weightship.weightformat import cachedir
-from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.cachedir import MANIFEST_FILE, STAGED_MARKER
 from weightship.weightformat.chunkhash import chunk_key, chunk_matches
 from weightship.weightformat.entries import ChunkEntry
 from weightship.weightformat.manifest import Manifest, digest_hex
@@ -332,7 +332,7 @@ class ChunkStore:
             self.index.drop_model(mdir.name)  # peers are no longer sent there
             for sub in ("files", "partial"):
                 shutil.rmtree(mdir / sub, ignore_errors=True)
-            for name in ("manifest.json", "journal"):
+            for name in (MANIFEST_FILE, "journal"):
                 (mdir / name).unlink(missing_ok=True)
         finally:
             lock.release()
@@ -342,7 +342,7 @@ class ChunkStore:
     def _models_by_last_use(self) -> list[str]:
         def last_use(digest: str) -> float:
             mdir = self.model_dir(digest)
-            for name in (STAGED_MARKER, "journal", "manifest.json"):
+            for name in (STAGED_MARKER, "journal", MANIFEST_FILE):
                 try:
                     return (mdir / name).stat().st_mtime
                 except FileNotFoundError:
@@ -382,7 +382,7 @@ def partial_path(model_dir: Path, path: str) -> Path:
 
 def _saved_manifest(model_dir: Path) -> Manifest | None:
     try:
-        data = (model_dir / "manifest.json").read_bytes()
+        data = (model_dir / MANIFEST_FILE).read_bytes()
     except FileNotFoundError:
         return None
     return Manifest.parse(data, source=str(model_dir))

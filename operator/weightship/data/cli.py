@@ -22,6 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from weightship.api.env import S3_ENDPOINT_ENV
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client, publish
 from weightship.weightformat.build import (
     ByteSource,
@@ -29,7 +30,7 @@ from weightship.weightformat.build import (
     ProgressFn,
     build_manifest_with_pieces,
 )
-from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.cachedir import MANIFEST_FILE, STAGED_MARKER
 from weightship.weightformat.manifest import Manifest, ManifestError, digest_hex
 from weightship.weightformat.paths import MANIFEST_NAME
 
@@ -88,7 +89,7 @@ def _clear_errors() -> Iterator[None]:
 
 
 _endpoint = click.option(
-    "--endpoint", envvar="WEIGHTSHIP_S3_ENDPOINT", help="S3 endpoint URL (MinIO, versitygw)."
+    "--endpoint", envvar=S3_ENDPOINT_ENV, help="S3 endpoint URL (MinIO, versitygw)."
 )
 _region = click.option("--region", envvar="AWS_REGION", help="S3 region.")
 _chunk_size = click.option(
@@ -235,7 +236,7 @@ def verify_files_command(cache_dir: Path, digests: tuple[str, ...], workers: int
                 console.print(f"sha256:{hex_digest}: not staged in {cache_dir}")
                 failed = True
                 continue
-            manifest_file = mdir / "manifest.json"
+            manifest_file = mdir / MANIFEST_FILE
             manifest = Manifest.parse(manifest_file.read_bytes(), source=str(manifest_file))
             bad = mismatched_files(mdir / "files", manifest, workers)
             for path in bad:

@@ -41,7 +41,7 @@ from weightship.data.chunkstore import (
     start_writeback,
     verify_chunk,
 )
-from weightship.weightformat.cachedir import STAGED_MARKER
+from weightship.weightformat.cachedir import MANIFEST_FILE, STAGED_MARKER
 from weightship.weightformat.chunkhash import (
     ChunkVerificationError,
     PieceLayer,
@@ -108,7 +108,7 @@ class ModelStaging:
         self.dir = store.model_dir(manifest.digest)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = ModelLock(self.dir)
-        manifest_path = self.dir / "manifest.json"
+        manifest_path = self.dir / MANIFEST_FILE
         if not manifest_path.is_file():
             tmp = store.temp_path("manifest")
             tmp.write_bytes(manifest.canonical_bytes())

@@ -54,6 +54,7 @@ from weightship.data.chunkstore import ChunkStore, fsync_dir
 from weightship.data.viewlayout import HEX_PATTERN, READY_DIR, UID_PATTERN, VIEWS_DIR, check_uid
 from weightship.weightformat.cachedir import (
     FILES_DIR,
+    MANIFEST_FILE,
     MODELS_DIR,
     STAGED_MARKER,
     manifest_digest_hex,
@@ -61,7 +62,6 @@ from weightship.weightformat.cachedir import (
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 TRASH_DIR = ".trash"
-MANIFEST_FILE = "manifest.json"
 KEEP_READY = 16  # receipts of revisions no longer pinned, kept for restarting pods
 DEFAULT_BUDGET = 4096  # file operations (links, checks, deletions) per pass
 
