@@ -243,6 +243,9 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
         "origin_payload_bytes": sum(n["from_origin"] for n in nodes),
         "peer_bytes": sum(n["from_peers"] for n in nodes),
         "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
+        # Every process's and the kernel's (the rig's network included): what the
+        # simulator's rig_rate is calibrated from.
+        "machine_cpu_s": (cpu1[0] - cpu0[0]) / os.sysconf("SC_CLK_TCK"),
         "links": links,
     }
 
@@ -426,6 +429,7 @@ def summary(run: dict[str, Any], size: int, rate: float) -> dict[str, Any]:
         "mode": run["mode"],
         "x_bound": run["seconds"] / (size / rate),
         "origin_wire_x": run["origin_tx_bytes"] / size,
+        "machine_cpu_s": run["machine_cpu_s"],
         "loadavg": os.getloadavg()[0],
     }
 
@@ -509,6 +513,13 @@ def report(r: dict[str, Any]) -> None:
         sys_s = sum(n.get("cpu_sys_s", 0.0) for n in m["nodes"])
         wakeups = sum(n.get("wakeups", 0) for n in m["nodes"])
         print(f"of which {sys_s:.1f} CPU s in the kernel; {wakeups} thread wakeups")
+        if "machine_cpu_s" in m:
+            staged_gb = n * size / 1e9
+            print(
+                f"the machine's {os.cpu_count()} CPUs: {m['machine_cpu_s']:.1f} CPU s busy "
+                f"while staging, {m['machine_cpu_s'] / staged_gb:.2f} CPU s per GB staged "
+                f"({m['cpu_busy']:.0%} busy)"
+            )
         print(
             f"\nper node ({mode}): own origin queue done at, chunks claimed from slow owners, "
             "slow whole transfers split\n"

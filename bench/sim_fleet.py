@@ -103,6 +103,9 @@ class Scenario:
     whole_uploads: int = BENCH_WHOLE_UPLOADS
     seed: int = 1
     wire: float | None = None  # B on the wire, where ``link`` is its payload share
+    # Where every node shares one machine's CPU (the fleet benchmark's hosts on 2 cores):
+    # the bytes per second that CPU moves, all transfers together (0: a CPU per node).
+    rig_rate: float = 0.0
 
     @property
     def bound_s(self) -> float:
@@ -855,7 +858,11 @@ class Fleet:
         up = np.where(src >= 0, 1 + src, 0)
         down = 1 + n + dst
         capacity = np.concatenate(([self.s.origin], self.link_up, self.link_down))
-        rate = waterfill(up, down, cap, capacity)
+        crossed: tuple[np.ndarray, ...] = (up, down)
+        if self.s.rig_rate:  # every transfer also crosses the rig's shared CPU
+            crossed = (up, down, np.full(len(up), len(capacity)))
+            capacity = np.append(capacity, self.s.rig_rate)
+        rate = waterfill(crossed, cap, capacity)
         moved = np.array(self.f_moved)
         moved[rate > 0] = now
         self.f_moved = moved.tolist()  # before wake() adds transfers
@@ -996,10 +1003,11 @@ class Fleet:
 
 
 def waterfill(
-    up: np.ndarray, down: np.ndarray, cap: np.ndarray, capacity: np.ndarray, rounds: int = 8
+    crossed: tuple[np.ndarray, ...], cap: np.ndarray, capacity: np.ndarray, rounds: int = 8
 ) -> np.ndarray:
-    """Max-min fair rates for flows that each cross two links (``up``, ``down``), each
-    flow at most ``cap``: progressive filling, a fixed number of rounds."""
+    """Max-min fair rates for flows that each cross one link per array of ``crossed``
+    (a flow's up, its down, the rig's CPU), each flow at most ``cap``: progressive
+    filling, a fixed number of rounds."""
     rate = np.zeros(len(cap))
     residual = capacity.astype(float)
     active = cap > 0
@@ -1007,18 +1015,20 @@ def waterfill(
     for _ in range(rounds):
         if not active.any():
             break
-        count = np.bincount(up[active], minlength=links) + np.bincount(
-            down[active], minlength=links
-        )
+        count = sum(np.bincount(links_of[active], minlength=links) for links_of in crossed)
         share = residual / np.maximum(count, 1)
-        offer = np.minimum(np.minimum(share[up], share[down]), cap - rate)
+        offer = cap - rate
+        for links_of in crossed:
+            offer = np.minimum(offer, share[links_of])
         offer[~active] = 0.0
         rate += offer
-        residual -= np.bincount(up, weights=offer, minlength=links)
-        residual -= np.bincount(down, weights=offer, minlength=links)
+        for links_of in crossed:
+            residual -= np.bincount(links_of, weights=offer, minlength=links)
         residual = np.maximum(residual, 0.0)
         full = residual <= 1e-9 * np.maximum(capacity, 1)
-        active &= (cap - rate > 1e-9) & ~full[up] & ~full[down]
+        active &= cap - rate > 1e-9
+        for links_of in crossed:
+            active &= ~full[links_of]
     return rate
 
 
