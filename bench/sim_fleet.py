@@ -73,8 +73,8 @@ BENCH_WORKERS = 4
 # --chunk-mib 1 --rate-mbit 50 --rounds 3 with static neighbours, slowest ÷ S/B, the median
 # of 3 rounds. "tree" (today's schedule): 2026-12-06 20:41-21:14 UTC at 16-48 hosts, every
 # round started at a 1-minute load average of 0.5 or less; 8 hosts 21:46-21:52, loads
-# 1.0-1.5 at the starts (docs/benchmarks.md, "third pass"; the fourth pass's figures
-# were measured with peer streams read a piece at a time, since reverted). "ring" (every
+# 1.0-1.5 at the starts (docs/benchmarks.md, "Real hosts: 8 to 48"; figures measured
+# with peer streams read a piece at a time, since reverted, are not these). "ring" (every
 # node an origin fetcher, relays in a ring: the schedule before 2026-12-06): 09:48 UTC at
 # 8 hosts; beyond 8, one round each, loaded, with the schedule of 07:09-07:16 UTC (the
 # relay asked in the first round only).
