@@ -10,7 +10,6 @@ from rich.console import Console
 
 from weightship import __version__
 from weightship.agent.cli import agent_command
-from weightship.api.env import LEADER_ELECT_NAMESPACE_ENV
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -38,20 +37,21 @@ def main() -> None:
     "--priority",
     type=int,
     default=None,
-    help="Peering priority; the highest-priority replica is active.",
+    help="Peering priority; the highest-priority replica is active "
+    "(default: $WEIGHTSHIP_PEERING_PRIORITY, else 0).",
 )
 @click.option(
     "--leader-elect/--no-leader-elect",
-    envvar="WEIGHTSHIP_LEADER_ELECT",
-    default=False,
+    default=None,
     help="Run only while holding a Lease, so that more replicas are standbys "
-    "(settings: WEIGHTSHIP_LEADER_ELECT_* variables).",
+    "(default: $WEIGHTSHIP_LEADER_ELECT, else off; settings: WEIGHTSHIP_LEADER_ELECT_* "
+    "variables).",
 )
 @click.option(
     "--leader-elect-namespace",
-    envvar=LEADER_ELECT_NAMESPACE_ENV,
     default=None,
-    help="The Lease's namespace (default: $POD_NAMESPACE).",
+    help="The Lease's namespace (default: $WEIGHTSHIP_LEADER_ELECT_NAMESPACE, else "
+    "$POD_NAMESPACE).",
 )
 @click.option("-v", "--verbose", is_flag=True)
 def operator_command(
@@ -59,16 +59,29 @@ def operator_command(
     liveness: str,
     standalone: bool,
     priority: int | None,
-    leader_elect: bool,
+    leader_elect: bool | None,
     leader_elect_namespace: str | None,
     verbose: bool,
 ) -> None:
-    """Run the ModelRollout controller (kopf)."""
+    """Run the ModelRollout controller (kopf). Its settings are environment variables
+    (docs/controller.md); an option given overrides its variable."""
     import logging
+    import os
 
     import kopf
 
     import weightship.controller.handlers  # noqa: F401 - registers the handlers
+    from weightship.controller.settings import ControllerSettings, SettingsError
+
+    try:
+        settings = ControllerSettings.from_env(os.environ)
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    settings = settings.with_options(
+        peering_priority=priority,
+        leader_elect=leader_elect,
+        leader_elect_namespace=leader_elect_namespace,
+    )
 
     kopf.configure(verbose=verbose)
     if not verbose:
@@ -81,16 +94,17 @@ def operator_command(
             namespaces=list(namespaces),
             liveness_endpoint=liveness or None,
             standalone=standalone,
-            priority=priority,
+            memo=kopf.Memo(controller_settings=settings),
         )
 
-    if not leader_elect:
+    if not settings.leader_elect:
         run()
         return
     from weightship.controller import leader
 
-    config = leader.config_from_env(leader_elect_namespace)
-    leader.run_elected(run, config, liveness or None, metrics_port=leader.metrics_port())
+    leader.run_elected(
+        run, settings.lease(), liveness or None, metrics_port=settings.metrics_port or None
+    )
 
 
 def _api() -> Any:

@@ -253,28 +253,6 @@ def test_settings_must_leave_the_leader_time_to_stop() -> None:
         LeaseConfig(namespace="ws", identity="a", lease_duration_s=5, renew_deadline_s=5)
 
 
-def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("POD_NAMESPACE", "weightship-system")
-    monkeypatch.setenv("POD_ID", "ws-operator-abc")
-    defaults = leader.config_from_env()  # controller-runtime's
-    assert (defaults.lease_duration_s, defaults.renew_deadline_s, defaults.retry_period_s) == (
-        15,
-        10,
-        2,
-    )
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S", "8")
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S", "5")
-    monkeypatch.setenv("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S", "1")
-    cfg = leader.config_from_env()
-    assert (cfg.namespace, cfg.identity, cfg.name) == (
-        "weightship-system",
-        "ws-operator-abc",
-        "weightship-operator",
-    )
-    assert (cfg.lease_duration_s, cfg.renew_deadline_s, cfg.retry_period_s) == (8, 5, 1)
-    assert leader.config_from_env("other").namespace == "other"
-
-
 def test_a_standby_answers_its_liveness_probe() -> None:
     server = leader.standby_liveness("http://127.0.0.1:0/healthz")
     assert server is not None

@@ -67,8 +67,10 @@ RULES = (
         "and weightship.kube with it, never borrow from it",
         allowed=(
             (f"{PRODUCT}/controller", "weightship.controller"),
-            # `weightship run` runs the controller: registering its handlers, its elector.
+            # `weightship operator` runs the controller: registering its handlers, reading
+            # its settings, its elector.
             (f"{PRODUCT}/cli.py", "weightship.controller.handlers"),
+            (f"{PRODUCT}/cli.py", "weightship.controller.settings"),
             (f"{PRODUCT}/cli.py", "weightship.controller.leader"),
         ),
     ),

@@ -1,10 +1,10 @@
 """The environment's names, defined once: what the controller puts in a model server pod's
 environment (and the servers, plugins and seeding read), and the settings that more than
-one process reads.
+one process reads or the chart sets for the operator.
 
 Plain strings, no imports: the vLLM plugin, installed without the operator's
-dependencies, reads them too. A name one process alone reads stays beside its reader
-(the agent's, the plugin's and the controller's settings classes).
+dependencies, reads them too. A name one process alone reads and the chart does not set
+stays beside its reader (the agent's and the plugin's settings classes).
 """
 
 from __future__ import annotations
@@ -39,5 +39,20 @@ SEED_BUCKET_BYTES_ENV = "WEIGHTSHIP_SEED_BUCKET_BYTES"
 METRICS_PORT_ENV = "WEIGHTSHIP_METRICS_PORT"
 PEER_PORT_ENV = "WEIGHTSHIP_PEER_PORT"
 WATCH_NAMESPACES_ENV = "WEIGHTSHIP_WATCH_NAMESPACES"
-# The operator's Lease namespace: `weightship operator`'s option, and its elector's setting.
+
+# The operator's settings, read once at its start (controller/settings.py); the chart sets
+# them from its operator values (docs/controller.md lists them).
+RECONCILE_WORKERS_ENV = "WEIGHTSHIP_RECONCILE_WORKERS"
+VERIFY_WORKERS_ENV = "WEIGHTSHIP_VERIFY_WORKERS"
+KOPF_MAX_WORKERS_ENV = "WEIGHTSHIP_MAX_WORKERS"  # kopf's executor, for sync handlers
+PEERING_PRIORITY_ENV = "WEIGHTSHIP_PEERING_PRIORITY"
+LEADER_ELECT_ENV = "WEIGHTSHIP_LEADER_ELECT"  # also `weightship operator --leader-elect`
+# The Lease's namespace (also --leader-elect-namespace); unset: the pod's own.
 LEADER_ELECT_NAMESPACE_ENV = "WEIGHTSHIP_LEADER_ELECT_NAMESPACE"
+LEASE_NAME_ENV = "WEIGHTSHIP_LEADER_ELECT_LEASE"
+LEASE_DURATION_ENV = "WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S"
+RENEW_DEADLINE_ENV = "WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S"
+RETRY_PERIOD_ENV = "WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S"
+# The operator pod's namespace and name (downward API); POD_ID is kopf's peer identity too.
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
+POD_ID_ENV = "POD_ID"

@@ -4,9 +4,10 @@
   nodes and WeightCaches, thousands in a fleet, are kept by two informers (informer.py).
 - `@kopf.on.event` handlers only enqueue the rollout an event concerns. They are async and
   never block: the event loop is what dispatches every rollout.
-- A fixed pool of worker threads (`WEIGHTSHIP_RECONCILE_WORKERS`, default 8) takes rollouts
-  from the queue and runs the blocking reconcile, so concurrency does not grow with the
-  number of rollouts and a burst of events for one rollout makes one reconcile.
+- A fixed pool of worker threads (`WEIGHTSHIP_RECONCILE_WORKERS`, controller/settings.py)
+  takes rollouts from the queue and runs the blocking reconcile, so concurrency does not
+  grow with the number of rollouts and a burst of events for one rollout makes one
+  reconcile.
 
 Events are hints only: status is the memory. kopf fills every index before it calls any
 other handler, and its first listing of ModelRollouts is an event for each one, so a
@@ -26,14 +27,13 @@ import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
-from weightship.api.env import CACHE_DIR_ENV
 from weightship.api.names import CACHE_PLURAL, FINALIZER, GROUP, ROLLOUT_LABEL, VERSION
 from weightship.api.status import WorkloadStatus
 from weightship.controller import apply, cache, metrics
-from weightship.controller.builders import DEFAULT_CACHE_DIR
 from weightship.controller.events import EventPoster
 from weightship.controller.kube import POD_WRITERS, Conflict, Kube
 from weightship.controller.reconcile import Reconciler
+from weightship.controller.settings import ControllerSettings, SettingsError
 from weightship.controller.swapper import DEFAULT_WORKERS as SWAP_WORKERS
 from weightship.controller.swapper import Swapper
 from weightship.controller.verifier import Verifier
@@ -54,8 +54,9 @@ RECONCILE_IN_FLIGHT_WAIT_S = 30.0
 
 
 @kopf.on.startup(id="configure")
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     """Every kopf setting lives here."""
+    config = controller_settings(memo)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -63,20 +64,32 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.peering.name = "weightship"
     settings.peering.mandatory = False
-    settings.peering.priority = int(os.environ.get("WEIGHTSHIP_PEERING_PRIORITY", "0"))
+    settings.peering.priority = config.peering_priority
     settings.posting.level = logging.INFO
     # kopf's own executor runs only sync handlers (this one): reconciles have their pool.
-    settings.execution.max_workers = int(os.environ.get("WEIGHTSHIP_MAX_WORKERS", "4"))
+    settings.execution.max_workers = config.kopf_max_workers
     settings.watching.server_timeout = 120
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
 
 
+def controller_settings(memo: Any) -> ControllerSettings:
+    """The settings `weightship operator` read before it started kopf, from kopf's memo;
+    read here when kopf was started some other way (`kopf run`)."""
+    if "controller_settings" not in memo:
+        try:
+            memo.controller_settings = ControllerSettings.from_env(os.environ)
+        except SettingsError as error:
+            raise kopf.PermanentError(str(error)) from None
+    config: ControllerSettings = memo.controller_settings
+    return config
+
+
 @kopf.on.startup(id="start-workers")
 async def start_workers(memo: Any, **kwargs: Any) -> None:
     """The queue, the caches' view and the worker threads (kopf passes the indexes)."""
-    reconcile_workers = int(os.environ.get("WEIGHTSHIP_RECONCILE_WORKERS", "16"))
-    verify_workers = int(os.environ.get("WEIGHTSHIP_VERIFY_WORKERS", "8"))
+    config = controller_settings(memo)
+    reconcile_workers, verify_workers = config.reconcile_workers, config.verify_workers
     # One connection per thread that calls the API (the 2 informers' watches hold theirs):
     # past its pool size urllib3 opens and drops a TLS connection per request.
     api = await asyncio.to_thread(
@@ -99,8 +112,6 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         ),
     )
     view = cache.ClusterView({name: kwargs[name] for name in INDEXES}, nodes, caches, loop)
-    # The node cache the agents stage into (the chart gives both the same agent.cacheDir).
-    cache_dir = os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR
     reconciler = Reconciler(
         kube,
         view,
@@ -108,7 +119,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
         verifier=Verifier(
             kube,
             workers=verify_workers,
-            cache_dir=cache_dir,
+            cache_dir=config.cache_dir,
             on_verdict=lambda namespace, name: queue.add((namespace, name)),
         ),
         swapper=Swapper(
@@ -117,7 +128,7 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
             on_done=lambda namespace, name: queue.add((namespace, name)),
         ),
         requeue=queue.add,
-        cache_dir=cache_dir,
+        cache_dir=config.cache_dir,
         events=EventPoster(kube.event, threads=EVENT_THREADS),
     )
 
@@ -138,10 +149,9 @@ async def start_workers(memo: Any, **kwargs: Any) -> None:
     metrics.QUEUE_DEPTH.set_function(lambda: len(queue))
     metrics.QUEUE_WAITING.set_function(queue.waiting)
     workers.start()
-    port = metrics.serving_port()
-    if port:
+    if config.metrics_port:
         metrics.LEADER.set(1)
-        await asyncio.to_thread(start_http_server, port)
+        await asyncio.to_thread(start_http_server, config.metrics_port)
 
 
 @kopf.on.cleanup(id="stop-workers")

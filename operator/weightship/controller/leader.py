@@ -36,7 +36,6 @@ import functools
 import logging
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -45,12 +44,15 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from weightship.api.env import LEADER_ELECT_NAMESPACE_ENV
 from weightship.httpserver import QuietHandler, Server
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE = "weightship-operator"
+# controller-runtime's defaults (client-go's leaderelection).
+LEASE_DURATION_S = 15.0
+RENEW_DEADLINE_S = 10.0
+RETRY_PERIOD_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,9 @@ class LeaseConfig:
     namespace: str
     identity: str
     name: str = DEFAULT_LEASE
-    # controller-runtime's defaults (client-go's leaderelection).
-    lease_duration_s: float = 15.0
-    renew_deadline_s: float = 10.0
-    retry_period_s: float = 2.0
+    lease_duration_s: float = LEASE_DURATION_S
+    renew_deadline_s: float = RENEW_DEADLINE_S
+    retry_period_s: float = RETRY_PERIOD_S
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
@@ -357,14 +358,6 @@ class _StandbyMetrics(QuietHandler):
         self.send_bytes(200, generate_latest(_standby_registry()), CONTENT_TYPE_LATEST)
 
 
-def metrics_port() -> int | None:
-    """The leader's metrics port (WEIGHTSHIP_METRICS_PORT), which a standby serves too;
-    None: no metrics."""
-    from weightship.controller.metrics import serving_port
-
-    return serving_port() or None
-
-
 def standby_metrics(port: int | None, host: str = "0.0.0.0") -> Server | None:  # noqa: S104
     """Serve /metrics on the leader's port while this replica is a standby: the metrics
     Service selects every operator pod, and a pod that refused the scrape would be a
@@ -373,11 +366,6 @@ def standby_metrics(port: int | None, host: str = "0.0.0.0") -> Server | None:  
     if port is None:
         return None
     return Server((host, port), _StandbyMetrics).start("standby-metrics")
-
-
-def identity() -> str:
-    """The chart's pod name (POD_ID, as kopf uses it), else host and process."""
-    return os.environ.get("POD_ID") or f"{socket.gethostname()}_{os.getpid()}"
 
 
 def _exit_now(reason: str) -> None:
@@ -430,16 +418,3 @@ def run_elected(
         keeper.join(config.retry_period_s * 2)
         elector.release()
         log.info("leader: released Lease %s/%s", config.namespace, config.name)
-
-
-def config_from_env(namespace: str | None = None) -> LeaseConfig:
-    """The Lease settings: the chart sets these variables from operator.leaderElection."""
-    env = os.environ.get
-    return LeaseConfig(
-        namespace=namespace or env(LEADER_ELECT_NAMESPACE_ENV) or env("POD_NAMESPACE") or "default",
-        identity=identity(),
-        name=env("WEIGHTSHIP_LEADER_ELECT_LEASE") or DEFAULT_LEASE,
-        lease_duration_s=float(env("WEIGHTSHIP_LEADER_ELECT_LEASE_DURATION_S") or 15),
-        renew_deadline_s=float(env("WEIGHTSHIP_LEADER_ELECT_RENEW_DEADLINE_S") or 10),
-        retry_period_s=float(env("WEIGHTSHIP_LEADER_ELECT_RETRY_PERIOD_S") or 2),
-    )

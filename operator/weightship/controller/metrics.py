@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from weightship.api.env import METRICS_PORT_ENV
 from weightship.api.status import ModelRolloutStatus
 
 PHASES = ("Pending", "Prefetching", "Progressing", "Paused", "Healthy", "Degraded")
@@ -20,11 +18,6 @@ RECONCILE_SECONDS = Histogram(
     "Reconcile duration",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
-
-
-def serving_port() -> int:
-    """Where /metrics is served (WEIGHTSHIP_METRICS_PORT; 0: nowhere)."""
-    return int(os.environ.get(METRICS_PORT_ENV, "9100"))
 
 
 LEADER_HELP = "1 on the operator replica that runs, 0 on a standby (leader election)"
