@@ -532,12 +532,13 @@ def report(r: dict[str, Any]) -> None:
                 f"{n.get('claimed', 0):.0f}",
                 "{used:.0f}/{unused:.0f}".format(**n.get("splits", {"used": 0, "unused": 0})),
                 f"{n['from_origin'] / MiB:.0f}",
+                f"{n.get('origin_requests', 0):.0f}",
                 str(n["peer_answers"]["not_yet"]),
             ]
             for n in m["nodes"]
         ]
         header = ["node", "done s", "origin done s", "claimed", "splits used/unused"]
-        header += ["origin MiB", "peer not-yet"]
+        header += ["origin MiB", "origin requests", "peer not-yet"]
         print(table(header, rows))
         links = m.get("links") or []
         if links:

@@ -223,6 +223,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             "cpu_sys_s": usage.ru_stime - usage_before.ru_stime,
             "wakeups": usage.ru_nvcsw - usage_before.ru_nvcsw,
             "claimed": registry.get_sample_value("weightship_agent_chunks_claimed_total") or 0,
+            "origin_requests": registry.get_sample_value("weightship_agent_origin_requests") or 0,
             "origin_renewals": registry.get_sample_value(
                 "weightship_agent_origin_connection_renewals_total"
             )

@@ -331,6 +331,7 @@ class Fleet:
         )
         self.per_owner = self.s.per_owner or PER_OWNER
         self.origin_slots: list[int] = []
+        self.origin_limit: list[int] = []  # ... as the lane grows (``widen_origin``)
         self.origin_queue: list[deque[int]] = []
         self.pending: list[dict[int, deque[tuple[int, int]]]] = []
         self.running: list[dict[int, int]] = []
@@ -370,6 +371,7 @@ class Fleet:
                 min(PEER_LANE_MAX, self.per_owner * other_owners),
             )
             self.origin_slots.append(origin_workers if mine else 0)
+            self.origin_limit.append(origin_workers if mine else 0)
             self.origin_queue.append(deque(mine))
             lanes: dict[int, deque[tuple[int, int]]] = {}
             for seq, c in enumerate(others):
@@ -792,6 +794,18 @@ class Fleet:
             d = src  # -1: the origin; -2: no copy recorded
         return f"chunk {c}'s way: " + " <- ".join(hops) + (" <- origin" if d == -1 else "")
 
+    def widen_origin(self, d: int, transfer_s: float) -> None:
+        """``stage``'s origin lane after one of ``d``'s origin reads: as many requests in
+        flight as ``schedule.origin_requests`` says for its timing (never fewer)."""
+        if self.s.origin_workers:
+            return
+        want = schedule.origin_requests(
+            self.n, len(self.fetchers), self.s.origin_latency_s, transfer_s
+        )
+        for _ in range(want - self.origin_limit[d]):
+            self.origin_limit[d] += 1
+            self.next_origin(d)
+
     def next_origin(self, d: int) -> None:
         q = self.origin_queue[d]
         while q and self.done[d, q[0]]:
@@ -903,6 +917,7 @@ class Fleet:
     def end(self, ended: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> None:
         gone = set(ended.tolist())
         tasks = [self.f_task[i] for i in ended]
+        first_bytes = [self.f_from[i] for i in ended]
         for i in ended:
             s, d, c = int(src[i]), int(dst[i]), int(chunk[i])
             self.release_upload(i)
@@ -919,8 +934,9 @@ class Fleet:
             if s < 0:
                 self.from_origin_at.setdefault(c, self.now)
         self.keep([i for i in range(len(self.f_dst)) if i not in gone])
-        for i, task in zip(ended, tasks, strict=True):
+        for i, task, first_byte in zip(ended, tasks, first_bytes, strict=True):
             if task is None:
+                self.widen_origin(int(dst[i]), self.now - first_byte)
                 self.next_origin(int(dst[i]))
             else:
                 task.landed(self)
@@ -1134,6 +1150,9 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=1, help="which nodes die and slow down")
     p.add_argument("--tail", action="store_true", help="print the slowest nodes' last transfers")
+    p.add_argument(
+        "--origin-requests", type=int, help="a fetcher's origin requests in flight (exploring)"
+    )
     p.add_argument("--validate", action="store_true")
     p.add_argument("--scale", action="store_true", help="the issue-38 scenarios at scale")
     p.add_argument("--scale-nodes", default="1000,5000,10000")
@@ -1168,6 +1187,7 @@ def main() -> None:
         slow_fraction=args.slow,
         schedule=args.schedule,
         seed=args.seed,
+        origin_workers=args.origin_requests,
     )
     result = Fleet(s).run()
     report(result)

@@ -1,5 +1,6 @@
 import functools
 import threading
+import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -42,6 +43,37 @@ def test_tasks_start_in_submission_order() -> None:
             lane.submit("abc"[i % 3], functools.partial(started.append, i))
         gate.set()
     assert started == list(range(6))
+
+
+def test_a_widened_lane_runs_more_tasks_at_once_still_in_submission_order() -> None:
+    lock = threading.Lock()
+    started: list[int] = []
+    running = [0, 0]  # now, most
+    release = threading.Event()
+
+    def task(i: int) -> None:
+        with lock:
+            started.append(i)
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        release.wait(5)
+        with lock:
+            running[0] -= 1
+
+    with KeyedLane(workers=2, per_key=8) as lane:
+        futures = [lane.submit("origin", functools.partial(task, i)) for i in range(8)]
+        deadline = time.monotonic() + 5
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lane.widen(5)
+        lane.widen(3)  # never narrower
+        while len(started) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lane.workers == 5 and running[1] == 5
+        release.set()
+        for f in futures:
+            f.result(timeout=5)
+    assert started == list(range(8))
 
 
 def test_errors_reach_the_future_and_cancelled_tasks_never_run() -> None:

@@ -173,6 +173,24 @@ def test_fetchers_pipeline_their_origin_requests_only_where_some_nodes_fetch() -
     assert origin_requests(48, len(origin_fetchers(NODES, ["k"], 8))) == 2
 
 
+@pytest.mark.parametrize(
+    ("first_byte_s", "transfer_s", "requests"),
+    [
+        (0.01, 2.7, 2),  # the fleet benchmark: 1 MiB at a sixteenth of 50 Mbit/s
+        (0.02, 0.215, 2),  # 16 MiB at a sixteenth of 10 Gbit/s
+        (0.02, 0.079, 3),  # the first byte a quarter of the transfer
+        (0.02, 0.021, 5),  # 16 MiB at a sixteenth of 100 Gbit/s
+        (0.5, 0.01, 8),  # never more than ORIGIN_REQUESTS_MAX
+        (0.0, 0.0, 2),  # nothing measured
+    ],
+)
+def test_fetchers_keep_more_origin_requests_in_flight_where_a_first_byte_takes_long(
+    first_byte_s: float, transfer_s: float, requests: int
+) -> None:
+    assert origin_requests(1000, 8, first_byte_s, transfer_s) == requests
+    assert origin_requests(8, 8, first_byte_s, transfer_s) == 1  # every node fetches
+
+
 def test_a_node_asks_its_nearest_live_ancestor() -> None:
     """With nobody dead, its parent; with its parent and grandparent dead, the node
     above them; never the root (asked next anyway), so None below a dead root's child."""

@@ -30,6 +30,7 @@ from weightship.data.fetcher import (
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient, PeerServer
+from weightship.data.schedule import plan_owners
 from weightship.data.stage import StageProgress, hold_for_uplink, load_piece_layer, stage
 from weightship.weightformat.build import LocalFolder, build_manifest_with_pieces
 from weightship.weightformat.chunkhash import ChunkVerificationError
@@ -1277,3 +1278,68 @@ def test_alone_the_origin_connection_is_kept(tmp_path: Path) -> None:
     )
     assert all(fetcher.fetch(c) == "origin" for c in m.chunks)
     assert origin.renewals == 0
+
+
+class FirstByteOrigin(CountingOrigin):
+    """Says each read waited ``timing[0]`` for its first byte and took ``timing[1]`` after
+    it; each read takes ``read_s``, and the most reads at once are counted."""
+
+    def __init__(self, folder: Path, timing: tuple[float, float], read_s: float) -> None:
+        super().__init__(folder)
+        self.timing, self.read_s = timing, read_s
+        self.now = self.most = 0
+        self._at_once = threading.Lock()
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        if is_metadata_path(path):
+            return super().read_range(path, offset, size)
+        with self._at_once:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(self.read_s)
+            return super().read_range(path, offset, size)
+        finally:
+            with self._at_once:
+                self.now -= 1
+
+    def last_read(self) -> tuple[float, float] | None:
+        return self.timing if self.reads else None
+
+    def renew_connection(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("manifest_version", [2], ids=["v2-blake3"], indirect=True)
+@pytest.mark.parametrize(
+    ("timing", "most"),
+    [((0.02, 0.02), 5), ((0.01, 2.7), 2)],  # a fast origin's first byte; the fleet bench
+    ids=["first-byte-as-long-as-the-transfer", "first-byte-short"],
+)
+def test_an_origin_fetcher_widens_its_origin_lane_where_first_bytes_take_long(
+    tmp_path: Path, manifest_version: int, timing: tuple[float, float], most: int
+) -> None:
+    src = tmp_path / "src"
+    m = make_model(src, {"w.bin": random_bytes(40 * CHUNK, 41)})
+    names = ["n1", "n2", "n3"]
+    (node, _), owner = plan_owners([c.key for c in m.chunks], names, 2)
+    stores = {n: ChunkStore(tmp_path / n) for n in names}
+    for n in names:  # the others hold the other fetcher's chunks, none of this node's
+        if n != node:
+            with ModelStaging(stores[n], m) as staging:
+                staging.prepare()
+                for c in m.chunks:
+                    if owner[c.key] != node:
+                        staging.put(c.key, LocalFolder(src).read_range(c.file, c.offset, c.size))
+    origin = FirstByteOrigin(src, timing, read_s=0.05)
+    policy = dataclasses.replace(FAST, origin_fetchers=2)
+    with ExitStack() as stack:
+        servers = {n: stack.enter_context(PeerServer(s, "127.0.0.1")) for n, s in stores.items()}
+        peers = [Peer(n, server.address) for n, server in servers.items()]
+        r = stage(m, stores[node], origin, peers, node=node, metrics=metrics()[0], policy=policy)
+    assert same_files(m, stores[node], src)
+    assert r.from_origin > 0 and origin.reads == r.from_origin // CHUNK
+    # Two at once to start with (schedule.origin_requests); with the first byte as long
+    # as the transfer, five once the first read said so (and a tail claim's read may
+    # run beside them).
+    assert origin.most == most if most == 2 else origin.most >= most

@@ -991,12 +991,18 @@ class ChunkFetcher:
         origin = self.origin
         if not (self.address and self.policy.renew_origin_connections):
             return
-        if not isinstance(origin, RenewableOrigin) or (timing := origin.last_read()) is None:
+        if not isinstance(origin, RenewableOrigin) or (timing := self.last_origin_read()) is None:
             return
         first_byte_s, transfer_s = timing
         if transfer_s >= RENEW_AFTER_ROUND_TRIPS * first_byte_s:
             self.metrics.origin_renewals.inc()
             origin.renew_connection()
+
+    def last_origin_read(self) -> tuple[float, float] | None:
+        """The calling thread's last origin read, where the origin keeps it: seconds to
+        its first byte and seconds from there to its last (``RenewableOrigin``)."""
+        origin = self.origin
+        return origin.last_read() if isinstance(origin, RenewableOrigin) else None
 
     def _read_origin(self, chunk: ChunkEntry) -> None:
         origin, sink = self.origin, self.sink

@@ -35,12 +35,30 @@ class KeyedLane:
         self._running: Counter[str] = Counter()
         self._seq = itertools.count()
         self._closed = False
+        self._name = name
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(workers)
         ]
         for t in self._threads:
             t.start()
+
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
+
+    def widen(self, workers: int) -> None:
+        """Run with ``workers`` threads from now on (never fewer than now)."""
+        with self._cond:
+            if self._closed:
+                return
+            while len(self._threads) < workers:
+                t = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+            self._cond.notify_all()
 
     def submit(self, key: str, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 # Sources a chunk can come from: the S3 origin, a peer agent, or this node's own cache.
 SOURCES = ("origin", "peer", "local")
@@ -20,6 +20,7 @@ class DataPlaneMetrics:
     chunk_splits: Counter
     origin_renewals: Counter
     relay_stops: Counter
+    origin_requests: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> DataPlaneMetrics:
@@ -73,6 +74,13 @@ class DataPlaneMetrics:
                 "Times this node stopped relaying chunks for a while: its parents in the relay "
                 "trees had held the chunks it asked them for whole for seconds, so its link "
                 "lags, and the nodes below it take them from above it (slowrelay.py).",
+                registry=registry,
+            ),
+            origin_requests=Gauge(
+                "weightship_agent_origin_requests",
+                "Origin requests this node keeps in flight for the chunks it fetches for the "
+                "fleet, in its last stage: more where a first byte takes long beside a "
+                "chunk's transfer (schedule.origin_requests).",
                 registry=registry,
             ),
         )

@@ -34,6 +34,7 @@ ring (each node asks the node before it): a chunk crosses up to n - 1 hops; a fa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 from weightship.data import rendezvous
@@ -54,17 +55,37 @@ def origin_fetchers(nodes: Sequence[str], keys: Sequence[str], count: int) -> li
     return [members[(base + t * n // count) % n] for t in range(count)]
 
 
-def origin_requests(nodes: int, fetchers: int) -> int:
-    """Origin fetches a fetcher keeps in flight (its origin lane). One where every node
-    fetches: with two, TCP shared the origin link unevenly between the flows, one node's
-    origin stream finished 8 s after the others and every node waited for its chunks
-    (the fleet benchmark, 8 nodes). Two where only some nodes fetch: each fetcher's
-    stream is then its chunks' only source for the whole fleet, and one request at a
-    time leaves the fetcher's share of the origin idle for a first byte between chunks:
-    20 ms of 127 for a 16 MiB chunk at an eighth of 10 Gbit/s (the simulator, 1,000
-    nodes: 1.29x S/B with one, 1.16x with two; the fleet benchmark, 16 nodes at
-    50 Mbit/s: 1.17x with either)."""
-    return 2 if fetchers < nodes else 1
+# A fetcher's origin requests in flight at most (``origin_requests``).
+ORIGIN_REQUESTS_MAX = 8
+# ... and one more than two for each this much of a chunk's transfer time that a
+# request waits for its first byte.
+ORIGIN_FIRST_BYTE_SHARE = 0.25
+
+
+def origin_requests(
+    nodes: int, fetchers: int, first_byte_s: float = 0.0, transfer_s: float = math.inf
+) -> int:
+    """Origin fetches a fetcher keeps in flight (its origin lane), given how long its
+    last origin request waited for its first byte and then transferred.
+
+    One where every node fetches: with two, TCP shared the origin link unevenly between
+    the flows, one node's origin stream finished 8 s after the others and every node
+    waited for its chunks (the fleet benchmark, 8 nodes). Two where only some nodes
+    fetch: each fetcher's stream is then its chunks' only source for the whole fleet,
+    and one request at a time leaves the fetcher's share of the origin idle for a first
+    byte between chunks: 20 ms of 127 for a 16 MiB chunk at an eighth of 10 Gbit/s (the
+    simulator, 1,000 nodes: 1.29x S/B with one, 1.16x with two; the fleet benchmark,
+    16 nodes at 50 Mbit/s: 1.17x with either). More where the first byte takes a
+    quarter of the transfer or longer (a fast origin: a 16 MiB chunk moves in 21 ms at
+    a sixteenth of 100 Gbit/s, after a 20 ms first byte), as the requests, all started
+    together, then wait for their first bytes together and leave the origin's link
+    idle: the simulator, 1,000 nodes at 100 Gbit/s, 2.00x S/B with two."""
+    if fetchers >= nodes:
+        return 1
+    if not first_byte_s > 0 or math.isinf(transfer_s):  # nothing measured yet
+        return 2
+    waits = first_byte_s / max(transfer_s, 1e-6) / ORIGIN_FIRST_BYTE_SHARE
+    return min(ORIGIN_REQUESTS_MAX, 2 + math.floor(waits))
 
 
 def plan_owners(

@@ -13,9 +13,10 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from weightship.data import schedule
 from weightship.data.chunkstore import ChunkStore, InFlight
@@ -49,6 +50,7 @@ PER_OWNER = 2  # peer-lane fetches in flight from one owner (lanes.py says why t
 # fan-out is (N-1)/N of its uplink, so an owner whose origin flow runs faster than its
 # share saturates its uplink: docs/benchmarks.md).
 UPLINK_HOLD_UPLOADS = 2
+ORIGIN = "origin"  # the origin lane's one key: its tasks run in submission order
 
 
 class StageCancelledError(RuntimeError):
@@ -246,7 +248,7 @@ def _stage(
             tally.add("local", chunks[indexes[0]].size * len(indexes))
             del todo[key]
 
-    def fetch_one(chunk: ChunkEntry) -> None:
+    def fetch_one(chunk: ChunkEntry) -> Source:
         if cancel.is_set():
             raise StageCancelledError(f"staging {manifest.digest} cancelled")
         try:
@@ -256,6 +258,7 @@ def _stage(
         n = len(todo[chunk.key])
         tally.add(source, chunk.size)
         tally.add("local", chunk.size * (n - 1))
+        return source
 
     unique = [chunks[ix[0]] for ix in todo.values()]
     # A node the others did not count (it joined late) takes their view before it plans:
@@ -269,6 +272,9 @@ def _stage(
     # The peer lane runs at most PER_OWNER fetches per owner, so the workers waiting on
     # a slow owner never hold up the chunks the others already have (lanes.py).
     other_owners = len({fetcher.owner_of(c.key) for c in others})
+    # The origin lane widens as its reads say the origin's first byte takes long beside
+    # a chunk's transfer (schedule.origin_requests), unless the caller fixed its width.
+    widens = origin_requests is None and bool(others)
     if origin_requests is None:
         origin_requests = schedule.origin_requests(len(fetcher.nodes), len(fetcher.fetchers))
     origin_workers = max(1, origin_requests if others else workers)
@@ -282,7 +288,7 @@ def _stage(
         # one chunk from every other owner: the intake one own chunk pays for
         slack_bytes=max((c.size for c in others), default=0) * other_owners,
     )
-    deferred: list[Future[None]] = []
+    deferred: list[Future[Any]] = []  # claimed chunks' fetches, on the peer lane
 
     def fetch_own(chunk: ChunkEntry) -> None:
         try:
@@ -293,9 +299,25 @@ def _stage(
                 deferred.append(peer_lane.submit(claimant, functools.partial(fetch_one, chunk)))
             else:
                 hold_for_uplink(store.uploads, cancel, max_s=fetcher.policy.uplink_hold_s)
-                fetch_one(chunk)
+                if fetch_one(chunk) == "origin" and widens:
+                    widen_origin_lane()
         finally:
             pacer.own_progress(chunk.size)
+
+    def widen_origin_lane() -> None:
+        if (timing := fetcher.last_origin_read()) is None:
+            return
+        want = schedule.origin_requests(len(fetcher.nodes), len(fetcher.fetchers), *timing)
+        if want > origin_lane.workers:
+            log.info(
+                "origin requests in flight %d -> %d: a first byte took %.0f ms, the chunk %.0f ms",
+                origin_lane.workers,
+                want,
+                timing[0] * 1000,
+                timing[1] * 1000,
+            )
+            origin_lane.widen(want)
+            fetcher.metrics.origin_requests.set(want)
 
     def fetch_other(chunk: ChunkEntry) -> None:
         if pace_intake:
@@ -303,12 +325,15 @@ def _stage(
         fetch_one(chunk)
 
     with (
-        ThreadPoolExecutor(origin_workers, thread_name_prefix="origin") as origin_lane,
+        KeyedLane(origin_workers, schedule.ORIGIN_REQUESTS_MAX, name="origin") as origin_lane,
         KeyedLane(peer_workers, per_owner or peer_workers, name="peer") as peer_lane,
     ):
-        futures = [origin_lane.submit(fetch_own, c) for c in owned]
+        fetcher.metrics.origin_requests.set(origin_workers if owned else 0)
+        futures: list[Future[Any]] = [
+            origin_lane.submit(ORIGIN, functools.partial(fetch_own, c)) for c in owned
+        ]
         if others:  # then the origin lane takes slow owners' tails (fetcher.claim_tails)
-            futures.append(origin_lane.submit(fetcher.claim_tails))
+            futures.append(origin_lane.submit(ORIGIN, fetcher.claim_tails))
         futures += [
             peer_lane.submit(fetcher.owner_of(c.key), functools.partial(fetch_other, c))
             for c in others
