@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from weightship.api.weightcache import (
     MAX_CACHED_MANIFESTS,
+    MAX_PINS,
     CachedManifest,
     StagingFailure,
     WeightCacheStatus,
@@ -174,9 +175,16 @@ def build_status(
     entries: Iterable[Entry],
     now: datetime,
 ) -> dict[str, Any]:
-    """The status body (camelCase, validated against the CRD's pydantic model)."""
-    kept = sorted(entries, key=lambda e: (_KEEP_ORDER[e.state], not e.pinned_by, e.digest))
-    kept = kept[:MAX_CACHED_MANIFESTS]
+    """The status body (camelCase, validated against the CRD's pydantic model).
+
+    Within the CRD's bounds, so that the API server never refuses a write: at most
+    MAX_CACHED_MANIFESTS entries, live work first (Staging, Evicting, Failed, then Staged;
+    pinned before unpinned), and at most MAX_PINS rollouts per entry, the first by name;
+    what is left out is counted (manifestsOmitted, pinnedByOmitted). Only the report is
+    cut: pins and eviction follow the agent's own wants.
+    """
+    ranked = sorted(entries, key=lambda e: (_KEEP_ORDER[e.state], not e.pinned_by, e.digest))
+    kept = ranked[:MAX_CACHED_MANIFESTS]
     status = WeightCacheStatus(
         peer_endpoint=peer_endpoint,
         capacity_bytes=max(0, capacity_bytes),
@@ -195,10 +203,12 @@ def build_status(
                 completed_at=e.completed_at,
                 last_error=clip(e.last_error),
                 failure=e.failure,
-                pinned_by=list(e.pinned_by),
+                pinned_by=sorted(e.pinned_by)[:MAX_PINS],
+                pinned_by_omitted=max(0, len(e.pinned_by) - MAX_PINS) or None,
             )
             for e in sorted(kept, key=lambda e: e.digest)
         ],
+        manifests_omitted=len(ranked) - len(kept) or None,
     )
     # Written with a merge patch: the manifests list is replaced as a whole, so fields
     # left out of an entry (a cleared lastError) are gone from it.

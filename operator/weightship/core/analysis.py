@@ -20,7 +20,9 @@ from weightship.api.durations import parse_duration
 from weightship.api.models import ModelRollout
 from weightship.api.promql import render_query
 from weightship.api.spec import CanaryStep, Metric
+from weightship.api.base import MAX_SHORT_TEXT
 from weightship.api.status import (
+    MAX_MEASUREMENT_MESSAGE,
     MAX_MEASUREMENTS,
     AnalysisPhase,
     AnalysisStatus,
@@ -29,6 +31,7 @@ from weightship.api.status import (
     MetricRun,
 )
 from weightship.core.observed import ObservedMeasurement
+from weightship.errortext import bounded
 
 _NO_DATA: dict[str, MeasurementPhase] = {
     "Inconclusive": "Inconclusive",
@@ -111,6 +114,8 @@ def record_measurement(run: MetricRun, metric: Metric, observed: ObservedMeasure
         observed.value if observed.value is not None and not math.isnan(observed.value) else None
     )
     message = observed.error if phase == "Error" else ("no data" if value is None else None)
+    if message is not None:
+        message = bounded(message, MAX_MEASUREMENT_MESSAGE)
     measurement = Measurement(value=value, phase=phase, at=observed.at, message=message)
     updated = run.model_copy(
         update={
@@ -124,7 +129,8 @@ def record_measurement(run: MetricRun, metric: Metric, observed: ObservedMeasure
         }
     )
     updated.phase = metric_phase(metric, updated)
-    updated.message = _describe(metric, updated)
+    described = _describe(metric, updated)
+    updated.message = described and bounded(described, MAX_SHORT_TEXT)
     return updated
 
 
