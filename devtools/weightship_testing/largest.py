@@ -6,8 +6,8 @@ to store. A node without its bound raises `UnboundedError`: removing a bound fro
 models makes the tests that use this fail, instead of quietly measuring a smaller object.
 
 List items are made distinct (the API server refuses duplicate keys of a `map` list and
-duplicate `set` elements): every string under item i ends in i, enum keys take the i-th
-value.
+duplicate `set` elements): every string under item i ends in i, and an enum key takes
+each of its values once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _KEY_BOUND = re.compile(r"^self\.all\(k, k\.size\(\) <= (\d+)\)$")
 # The longest date-time: RFC 3339 with every fractional digit its maxLength leaves room for.
 _DATE_TIME_HEAD, _DATE_TIME_TAIL = "2026-12-31T23:59:59.", "Z"
 _INT64_MAX = 2**63 - 1
-_LARGEST_FLOAT = -1.7976931348623157e308  # the longest float's JSON text
+_LARGEST_FLOAT = 1.7976931348623157e308  # the largest float, and about the longest JSON text
 
 
 class UnboundedError(ValueError):
@@ -80,22 +80,22 @@ def _array(schema: Schema, path: str) -> list[Any]:
     if "maxItems" not in schema:
         raise UnboundedError(f"{path}: an array without maxItems")
     items = schema["items"]
-    count = schema["maxItems"]
-    keys = schema.get("x-kubernetes-list-map-keys", [])
-    for key in keys:  # an enum key admits as many items as it has values
+    out = [largest(items, f"{path}[]", i) for i in range(schema["maxItems"])]
+    for key in schema.get("x-kubernetes-list-map-keys", []):
         enum = items["properties"][key].get("enum")
-        if enum is not None:
-            count = min(count, len(enum))
-    return [largest(items, f"{path}[]", i) for i in range(count)]
+        if enum is not None:  # an enum key admits one item per value
+            out = out[: len(enum)]
+            for item, value in zip(out, enum, strict=False):
+                item[key] = value
+    return out
 
 
 def _string(schema: Schema, path: str, tag: int) -> str:
     if "enum" in schema:
-        values = [str(v) for v in schema["enum"]]
-        return values[tag % len(values)] if tag else max(values, key=len)
+        return max((str(v) for v in schema["enum"]), key=len)
     if "maxLength" not in schema:
         raise UnboundedError(f"{path}: a string without maxLength")
-    length = schema["maxLength"]
+    length: int = schema["maxLength"]
     if schema.get("format") == "date-time":
         digits = length - len(_DATE_TIME_HEAD) - len(_DATE_TIME_TAIL)
         return _DATE_TIME_HEAD + "9" * max(1, digits) + _DATE_TIME_TAIL

@@ -20,7 +20,6 @@ from weightship.api.durations import parse_duration
 from weightship.api.models import ModelRollout
 from weightship.api.promql import render_query
 from weightship.api.spec import CanaryStep, Metric
-from weightship.api.base import MAX_SHORT_TEXT
 from weightship.api.status import (
     MAX_MEASUREMENT_MESSAGE,
     MAX_MEASUREMENTS,
@@ -129,8 +128,7 @@ def record_measurement(run: MetricRun, metric: Metric, observed: ObservedMeasure
         }
     )
     updated.phase = metric_phase(metric, updated)
-    described = _describe(metric, updated)
-    updated.message = described and bounded(described, MAX_SHORT_TEXT)
+    updated.message = _describe(metric, updated)
     return updated
 
 
