@@ -31,8 +31,10 @@ MAX_SWAP_PODS = 50
 # Kubernetes allows a condition 32 KiB of message; seven of them were most of the largest
 # status. status.message keeps MAX_MESSAGE for the whole story.
 MAX_CONDITION_MESSAGE = 4096
-# One measurement's error detail; the metric's own message quotes the last one.
-MAX_MEASUREMENT_MESSAGE = 256
+# One measurement's error detail; the metric's own message quotes the last one. The
+# controller keeps 300 characters of a query error (controller.observe), so what earlier
+# versions stored still fits when the list is written again.
+MAX_MEASUREMENT_MESSAGE = 300
 
 # Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
 # Healthy → Healthy, Degraded → Degraded.
