@@ -1,5 +1,7 @@
 """WeightCache status building and the write-rate decision (weightship.agent.status)."""
 
+import random
+from collections import Counter
 from datetime import UTC, datetime
 
 import pytest
@@ -10,10 +12,14 @@ from weightship.agent.status import (
     Entry,
     WriteClock,
     build_status,
+    mark_urgent,
     mark_written,
     progress_interval_s,
     reconcile,
     recover,
+    report_wait_s,
+    state_write_delay_s,
+    state_write_window_s,
     write_due,
 )
 from weightship.api.weightcache import WeightCacheStatus
@@ -53,6 +59,49 @@ def test_mark_written_clears_pending() -> None:
     clock = WriteClock(dirty=True, urgent=True)
     mark_written(clock, 5.0)
     assert (clock.last_write, clock.dirty, clock.urgent) == (5.0, False, False)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "window"), [(1, 0.01), (3, 0.03), (1000, 10.0), (5000, 50.0), (10_000, 60.0)]
+)
+def test_state_write_window_fits_the_fleet_under_its_budget(nodes: int, window: float) -> None:
+    assert state_write_window_s(nodes) == pytest.approx(window)  # 100 writes/s, 60 s cap
+    assert state_write_delay_s(nodes, 0.0) == 0.0
+    assert state_write_delay_s(nodes, 0.5) == pytest.approx(window / 2)
+    assert state_write_delay_s(nodes, 1.5) == pytest.approx(window)  # a draw is clamped
+    assert state_write_window_s(nodes, cluster_budget_per_s=10, max_spread_s=5) == min(
+        5, nodes / 10
+    )
+
+
+def test_one_event_on_5000_nodes_stays_near_the_budget_every_second() -> None:
+    """Every agent's state changes at the same instant (a new rollout): their writes, at
+    each agent's own draw, arrive at about 100 a second instead of 5,000 at once."""
+    draws = random.Random(42)
+    delays = [state_write_delay_s(5000, draws.random()) for _ in range(5000)]
+    per_second = Counter(int(d) for d in delays)
+    print(f"5,000 agents: busiest second {max(per_second.values())} writes, last at "
+          f"{max(delays):.1f} s")  # fmt: skip
+    assert max(delays) < 50.0 and len(per_second) == 50
+    assert max(per_second.values()) < 150  # 100/s on average; the draw's noise on top
+
+
+def test_a_waiting_state_change_keeps_its_turn_and_wakes_the_reporter_then() -> None:
+    clock = WriteClock(last_write=0.0)
+    mark_urgent(clock, now=10.0, delay_s=3.0)
+    mark_urgent(clock, now=11.0, delay_s=0.0)  # a second change joins the first's write
+    assert clock.urgent_at == 13.0
+    assert not write_due(clock, 12.9, interval_s=10.0, heartbeat_s=60.0)
+    assert write_due(clock, 13.0, interval_s=10.0, heartbeat_s=60.0)
+    assert report_wait_s(clock, 12.0, poll_s=0.5) == 0.5
+    assert report_wait_s(clock, 12.8, poll_s=0.5) == pytest.approx(0.2)
+    assert report_wait_s(clock, 14.0, poll_s=0.5) == 0.0
+    clock.dirty = True  # progress due before the turn carries the change with it
+    assert write_due(clock, 12.0, interval_s=2.0, heartbeat_s=60.0)
+    mark_written(clock, 12.0)
+    assert report_wait_s(clock, 12.0, poll_s=0.5) == 0.5
+    mark_urgent(clock, now=20.0, delay_s=1.0)  # the next change draws a new turn
+    assert clock.urgent_at == 21.0
 
 
 def test_reconcile_follows_disk_and_pins() -> None:
@@ -111,8 +160,25 @@ def test_build_status_matches_the_crd_and_caps_the_list() -> None:
     assert len(body["manifests"]) == 64
     failed = next(m for m in body["manifests"] if m["digest"] == A)  # kept before Staged ones
     assert failed["state"] == "Failed" and len(failed["lastError"]) == 1024
-    assert failed["pinnedBy"] == ["serving/llm"]
+    assert failed["pinnedBy"] == ["serving/llm"] and "pinnedByOmitted" not in failed
     assert body["stagedManifests"] == 63
+    assert body["manifestsOmitted"] == 71 - 64
+
+
+def test_build_status_cuts_pins_to_the_crd_and_counts_the_rest() -> None:
+    pins = tuple(f"ns-{i:02}/{'r' * 250}" for i in range(11, -1, -1))  # 12, unsorted
+    body = build_status(
+        peer_endpoint="10.0.0.1:8479",
+        capacity_bytes=10,
+        free_bytes=5,
+        entries=[Entry(A, "Staged", 1, 1, pinned_by=pins)],
+        now=NOW,
+    )
+    WeightCacheStatus.model_validate(body)
+    (entry,) = body["manifests"]
+    assert entry["pinnedBy"] == sorted(pins)[:8]  # the first by name
+    assert entry["pinnedByOmitted"] == 4
+    assert "manifestsOmitted" not in body
 
 
 def test_config_from_env() -> None:
@@ -131,6 +197,23 @@ def test_config_from_env() -> None:
         AgentConfig.from_env({"POD_IP": "10.0.0.7"})
     with pytest.raises(ConfigError, match="WEIGHTSHIP_PEER_PORT"):
         AgentConfig.from_env({"NODE_NAME": "n", "POD_IP": "i", "WEIGHTSHIP_PEER_PORT": "x"})
+    assert (cfg.cluster_write_budget_per_s, cfg.max_write_spread_s) == (100.0, 60.0)
+
+
+def test_write_spreading_settings_from_env() -> None:
+    base = {"NODE_NAME": "gpu-1", "POD_IP": "10.0.0.7"}
+    cfg = AgentConfig.from_env(
+        {
+            **base,
+            "WEIGHTSHIP_STATUS_WRITE_BUDGET": "250",
+            "WEIGHTSHIP_STATUS_WRITE_SPREAD_S": "2.5",
+        }
+    )
+    assert (cfg.cluster_write_budget_per_s, cfg.max_write_spread_s) == (250.0, 2.5)
+    for name in ("WEIGHTSHIP_STATUS_WRITE_BUDGET", "WEIGHTSHIP_STATUS_WRITE_SPREAD_S"):
+        for bad in ("0", "-1", "fast", "inf", "nan"):
+            with pytest.raises(ConfigError, match=name):
+                AgentConfig.from_env({**base, name: bad})
 
 
 def test_peer_group_is_a_label_value_or_nothing() -> None:

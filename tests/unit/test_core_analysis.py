@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from weightship.api.base import MAX_SHORT_TEXT
 from weightship.api.spec import Metric
-from weightship.api.status import MAX_MEASUREMENTS, MetricRun
+from weightship.api.status import MAX_MEASUREMENT_MESSAGE, MAX_MEASUREMENTS, MetricRun
 from weightship.core.analysis import (
     apply_measurements,
     due_queries,
@@ -93,6 +94,14 @@ def test_failed_run_explains_itself_and_bounds_measurements() -> None:
     long = run_of(metric(count=100), [0.0] * 30)
     assert len(long.measurements) == MAX_MEASUREMENTS
     assert long.count == 30
+
+
+def test_long_query_errors_are_cut_to_what_the_crd_admits() -> None:
+    unreachable = run_of(metric(consecutiveErrorLimit=1), ["refused " * 200] * 2)
+    assert unreachable.phase == "Inconclusive"
+    assert {len(m.message or "") for m in unreachable.measurements} == {MAX_MEASUREMENT_MESSAGE}
+    assert unreachable.message is not None and len(unreachable.message) < MAX_SHORT_TEXT
+    MetricRun.model_validate(unreachable.model_dump())  # within every maxLength
 
 
 def test_apply_measurements_ignores_replayed_ones() -> None:

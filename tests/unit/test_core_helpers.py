@@ -9,6 +9,7 @@ import pytest
 from weightship.api.durations import parse_duration
 from weightship.api.promql import TemplateError, placeholders, render_query
 from weightship.api.spec import CanaryStep
+from weightship.api.status import MAX_CONDITION_MESSAGE
 from weightship.core.conditions import set_condition
 from weightship.core.patch import merge_patch
 from weightship.core.phase import argocd_health, compute_phase
@@ -71,6 +72,11 @@ def test_condition_transition_time_moves_only_on_status_change() -> None:
     assert conditions[0].message == "1/2"
     conditions = set_condition(conditions, "Verified", "True", "Verified", "2/2", now=at(20))
     assert conditions[0].last_transition_time == at(20)
+
+
+def test_a_condition_message_is_cut_to_what_the_crd_admits() -> None:
+    (condition,) = set_condition([], "InvalidSpec", "True", "Invalid", "x" * 40_000, now=at(0))
+    assert len(condition.message) == MAX_CONDITION_MESSAGE and condition.message.endswith("…")
 
 
 def test_conditions_keep_a_stable_order() -> None:

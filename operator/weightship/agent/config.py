@@ -19,6 +19,15 @@ DEFAULT_PEER_PORT = 8479
 DEFAULT_METRICS_PORT = 9101
 CREDENTIALS_ENV = "WEIGHTSHIP_S3_CREDENTIALS_DIR"
 PEER_GROUP_ENV = "WEIGHTSHIP_PEER_GROUP"  # a label value: the WeightCache carries it
+WRITE_BUDGET_ENV = "WEIGHTSHIP_STATUS_WRITE_BUDGET"
+WRITE_SPREAD_ENV = "WEIGHTSHIP_STATUS_WRITE_SPREAD_S"
+# All agents' WeightCache writes of one kind (state changes; progress), a second: half of
+# what 5,000 nodes' Lease renewals cost (500/s), and about 2 of the API server's default
+# 200 mutating requests in flight at 20 ms a write.
+DEFAULT_WRITE_BUDGET_PER_S = 100.0
+# The longest a state change waits for its turn: 5,000 nodes fit the budget (50 s), and a
+# staged model reaches the operator within a minute on any fleet.
+DEFAULT_MAX_WRITE_SPREAD_S = 60.0
 
 
 class ConfigError(ValueError):
@@ -43,11 +52,13 @@ class AgentConfig:
     reserve_bytes: int = 1 << 30  # always left free on the node's disk
     workers: int = 4  # parallel chunk fetches while staging
     resync_s: float = 30.0  # full re-evaluation even when no watch event arrives
-    # WeightCache status writes: see weightship.agent.status. State changes are written at
-    # once; progress while staging at most once per 10 s per node (every write wakes the
-    # operator's cache watch and every agent's peers).
+    # WeightCache status writes: see weightship.agent.status. State changes are spread
+    # over up to max_write_spread_s so that the fleet writes at most
+    # cluster_write_budget_per_s of them; progress while staging at most once per 10 s
+    # per node (every write wakes the operator's cache watch).
     min_progress_interval_s: float = 10.0
-    cluster_write_budget_per_s: float = 100.0
+    cluster_write_budget_per_s: float = DEFAULT_WRITE_BUDGET_PER_S
+    max_write_spread_s: float = DEFAULT_MAX_WRITE_SPREAD_S
     heartbeat_s: float = 60.0
     # File operations (hard links, checks, deletions) per pass over the per-rollout views.
     view_budget: int = 4096
@@ -89,6 +100,8 @@ class AgentConfig:
             reserve_bytes=_int(env, "WEIGHTSHIP_CACHE_RESERVE_BYTES", 1 << 30),
             workers=_int(env, "WEIGHTSHIP_STAGE_WORKERS", 4),
             peer_group=peer_group,
+            cluster_write_budget_per_s=_positive(env, WRITE_BUDGET_ENV, DEFAULT_WRITE_BUDGET_PER_S),
+            max_write_spread_s=_positive(env, WRITE_SPREAD_ENV, DEFAULT_MAX_WRITE_SPREAD_S),
         )
 
 
@@ -102,4 +115,17 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
     if value < 0:
         raise ConfigError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def _positive(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a positive number")
     return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import shutil
 import threading
 import time
@@ -481,14 +482,25 @@ class Agent:
 
     def _changed_locked(self, *, urgent: bool) -> None:
         if urgent:
-            self.clock.urgent = True
+            self._mark_urgent_locked()
             self.report.set()
         else:
             self.clock.dirty = True
 
+    def _mark_urgent_locked(self) -> None:
+        """A state change to write at this agent's random turn in the fleet's window."""
+        delay = status.state_write_delay_s(
+            self.node_count,
+            random.random(),  # noqa: S311 (jitter, not a secret)
+            cluster_budget_per_s=self.cfg.cluster_write_budget_per_s,
+            max_spread_s=self.cfg.max_write_spread_s,
+        )
+        status.mark_urgent(self.clock, time.monotonic(), delay)
+
     def _report_loop(self) -> None:
+        wait_s = 0.5
         while not self.stop.is_set():
-            self.report.wait(timeout=0.5)
+            self.report.wait(timeout=wait_s)
             self.report.clear()
             with self.lock:
                 interval = status.progress_interval_s(
@@ -496,9 +508,13 @@ class Agent:
                     min_interval_s=self.cfg.min_progress_interval_s,
                     cluster_budget_per_s=self.cfg.cluster_write_budget_per_s,
                 )
-                due = status.write_due(self.clock, time.monotonic(), interval, self.cfg.heartbeat_s)
+                now = time.monotonic()
+                due = status.write_due(self.clock, now, interval, self.cfg.heartbeat_s)
+                wait_s = status.report_wait_s(self.clock, now, poll_s=0.5)
             if due:
                 self._write_status()
+                with self.lock:
+                    wait_s = status.report_wait_s(self.clock, time.monotonic(), poll_s=0.5)
 
     def _write_status(self) -> None:
         with self.lock:
@@ -531,7 +547,9 @@ class Agent:
             log.warning("writing WeightCache %s status failed: %s", self.cfg.node_name, e)
             self.metrics.status_writes.labels("error").inc()
             with self.lock:
-                self.clock.urgent = True  # retried after the next report tick
+                # Retried at a new turn: after an outage every agent's write fails, and
+                # their retries must not arrive together when the API server returns.
+                self._mark_urgent_locked()
             self.stop.wait(1.0)
         self.metrics.cache_capacity.set(capacity)
         self.metrics.cache_free.set(free)

@@ -1,12 +1,16 @@
 """The WeightCache status this agent reports, and when to write it. Pure.
 
-Write rate. A state change (Staging, Staged, Failed, Evicting, a new pin) is written at
-once: the operator waits on it, and each node makes a handful per model. Byte progress
-is written at most once per `progress_interval_s(nodes)`: 2 s on small clusters, and
-slower on big ones so that all agents together stay under a write budget (default
-100 writes/s: 5,000 nodes staging at once write progress every 50 s each, instead of
-2,500 writes/s at a flat 2 s, which would swamp the API server and etcd). Without any
-change the agent still writes a heartbeat (`updatedAt`, free space) every 60 s.
+Write rate. A state change (Staging, Staged, Failed, Evicting, a new pin) is written
+after a random delay, uniform in [0, `state_write_window_s(nodes)`): one event (a new
+rollout, a model staged by a whole swarm at once, the API server's return) changes the
+state of every agent at the same moment, and 5,000 writes in a second would be 25 times
+the API server's default of 200 mutating requests in flight. The window is sized so that
+all agents together write at most `cluster_budget_per_s` (default 100/s) of them, capped
+at `max_spread_s` (default 60 s): about 0.03 s on 3 nodes, 50 s on 5,000. Byte progress
+is written at most once per `progress_interval_s(nodes)`: 10 s by default, slower on big
+clusters under the same budget (5,000 nodes staging at once write progress every 50 s
+each, instead of 2,500 writes/s at a flat 2 s). Without any change the agent still
+writes a heartbeat (`updatedAt`, free space) every 60 s.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Literal
 
 from weightship.api.weightcache import (
     MAX_CACHED_MANIFESTS,
+    MAX_PINS,
     CachedManifest,
     StagingFailure,
     WeightCacheStatus,
@@ -62,6 +67,7 @@ class WriteClock:
     last_write: float = float("-inf")
     dirty: bool = False  # byte progress not yet written
     urgent: bool = False  # a state change not yet written
+    urgent_at: float = float("-inf")  # when its turn comes (see state_write_delay_s)
 
 
 def progress_interval_s(
@@ -72,10 +78,38 @@ def progress_interval_s(
     return max(min_interval_s, max(1, nodes) / cluster_budget_per_s)
 
 
+def state_write_window_s(
+    nodes: int, *, cluster_budget_per_s: float = 100.0, max_spread_s: float = 60.0
+) -> float:
+    """Seconds over which ``nodes`` agents spread the state-change writes of one event, so
+    that together they write at most ``cluster_budget_per_s`` a second; never longer than
+    ``max_spread_s`` (past budget x max_spread_s nodes the rate grows instead)."""
+    return min(max_spread_s, max(1, nodes) / cluster_budget_per_s)
+
+
+def state_write_delay_s(
+    nodes: int, draw: float, *, cluster_budget_per_s: float = 100.0, max_spread_s: float = 60.0
+) -> float:
+    """This agent's delay before writing a state change: ``draw`` (uniform in [0, 1), this
+    agent's own) of the window, so the fleet's writes arrive evenly over it."""
+    window = state_write_window_s(
+        nodes, cluster_budget_per_s=cluster_budget_per_s, max_spread_s=max_spread_s
+    )
+    return min(max(draw, 0.0), 1.0) * window
+
+
+def mark_urgent(clock: WriteClock, now: float, delay_s: float) -> None:
+    """A state change to write ``delay_s`` from now; one already waiting keeps its turn
+    (changes in the meantime go in the same write)."""
+    if not clock.urgent:
+        clock.urgent, clock.urgent_at = True, now + delay_s
+
+
 def write_due(clock: WriteClock, now: float, interval_s: float, heartbeat_s: float) -> bool:
-    """Write now? State changes at once, progress when the interval passed, else heartbeat."""
+    """Write now? A state change at its turn, progress when the interval passed, else
+    the heartbeat. Any write carries everything waiting."""
     elapsed = now - clock.last_write
-    if clock.urgent:
+    if clock.urgent and now >= clock.urgent_at:
         return True
     if clock.dirty and elapsed >= interval_s:
         return True
@@ -84,6 +118,14 @@ def write_due(clock: WriteClock, now: float, interval_s: float, heartbeat_s: flo
 
 def mark_written(clock: WriteClock, now: float) -> None:
     clock.last_write, clock.dirty, clock.urgent = now, False, False
+
+
+def report_wait_s(clock: WriteClock, now: float, poll_s: float) -> float:
+    """How long the reporter may sleep: until a waiting state change's turn, at most
+    ``poll_s``."""
+    if clock.urgent:
+        return max(0.0, min(poll_s, clock.urgent_at - now))
+    return poll_s
 
 
 def reconcile(
@@ -174,9 +216,16 @@ def build_status(
     entries: Iterable[Entry],
     now: datetime,
 ) -> dict[str, Any]:
-    """The status body (camelCase, validated against the CRD's pydantic model)."""
-    kept = sorted(entries, key=lambda e: (_KEEP_ORDER[e.state], not e.pinned_by, e.digest))
-    kept = kept[:MAX_CACHED_MANIFESTS]
+    """The status body (camelCase, validated against the CRD's pydantic model).
+
+    Within the CRD's bounds, so that the API server never refuses a write: at most
+    MAX_CACHED_MANIFESTS entries, live work first (Staging, Evicting, Failed, then Staged;
+    pinned before unpinned), and at most MAX_PINS rollouts per entry, the first by name;
+    what is left out is counted (manifestsOmitted, pinnedByOmitted). Only the report is
+    cut: pins and eviction follow the agent's own wants.
+    """
+    ranked = sorted(entries, key=lambda e: (_KEEP_ORDER[e.state], not e.pinned_by, e.digest))
+    kept = ranked[:MAX_CACHED_MANIFESTS]
     status = WeightCacheStatus(
         peer_endpoint=peer_endpoint,
         capacity_bytes=max(0, capacity_bytes),
@@ -195,10 +244,12 @@ def build_status(
                 completed_at=e.completed_at,
                 last_error=clip(e.last_error),
                 failure=e.failure,
-                pinned_by=list(e.pinned_by),
+                pinned_by=sorted(e.pinned_by)[:MAX_PINS],
+                pinned_by_omitted=max(0, len(e.pinned_by) - MAX_PINS) or None,
             )
             for e in sorted(kept, key=lambda e: e.digest)
         ],
+        manifests_omitted=len(ranked) - len(kept) or None,
     )
     # Written with a merge patch: the manifests list is replaced as a whole, so fields
     # left out of an entry (a cleared lastError) are gone from it.

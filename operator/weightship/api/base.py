@@ -35,6 +35,16 @@ MAX_NAME = 253
 MAX_LABEL_VALUE = 63
 MAX_MESSAGE = 32768
 MAX_SHORT_TEXT = 1024
+# Bounds that keep the largest object far below etcd's 1.5 MiB (docs/api.md, "Object
+# size"), from Kubernetes' own name lengths so that no real value reaches them:
+# "namespace/name" of a rollout: a namespace is a DNS label (63), a custom resource's
+# name a DNS subdomain (253).
+MAX_NAMESPACED_NAME = MAX_LABEL_VALUE + 1 + MAX_NAME
+# A label key: an optional DNS subdomain prefix (253), '/', a name of at most 63.
+MAX_LABEL_KEY = MAX_NAME + 1 + MAX_LABEL_VALUE
+# A timestamp: RFC 3339 with nanoseconds and an offset is 35 characters; the API server's
+# date-time format alone admits any number of fractional digits.
+MAX_DATE_TIME = 64
 
 
 def cel(

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from weightship.api.base import MAX_DATE_TIME
 from weightship.api.names import (
     CACHE_KIND,
     CACHE_PLURAL,
@@ -183,6 +184,8 @@ def to_structural(node: Schema, defs: dict[str, Schema], *, partial: bool = Fals
         raise SchemaError(f"unsupported union {branches}")
     if "const" in node:
         node["enum"] = [node.pop("const")]
+    if node.get("format") == "date-time":
+        node.setdefault("maxLength", MAX_DATE_TIME)
 
     if "properties" in node:
         properties = {k: to_structural(v, defs) for k, v in node["properties"].items()}

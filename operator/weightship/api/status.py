@@ -6,11 +6,20 @@ stays small on a 1,000-GPU fleet.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, Field
 
-from weightship.api.base import MAX_LABEL_VALUE, MAX_MESSAGE, MAX_NAME, MAX_SHORT_TEXT, ApiModel
+from weightship.api.base import (
+    MAX_LABEL_KEY,
+    MAX_LABEL_VALUE,
+    MAX_MESSAGE,
+    MAX_NAME,
+    MAX_SHORT_TEXT,
+    ApiModel,
+    cel,
+    validations,
+)
 from weightship.api.weightcache import StagingFailure
 
 MAX_HISTORY = 10
@@ -19,6 +28,13 @@ MAX_PREFETCH_NODES = 50
 MAX_VERIFICATION_FAILURES = 5
 MAX_POD_LOADS = 20
 MAX_SWAP_PODS = 50
+# Kubernetes allows a condition 32 KiB of message; seven of them were most of the largest
+# status. status.message keeps MAX_MESSAGE for the whole story.
+MAX_CONDITION_MESSAGE = 4096
+# One measurement's error detail; the metric's own message quotes the last one. The
+# controller keeps 300 characters of a query error (controller.observe), so what earlier
+# versions stored still fits when the list is written again.
+MAX_MEASUREMENT_MESSAGE = 300
 
 # Phase → Argo CD health: Pending/Prefetching/Progressing → Progressing, Paused → Suspended,
 # Healthy → Healthy, Degraded → Degraded.
@@ -66,7 +82,7 @@ class Condition(ApiModel):
         max_length=MAX_SHORT_TEXT,
         pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
     )
-    message: str = Field("", description="Human-readable detail.", max_length=MAX_MESSAGE)
+    message: str = Field("", description="Human-readable detail.", max_length=MAX_CONDITION_MESSAGE)
     last_transition_time: AwareDatetime = Field(
         description="When status last changed (not when the message did)."
     )
@@ -255,7 +271,7 @@ class Measurement(ApiModel):
     phase: MeasurementPhase = Field(description="Successful, Failed, Inconclusive or Error.")
     at: AwareDatetime = Field(description="When it was taken.")
     message: str | None = Field(
-        None, description="Error or no-data detail.", max_length=MAX_SHORT_TEXT
+        None, description="Error or no-data detail.", max_length=MAX_MEASUREMENT_MESSAGE
     )
 
 
@@ -438,12 +454,19 @@ class ModelRolloutStatus(ApiModel):
     control: ControlStatus | None = Field(
         None, description="Imperative requests (promote, abort, retry); see ControlRequest."
     )
-    prefetch_node_selector: dict[str, str] | None = Field(
-        None,
-        description="The nodes that stage the weights, as the operator resolved them: "
-        "spec.prefetch.nodeSelector, else the pod template's nodeSelector (for workloadRef, "
-        "the Deployment's). Unset means every node. The node agents follow it.",
-        max_length=64,
+    prefetch_node_selector: dict[str, Annotated[str, Field(max_length=MAX_LABEL_VALUE)]] | None = (
+        Field(
+            None,
+            description="The nodes that stage the weights, as the operator resolved them: "
+            "spec.prefetch.nodeSelector, else the pod template's nodeSelector (for workloadRef, "
+            "the Deployment's). Unset means every node. The node agents follow it.",
+            max_length=64,
+            # Keys are label keys, which the selector's sources were checked as; the schema
+            # bounds only their length (no propertyNames in a structural schema).
+            json_schema_extra=validations(
+                cel(f"self.all(k, k.size() <= {MAX_LABEL_KEY})", "keys are label keys")
+            ),
+        )
     )
     workload: WorkloadStatus | None = Field(
         None,

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, Field
 
-from weightship.api.base import MAX_NAME, MAX_SHORT_TEXT, SHA256_DIGEST_PATTERN, ApiModel
+from weightship.api.base import (
+    MAX_NAME,
+    MAX_NAMESPACED_NAME,
+    MAX_SHORT_TEXT,
+    SHA256_DIGEST_PATTERN,
+    ApiModel,
+)
 
+# A node rarely holds more than a few models, and one model is rarely pinned by more than
+# a few rollouts; past these the agent reports the rest as counts (agent.status).
 MAX_CACHED_MANIFESTS = 64
+MAX_PINS = 8
 CacheState = Literal["Staging", "Staged", "Failed", "Evicting"]
 # Why a stage failed. OriginMismatch, ManifestInvalid and ManifestChanged are
 # deterministic (every node reading the same objects fails the same way: the operator
@@ -70,11 +79,15 @@ class CachedManifest(ApiModel):
     failure: StagingFailure | None = Field(
         None, description="Why the last stage failed; kept while a retry runs."
     )
-    pinned_by: list[str] = Field(
+    pinned_by: list[Annotated[str, Field(max_length=MAX_NAMESPACED_NAME)]] = Field(
         default_factory=list,
-        description="Rollouts (namespace/name) that pin it: never evicted while pinned.",
-        max_length=64,
+        description=f"Rollouts (namespace/name) that pin it: never evicted while pinned. "
+        f"The first {MAX_PINS} by name; pinnedByOmitted counts the others.",
+        max_length=MAX_PINS,
         json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    pinned_by_omitted: int | None = Field(
+        None, description="Rollouts that pin it beyond those pinnedBy lists (unset: none).", ge=1
     )
 
 
@@ -90,10 +103,16 @@ class WeightCacheStatus(ApiModel):
     updated_at: AwareDatetime | None = Field(None, description="Last report from the agent.")
     manifests: list[CachedManifest] = Field(
         default_factory=list,
-        description="Manifests in the cache.",
+        description=f"Manifests in the cache: up to {MAX_CACHED_MANIFESTS}, live work "
+        "first (Staging, Evicting, Failed, then Staged; pinned before unpinned).",
         max_length=MAX_CACHED_MANIFESTS,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["digest"],
         },
+    )
+    manifests_omitted: int | None = Field(
+        None,
+        description="Manifests in the cache beyond those manifests lists (unset: none).",
+        ge=1,
     )

@@ -21,6 +21,7 @@ from weightship.api.models import ModelRollout
 from weightship.api.promql import render_query
 from weightship.api.spec import CanaryStep, Metric
 from weightship.api.status import (
+    MAX_MEASUREMENT_MESSAGE,
     MAX_MEASUREMENTS,
     AnalysisPhase,
     AnalysisStatus,
@@ -29,6 +30,7 @@ from weightship.api.status import (
     MetricRun,
 )
 from weightship.core.observed import ObservedMeasurement
+from weightship.errortext import bounded
 
 _NO_DATA: dict[str, MeasurementPhase] = {
     "Inconclusive": "Inconclusive",
@@ -111,6 +113,8 @@ def record_measurement(run: MetricRun, metric: Metric, observed: ObservedMeasure
         observed.value if observed.value is not None and not math.isnan(observed.value) else None
     )
     message = observed.error if phase == "Error" else ("no data" if value is None else None)
+    if message is not None:
+        message = bounded(message, MAX_MEASUREMENT_MESSAGE)
     measurement = Measurement(value=value, phase=phase, at=observed.at, message=message)
     updated = run.model_copy(
         update={

@@ -7,10 +7,12 @@ from datetime import datetime
 
 from weightship.api.status import (
     CONDITION_TYPES,
+    MAX_CONDITION_MESSAGE,
     Condition,
     ConditionStatus,
     ConditionType,
 )
+from weightship.errortext import bounded
 
 
 def set_condition(
@@ -24,7 +26,8 @@ def set_condition(
     generation: int | None = None,
 ) -> list[Condition]:
     """Return conditions with type_ set. lastTransitionTime moves only when status changes,
-    so tools can tell how long something has been true."""
+    so tools can tell how long something has been true. The message is cut to what the
+    schema admits (status.message carries it whole)."""
     previous = next((c for c in conditions if c.type == type_), None)
     transition = (
         previous.last_transition_time if previous is not None and previous.status == status else now
@@ -33,7 +36,7 @@ def set_condition(
         type=type_,
         status=status,
         reason=reason,
-        message=message,
+        message=bounded(message, MAX_CONDITION_MESSAGE),
         last_transition_time=transition,
         observed_generation=generation,
     )
