@@ -243,8 +243,8 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
         "origin_payload_bytes": sum(n["from_origin"] for n in nodes),
         "peer_bytes": sum(n["from_peers"] for n in nodes),
         "cpu_busy": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
-        # Every process's and the kernel's (the rig's network included): what the
-        # simulator's rig_rate is calibrated from.
+        # Every process's and the kernel's (the rig's network included): how near the
+        # hosts, which share this machine's cores, came to using all of them.
         "machine_cpu_s": (cpu1[0] - cpu0[0]) / os.sysconf("SC_CLK_TCK"),
         "links": links,
     }

@@ -103,9 +103,6 @@ class Scenario:
     whole_uploads: int = BENCH_WHOLE_UPLOADS
     seed: int = 1
     wire: float | None = None  # B on the wire, where ``link`` is its payload share
-    # Where every node shares one machine's CPU (the fleet benchmark's hosts on 2 cores):
-    # the bytes per second that CPU moves, all transfers together (0: a CPU per node).
-    rig_rate: float = 0.0
 
     @property
     def bound_s(self) -> float:
@@ -872,11 +869,7 @@ class Fleet:
         up = np.where(src >= 0, 1 + src, 0)
         down = 1 + n + dst
         capacity = np.concatenate(([self.s.origin], self.link_up, self.link_down))
-        crossed: tuple[np.ndarray, ...] = (up, down)
-        if self.s.rig_rate:  # every transfer also crosses the rig's shared CPU
-            crossed = (up, down, np.full(len(up), len(capacity)))
-            capacity = np.append(capacity, self.s.rig_rate)
-        rate = waterfill(crossed, cap, capacity)
+        rate = waterfill((up, down), cap, capacity)
         moved = np.array(self.f_moved)
         moved[rate > 0] = now
         self.f_moved = moved.tolist()  # before wake() adds transfers
@@ -1022,8 +1015,8 @@ def waterfill(
     crossed: tuple[np.ndarray, ...], cap: np.ndarray, capacity: np.ndarray, rounds: int = 8
 ) -> np.ndarray:
     """Max-min fair rates for flows that each cross one link per array of ``crossed``
-    (a flow's up, its down, the rig's CPU), each flow at most ``cap``: progressive
-    filling, a fixed number of rounds."""
+    (a flow's up, its down), each flow at most ``cap``: progressive filling, a fixed
+    number of rounds."""
     rate = np.zeros(len(cap))
     residual = capacity.astype(float)
     active = cap > 0
