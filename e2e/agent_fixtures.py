@@ -30,6 +30,17 @@ def cache_root(cluster: Any, node: str) -> Path:
     return Path(cluster.paths.root) / "nodes" / node / "root" / CACHE_DIR.lstrip("/")
 
 
+def journaled_bytes(cluster: Any, node: str, manifest: Any) -> int:
+    """The bytes of the chunks a node's journal lists as verified."""
+    journal = cache_root(cluster, node) / "models" / manifest.digest_hex / "journal"
+    try:
+        lines = journal.read_text().split("\n")[:-1]
+    except FileNotFoundError:
+        return 0
+    indexes = {int(s) for s in lines if s.isdigit()}
+    return sum(manifest.chunks[i].size for i in indexes if i < len(manifest.chunks))
+
+
 def damage_staged_piece(cluster: Any, node: str, manifest: Any, chunk: Any, piece: int) -> None:
     """Flip one byte of one piece of a chunk in a node's staged copy: its agent still lists
     the chunk as verified and serves it from there, as a lying peer would."""

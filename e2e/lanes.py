@@ -17,9 +17,10 @@ each rule is kept:
 - **vLLM.** A vLLM pod takes ~3 GiB and most of both cores while it starts: the two
   modules that run vLLM pods on the cluster are one group (`VLLM_GROUP`), run one after
   another on one worker.
-- **Whole-cluster changes.** test_upgrade installs the previous release's CRDs: it holds
-  the cluster alone (`cluster_share`); every other e2e module holds it shared. It runs
-  first, while the other worker runs unit tests, which take no lock.
+- **Whole-cluster changes.** test_upgrade installs the previous release's CRDs and
+  test_apiserver_down stops the API server: they hold the cluster alone
+  (`cluster_share`); every other e2e module holds it shared. They run first, while the
+  other worker runs unit tests, which take no lock.
 - **Extra KWOK nodes.** test_cluster_smoke counts every node a DaemonSet lands on and
   test_scale adds nodes: one group, `KWOK_NODE_GROUP`.
 - Every other module is a group of its own, so that its module-scoped fixtures (an
@@ -47,7 +48,7 @@ VLLM_GROUP = "vllm"
 KWOK_NODE_GROUP = "kwok-nodes"
 VLLM_MODULES = frozenset({"test_vllm", "test_inplace"})
 KWOK_NODE_MODULES = frozenset({"test_cluster_smoke", "test_scale"})
-EXCLUSIVE_MODULES = frozenset({"test_upgrade"})
+EXCLUSIVE_MODULES = frozenset({"test_upgrade", "test_apiserver_down"})
 
 # The order groups are handed out in, longest first but test_upgrade (it holds the cluster
 # alone while the other worker runs unit tests); a module not named here goes last.
@@ -55,6 +56,7 @@ EXCLUSIVE_MODULES = frozenset({"test_upgrade"})
 ORDER = (
     "test_upgrade",  # 80-98 s
     "unit",  # 113 s in all
+    "test_apiserver_down",  # about 150 s, the cluster alone (while unit runs, ideally)
     "test_vllm",  # 280-370 s, with test_inplace (VLLM_GROUP)
     "test_inplace",  # 185 s
     "test_faults",  # 145-160 s

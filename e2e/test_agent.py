@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from e2e.agent_fixtures import CACHE_DIR, PROCESS, Agents, cache_root
+from e2e.agent_fixtures import CACHE_DIR, PROCESS, Agents, cache_root, journaled_bytes
 from e2e.operator_fixtures import (
     Rollouts,
     publish_models,
@@ -154,16 +154,6 @@ def test_agents_stage_peer_to_peer_before_the_canary(
     assert metric_bytes == from_origin + from_peers
     assert "weightship_agent_cache_free_bytes" in text
     assert 'weightship_agent_models{state="Staged"} 1.0' in text
-
-
-def journaled_bytes(cluster: Any, node: str, manifest: Manifest) -> int:
-    journal = cache_root(cluster, node) / "models" / manifest.digest_hex / "journal"
-    try:
-        lines = journal.read_text().split("\n")[:-1]
-    except FileNotFoundError:
-        return 0
-    indexes = {int(s) for s in lines if s.isdigit()}
-    return sum(manifest.chunks[i].size for i in indexes if i < len(manifest.chunks))
 
 
 def test_restarted_agent_resumes_without_refetching(

@@ -279,12 +279,67 @@ def down(paths: ClusterPaths, *, keep_state: bool = False, log: Log = print) -> 
     log("cluster down")
 
 
+# ---- faults: what the e2e tests take away and give back ----------------------------------
+
+API_SERVER = ("etcd", "kube-apiserver")  # in the order they start
+
+
+def kill_api_server(paths: ClusterPaths) -> None:
+    """SIGKILL kube-apiserver and etcd at once: every client's connection refused until
+    `start_api_server`. The rest of the cluster keeps running without them."""
+    for name in reversed(API_SERVER):
+        processes.stop_daemon(paths.pids / f"{name}.pid", grace=0)
+
+
+def start_api_server(paths: ClusterPaths, timeout: float = 60) -> None:
+    """etcd, then kube-apiserver, on the data they left; back once /readyz answers."""
+    builders = {"etcd": components.etcd, "kube-apiserver": components.kube_apiserver}
+    for name in API_SERVER:
+        processes.start_daemon(name, builders[name](paths), pids=paths.pids, logs=paths.logs)
+        wait_for(
+            name,
+            functools.partial(component_healthy, paths, name),
+            timeout,
+            paths.logs / f"{name}.log",
+        )
+
+
+def kill_pod_processes(paths: ClusterPaths, node: str, pod_uid: str) -> None:
+    """SIGKILL every process of one pod on a process node: its containers crash, and its
+    kubelet starts them again (with or without the API server)."""
+    if (paths.node_dir(node) / "pods" / pod_uid).is_dir():
+        _kill_namespace(network.namespace_name(pod_uid))
+
+
+def kill_process_node(paths: ClusterPaths, node: str) -> None:
+    """A process node lost at once: its kubelet and every process of its pods SIGKILLed.
+    Its pods' addresses stay on the bridge, refusing connections (nothing listens), until
+    `start_process_node`, whose kubelet clears them and runs the pods afresh."""
+    processes.stop_daemon(paths.pids / f"kubelet-{node}.pid", grace=0)
+    pods = paths.node_dir(node) / "pods"
+    for pod_dir in pods.iterdir() if pods.is_dir() else ():
+        _kill_namespace(network.namespace_name(pod_dir.name))
+
+
+def start_process_node(paths: ClusterPaths, node: str) -> None:
+    processes.start_daemon(
+        f"kubelet-{node}",
+        components.kubelet(paths, node, nodes.process_node_index(node)),
+        pids=paths.pids,
+        logs=paths.logs,
+    )
+
+
+def _kill_namespace(ns: str) -> None:
+    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    for pid in proc.stdout.split():
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+
+
 def _kill_pod_leftovers() -> None:
     """Kill processes still running inside pod namespaces (e.g. after a kubelet SIGKILL)."""
     for ns in network.list_pod_namespaces():
-        proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-        for pid in proc.stdout.split():
-            subprocess.run(["kill", "-9", pid], capture_output=True)
+        _kill_namespace(ns)
 
 
 @dataclass(frozen=True)

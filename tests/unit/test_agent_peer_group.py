@@ -19,7 +19,7 @@ class Custom:
         self.caches = caches or {}
         self.selectors: list[str] = []
 
-    def get_cluster_custom_object(self, *args: Any) -> dict[str, Any]:
+    def get_cluster_custom_object(self, *args: Any, **_: Any) -> dict[str, Any]:
         from kubernetes.client.rest import ApiException
 
         name = args[-1]
@@ -27,12 +27,12 @@ class Custom:
             raise ApiException(status=404)
         return self.caches[name]
 
-    def create_cluster_custom_object(self, *args: Any) -> dict[str, Any]:
+    def create_cluster_custom_object(self, *args: Any, **_: Any) -> dict[str, Any]:
         body = args[-1]
         self.caches[body["metadata"]["name"]] = body
         return body
 
-    def patch_cluster_custom_object(self, *args: Any) -> dict[str, Any]:
+    def patch_cluster_custom_object(self, *args: Any, **_: Any) -> dict[str, Any]:
         name, patch = args[-2], args[-1]
         labels = self.caches[name]["metadata"].setdefault("labels", {})
         for key, value in patch["metadata"]["labels"].items():

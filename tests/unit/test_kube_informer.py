@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import http.server
 import json
+import random
 import threading
+from collections import Counter
 from typing import Any
 
 import urllib3
 
 from weightship.agent.kube import rollout_informer
 from weightship.httpserver import Server
-from weightship.kube.informer import Informer
+from weightship.kube.informer import Informer, relist_delay_s
 
 
 class _Response:
@@ -137,3 +139,18 @@ def test_stop_ends_a_watch_that_receives_nothing() -> None:
         assert not informer._thread.is_alive()
     finally:
         server.stop()
+
+
+def test_relists_after_an_outage_are_spread_over_a_window_that_grows_to_its_cap() -> None:
+    """Every watch breaks at once when the API server goes: fixed retries would keep a
+    fleet in step, and all of it would relist in the same second of its return."""
+    windows = [relist_delay_s(n, 0.999999, base_s=1.0, max_s=30.0) for n in range(1, 9)]
+    assert [round(w) for w in windows] == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert relist_delay_s(10**6, 0.5, base_s=1.0, max_s=30.0) == 15.0
+    # 5,000 agents down long enough to reach the cap: when it returns, their next
+    # listings arrive spread over 30 s, none in a second's herd.
+    rng = random.Random(7)
+    arrivals = Counter(
+        int(relist_delay_s(8, rng.random(), base_s=1.0, max_s=30.0)) for _ in range(5000)
+    )
+    assert max(arrivals) == 29 and max(arrivals.values()) < 230  # about 167 a second

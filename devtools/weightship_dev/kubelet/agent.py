@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
@@ -30,6 +31,9 @@ LEASE_SECONDS = 40
 LEASE_RENEW = 10.0
 STATUS_EVERY = 30.0
 KUBELET_VERSION = "v1.34.4-weightship-process"
+# What a call raises while the API server is down: a kubelet keeps its pods running (and
+# restarts their containers) through an outage, as a real one does.
+API_DOWN = (urllib3.exceptions.HTTPError, OSError)
 
 
 class ApiObjects:
@@ -109,6 +113,9 @@ class Kubelet(PodHost):
                 return True
             log.warning("pod %s/%s status: %s", meta["namespace"], meta["name"], e.reason)
             return False
+        except API_DOWN as e:  # written again at the next change once it answers
+            log.warning("pod %s/%s status: %s", meta["namespace"], meta["name"], e)
+            return False
         return True
 
     def finalize_deletion(self, pod: dict[str, Any]) -> None:
@@ -147,7 +154,7 @@ class Kubelet(PodHost):
             last_timestamp=now_iso(),
             count=1,
         )
-        with contextlib.suppress(ApiException):
+        with contextlib.suppress(ApiException, *API_DOWN):  # events are best effort
             self.core.create_namespaced_event(meta["namespace"], body)
 
     # ---- node ------------------------------------------------------------------------

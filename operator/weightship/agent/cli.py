@@ -70,6 +70,9 @@ def agent_command(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("botocore").setLevel(logging.WARNING)
+    # Three retry warnings per call while the API server is down: the agent says once what
+    # failed, and what it does meanwhile.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     env = dict(os.environ)
     overrides = {
         "NODE_NAME": node_name,

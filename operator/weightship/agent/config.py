@@ -52,6 +52,9 @@ class AgentConfig:
     reserve_bytes: int = 1 << 30  # always left free on the node's disk
     workers: int = 4  # parallel chunk fetches while staging
     resync_s: float = 30.0  # full re-evaluation even when no watch event arrives
+    # How long a starting agent waits for the API server before it stages what it last
+    # knew (weightship.agent.lastknown); it keeps asking after that.
+    api_wait_s: float = 10.0
     # WeightCache status writes: see weightship.agent.status. State changes are spread
     # over up to max_write_spread_s so that the fleet writes at most
     # cluster_write_budget_per_s of them; progress while staging at most once per 10 s

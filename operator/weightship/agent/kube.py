@@ -27,6 +27,10 @@ from weightship.api.names import (
 from weightship.kube.client import api_retry
 from weightship.kube.informer import Informer
 
+# (connect, read) seconds for each call but the watch: an API server that is down or cut
+# off must not hold a stage's start or a status write forever.
+REQUEST_TIMEOUT_S = (5.0, 60.0)
+
 
 class AgentKube:
     def __init__(self, api: client.ApiClient, peer_group: str = "") -> None:
@@ -37,21 +41,34 @@ class AgentKube:
 
     @api_retry
     def node(self, name: str) -> dict[str, Any]:
-        return dict(self.api.sanitize_for_serialization(self.core.read_node(name)))
+        return dict(
+            self.api.sanitize_for_serialization(
+                self.core.read_node(name, _request_timeout=REQUEST_TIMEOUT_S)
+            )
+        )
 
     @api_retry
     def weight_caches(self) -> list[dict[str, Any]]:
         """The WeightCaches of this agent's peer group (every one without a group)."""
         selector = f"{PEER_GROUP_LABEL}={self.peer_group}" if self.peer_group else ""
         listing = self.custom.list_cluster_custom_object(
-            GROUP, VERSION, CACHE_PLURAL, resource_version="0", label_selector=selector
+            GROUP,
+            VERSION,
+            CACHE_PLURAL,
+            resource_version="0",
+            label_selector=selector,
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
         return list(listing.get("items", []))
 
     @api_retry
     def get_weight_cache(self, name: str) -> dict[str, Any] | None:
         try:
-            return dict(self.custom.get_cluster_custom_object(GROUP, VERSION, CACHE_PLURAL, name))
+            return dict(
+                self.custom.get_cluster_custom_object(
+                    GROUP, VERSION, CACHE_PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S
+                )
+            )
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -70,7 +87,12 @@ class AgentKube:
                 # This node's agent changed groups: its peers find it in the new one only.
                 found = dict(
                     self.custom.patch_cluster_custom_object(
-                        GROUP, VERSION, CACHE_PLURAL, name, {"metadata": {"labels": group}}
+                        GROUP,
+                        VERSION,
+                        CACHE_PLURAL,
+                        name,
+                        {"metadata": {"labels": group}},
+                        _request_timeout=REQUEST_TIMEOUT_S,
                     )
                 )
             return found
@@ -96,17 +118,28 @@ class AgentKube:
         }
         try:
             return dict(
-                self.custom.create_cluster_custom_object(GROUP, VERSION, CACHE_PLURAL, body)
+                self.custom.create_cluster_custom_object(
+                    GROUP, VERSION, CACHE_PLURAL, body, _request_timeout=REQUEST_TIMEOUT_S
+                )
             )
         except ApiException as e:
             if e.status != 409:
                 raise
-        return dict(self.custom.get_cluster_custom_object(GROUP, VERSION, CACHE_PLURAL, name))
+        return dict(
+            self.custom.get_cluster_custom_object(
+                GROUP, VERSION, CACHE_PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S
+            )
+        )
 
     @api_retry
     def patch_weight_cache_status(self, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_cluster_custom_object_status(
-            GROUP, VERSION, CACHE_PLURAL, name, {"status": status}
+            GROUP,
+            VERSION,
+            CACHE_PLURAL,
+            name,
+            {"status": status},
+            _request_timeout=REQUEST_TIMEOUT_S,
         )
 
 

@@ -4,7 +4,9 @@ chunks to peers, report the cache in this node's WeightCache.
 Level-triggered and restart-safe: every tick recomputes what is wanted from the
 rollouts, and what is staged from the disk. The cache on disk (journal, chunks, STAGED
 markers) and the WeightCache status are the only memory, so a restarted agent resumes
-an interrupted stage without fetching a verified chunk again.
+an interrupted stage without fetching a verified chunk again. What it last learnt from the
+API server (its wants, its peers, its status) is kept on disk too (`lastknown`): an agent
+that starts while the API server is down stages from that until the API server answers.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from weightship.agent import desired, status
+from weightship.agent import desired, lastknown, status
 from weightship.agent.config import AgentConfig
 from weightship.agent.credentials import CredentialsError, read_credentials
 from weightship.agent.desired import ModelSource, Wanted
 from weightship.agent.failures import StageError, classify
 from weightship.agent.kube import AgentKube, rollout_informer
+from weightship.agent.lastknown import LastKnown
 from weightship.agent.metrics import AgentMetrics
 from weightship.api.weightcache import FailureReason
 from weightship.core.staging_failure import DETERMINISTIC
@@ -37,6 +40,7 @@ from weightship.data.peer import PeerServer
 from weightship.data.s3 import RetryPolicy, S3Location, S3Origin, S3Settings, make_client
 from weightship.data.stage import StageCancelledError, StageProgress, StageResult, stage
 from weightship.data.views import Views
+from weightship.kube.client import unreachable
 from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 from weightship.weightformat.paths import MANIFEST_NAME
@@ -115,26 +119,41 @@ class Agent:
         self.views = Views(self.store)
         self.view_digests: set[str] = self.views.linked_digests()
         self._refused_views: set[str] = set()  # rollouts already logged as having no view
+        # What this agent last learnt from the API server, as on disk (lastknown.py).
+        self.known_path = config.cache_dir / lastknown.FILE_NAME
+        self.known = LastKnown()
+        self._known_lock = threading.Lock()  # one writer of the file at a time
+        # The node read and the WeightCache ensured: until then (a start without the API
+        # server) the agent stages what it last knew.
+        self.joined = False
 
     # ---- lifecycle --------------------------------------------------------------------
     def run(self) -> None:
         """Serve and stage until `stop` is set."""
         self.store.discard_temp_files()
-        node = self.kube.node(self.cfg.node_name)
-        self._labels, self._labels_at = dict(node["metadata"].get("labels") or {}), time.monotonic()
-        cache = self.kube.ensure_weight_cache(node)
-        self.entries = status.recover(cache.get("status"))
-        try:
-            self.node_count = max(1, len(self.kube.weight_caches()))
-        except Exception as e:
-            log.warning("cannot list WeightCaches: %s", e)
         self.peer_server = PeerServer(self.store, self.cfg.pod_ip, self.cfg.peer_port).start()
+        self.known = lastknown.read(self.known_path) or LastKnown()
+        if self._join(wait_s=self.cfg.api_wait_s, recover=True):
+            source = "its WeightCache"
+        else:
+            # The API server is down: resume from what this agent knew before it stopped.
+            self.entries = status.recover(self.known.status)
+            self.node_count = self.known.node_count
+            source = f"{self.known_path} (saved {self.known.saved_at or 'never'})"
+            log.warning(
+                "the API server did not answer within %.0fs: staging the %d models and "
+                "trading with the %d peers this agent last knew, until it answers",
+                self.cfg.api_wait_s,
+                len(self.known.wants),
+                len(self.known.peers),
+            )
         log.info(
-            "agent for node %s: cache %s, peers at %s, %d manifests recovered from status",
+            "agent for node %s: cache %s, peers at %s, %d manifests recovered from %s",
             self.cfg.node_name,
             self.cfg.cache_dir,
             self.peer_server.address,
             len(self.entries),
+            source,
         )
         self._changed(urgent=True)
         reporter = threading.Thread(target=self._report_loop, name="status", daemon=True)
@@ -151,6 +170,33 @@ class Agent:
                 self.stop.wait(MIN_TICK_GAP_S)
         finally:
             self._shutdown(reporter)
+
+    def _join(self, *, wait_s: float = 0.0, recover: bool = False) -> bool:
+        """Read the node and ensure its WeightCache (``recover``: and take the entries
+        from its status). Tried for up to ``wait_s`` while the API server does not answer;
+        False if it never did (an answer that is a refusal, RBAC say, raises)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                node = self.kube.node(self.cfg.node_name)
+                cache = self.kube.ensure_weight_cache(node)
+                break
+            except Exception as e:
+                if not unreachable(e):
+                    raise
+                if time.monotonic() >= deadline or self.stop.is_set():
+                    log.info("the API server does not answer: %s", _short(e))
+                    return False
+                self.stop.wait(1.0)
+        self._labels, self._labels_at = dict(node["metadata"].get("labels") or {}), time.monotonic()
+        if recover:
+            self.entries = status.recover(cache.get("status"))
+        try:
+            self.node_count = max(1, len(self.kube.weight_caches()))
+        except Exception as e:
+            log.warning("cannot list WeightCaches: %s", e)
+        self.joined = True
+        return True
 
     def _next_wait_s(self) -> float:
         """Until the next resync, or the next retry of a failed or busy stage if sooner."""
@@ -170,22 +216,14 @@ class Agent:
 
     # ---- one evaluation ---------------------------------------------------------------
     def tick(self) -> None:
-        if not self.informer.synced.is_set():
-            return
-        if time.monotonic() - self._labels_at >= self.cfg.resync_s:
-            node = self.kube.node(self.cfg.node_name)
-            self._labels, self._labels_at = (
-                dict(node["metadata"].get("labels") or {}),
-                time.monotonic(),
-            )
-        rollouts = self.informer.snapshot()
-        wants = desired.wanted(rollouts, self._labels, self.cfg.namespaces)
+        wants = self._live_wants()
+        if wants is None:  # the API server has not answered since this agent started
+            if not self.known.wants:
+                return
+            wants = list(self.known.wants)
+        else:
+            self._remember(wants=tuple(wants))
         pins = {w.digest: w.pinned_by for w in wants}
-        try:
-            self._sync_views(rollouts)
-        except Exception:  # a view must never hold up staging
-            log.exception("maintaining the rollouts' views failed; retrying next tick")
-            self.metrics.view_errors.inc()
         disk = self._scan_disk()
         job = self.job
         running = job is not None and job.thread.is_alive()
@@ -220,6 +258,46 @@ class Agent:
             )
             self.job = _Job(nxt, cancel, thread)
             thread.start()
+
+    def _live_wants(self) -> list[Wanted] | None:
+        """What the rollouts want of this node, and their views brought in line; None
+        until the API server has answered (the rollouts listed, the node read) since this
+        agent started. During an outage after that, the rollouts and labels last seen."""
+        if not self.informer.synced.is_set():
+            return None
+        if not self.joined:
+            if not self._join():
+                return None
+            log.info("the API server answers: following the live rollouts again")
+        elif time.monotonic() - self._labels_at >= self.cfg.resync_s:
+            try:
+                node = self.kube.node(self.cfg.node_name)
+                self._labels = dict(node["metadata"].get("labels") or {})
+            except Exception as e:
+                if not unreachable(e):
+                    raise
+                log.info("cannot read node %s, keeping its labels: %s", self.cfg.node_name, e)
+            self._labels_at = time.monotonic()
+        rollouts = self.informer.snapshot()
+        try:
+            self._sync_views(rollouts)
+        except Exception:  # a view must never hold up staging
+            log.exception("maintaining the rollouts' views failed; retrying next tick")
+            self.metrics.view_errors.inc()
+        return desired.wanted(rollouts, self._labels, self.cfg.namespaces)
+
+    def _remember(self, **changes: Any) -> None:
+        """Update what this agent knows, on disk too when it changed (lastknown.py). A
+        failure to save costs only the memory of a restart during an outage."""
+        with self._known_lock:
+            known = replace(self.known, **changes)
+            if known.same_as(self.known):
+                return
+            self.known = known = replace(known, saved_at=self.now())
+            try:
+                lastknown.write(self.known_path, self.store.temp_path("last-known"), known)
+            except OSError as e:
+                log.warning("cannot save what this agent knows to %s: %s", self.known_path, e)
 
     def _sync_views(self, rollouts: list[dict[str, Any]]) -> None:
         """One bounded pass over the per-rollout views (data.views): each in-place
@@ -430,13 +508,31 @@ class Agent:
         return S3Origin(client, S3Location.parse(source.uri))
 
     def _peers(self, digest: str) -> tuple[list[Peer], set[str]]:
-        """The live agents, and those of them that have ``digest`` staged already."""
-        caches = self.kube.weight_caches()
+        """The live agents, and those of them that have ``digest`` staged already. While
+        the API server does not answer, the agents it showed last (a dead one among them
+        is dropped by the stage after its refusals: fetcher.PeerHealth)."""
+        try:
+            caches = self.kube.weight_caches()
+        except Exception as e:
+            if not unreachable(e):
+                raise
+            known = self.known
+            log.warning(
+                "cannot list WeightCaches (%s): staging with the %d peers known at %s",
+                _short(e, 200),
+                len(known.peers),
+                known.saved_at,
+            )
+            peers = [Peer(p.node, p.address) for p in known.peers]
+            return peers, {p.node for p in known.peers if digest in p.staged}
         with self.lock:
             self.node_count = max(1, len(caches))
+            wanted = {w.digest for w in self.wants} | {digest}
         found = desired.live_peers(caches, self.cfg.node_name, self.now(), PEER_MAX_AGE_S)
-        holders = desired.staged_on(caches, digest) & {node for node, _ in found}
-        return [Peer(node, address) for node, address in found], holders
+        alive = {node for node, _ in found}
+        holding = {d: desired.staged_on(caches, d) & alive for d in wanted}
+        self._remember(peers=lastknown.known_peers(found, holding), node_count=max(1, len(caches)))
+        return [Peer(node, address) for node, address in found], holding[digest]
 
     def _make_room(self, manifest: Manifest, pinned: set[str]) -> None:
         """Evict unpinned models (LRU) before staging, reporting them as Evicting first."""
@@ -532,6 +628,7 @@ class Agent:
             entries=entries,
             now=self.now(),
         )
+        self._remember(status=body)
         try:
             try:
                 self.kube.patch_weight_cache_status(self.cfg.node_name, body)

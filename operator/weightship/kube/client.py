@@ -7,6 +7,7 @@ wrap their API calls in `api_retry`: retries live here, nowhere else.
 
 from __future__ import annotations
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from tenacity import (
@@ -20,6 +21,12 @@ from tenacity import (
 def _transient(exc: BaseException) -> bool:
     """Retry throttling and server errors; never 4xx decisions like 404, 409 or 422."""
     return isinstance(exc, ApiException) and exc.status in (429, 500, 502, 503, 504)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The API server did not answer (refused, timed out, no route) or answered that it
+    cannot serve now (429, 5xx): an outage to ride out, not a decision to act on."""
+    return isinstance(exc, urllib3.exceptions.HTTPError | OSError) or _transient(exc)
 
 
 api_retry = retry(

@@ -19,6 +19,12 @@ request from the API server's watch cache (resourceVersion 0, which ignores `lim
 what thousands of agents use, so that their relists do not reach etcd.
 
 Objects are told apart by namespace and name, so one cache holds a namespaced kind too.
+
+After a failure it relists after `relist_delay_s`: a random time in a window that doubles
+with each failure in a row, from `retry_s` up to `max_retry_s`. Every watch of a fleet
+breaks at the same moment when the API server goes, so fixed retries would stay in step
+and 5,000 agents would relist within the same second of its return; with the window at
+its 30 s cap they arrive spread over it (about 170 a second).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -48,7 +55,8 @@ class Informer:
         on_event: Callable[[dict[str, Any]], object] | None = None,
         on_list: Callable[[], object] | None = None,
         watch_timeout_s: int = 300,
-        retry_s: float = 5.0,
+        retry_s: float = 1.0,
+        max_retry_s: float = 30.0,
         page_size: int | None = 500,
         stop: threading.Event | None = None,
     ) -> None:
@@ -59,6 +67,7 @@ class Informer:
         self.on_list = on_list
         self.watch_timeout_s = watch_timeout_s
         self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
         self.page_size = page_size
         self.synced = threading.Event()
         self._lock = threading.Lock()
@@ -135,6 +144,7 @@ class Informer:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 listed: list[Any] = []
@@ -142,15 +152,21 @@ class Informer:
                 self.replace_all(obj for page in pages for obj in page)
                 self.synced.set()
                 log.info("%s: %d objects listed", self.name, listed[0])
+                failures = 0
                 if self.on_list is not None:
                     self.on_list()
                 self._watch(str(listed[1]))
             except Exception as e:  # the API server restarting, RBAC, network: relist
                 if not self._stop.is_set():
-                    log.warning(
-                        "watching %s failed, relisting in %ss: %s", self.name, self.retry_s, e
+                    failures += 1
+                    delay = relist_delay_s(
+                        failures,
+                        random.random(),  # noqa: S311 (jitter, not a secret)
+                        base_s=self.retry_s,
+                        max_s=self.max_retry_s,
                     )
-                    self._stop.wait(self.retry_s)
+                    log.warning("watching %s failed, relisting in %.1fs: %s", self.name, delay, e)
+                    self._stop.wait(delay)
 
     def _pages(self, listed: list[Any]) -> Iterator[list[dict[str, Any]]]:
         """The objects, a page at a time (each parsed and dropped in turn); then `listed`
@@ -204,6 +220,14 @@ class Informer:
             finally:
                 self._response = None
                 response.release_conn()
+
+
+def relist_delay_s(failures: int, draw: float, *, base_s: float, max_s: float) -> float:
+    """Seconds before the next listing after ``failures`` failed ones in a row: ``draw``
+    (uniform in [0, 1), this process's own) of a window of ``base_s`` doubling with each
+    failure, ``max_s`` at most."""
+    window = min(max_s, base_s * 2.0 ** min(max(0, failures - 1), 32))
+    return min(max(draw, 0.0), 1.0) * window
 
 
 def _identity(obj: dict[str, Any]) -> str:
