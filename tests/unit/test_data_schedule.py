@@ -178,8 +178,9 @@ def test_fetchers_pipeline_their_origin_requests_only_where_some_nodes_fetch() -
     [
         (0.01, 2.7, 2),  # the fleet benchmark: 1 MiB at a sixteenth of 50 Mbit/s
         (0.02, 0.215, 2),  # 16 MiB at a sixteenth of 10 Gbit/s
-        (0.02, 0.079, 3),  # the first byte a quarter of the transfer
-        (0.02, 0.021, 5),  # 16 MiB at a sixteenth of 100 Gbit/s
+        (0.02, 0.16, 3),  # the first byte an eighth of the transfer
+        (0.02, 0.079, 4),  # ... a quarter
+        (0.02, 0.021, 8),  # 16 MiB at a sixteenth of 100 Gbit/s
         (0.5, 0.01, 8),  # never more than ORIGIN_REQUESTS_MAX
         (0.0, 0.0, 2),  # nothing measured
     ],

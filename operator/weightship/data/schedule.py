@@ -57,9 +57,9 @@ def origin_fetchers(nodes: Sequence[str], keys: Sequence[str], count: int) -> li
 
 # A fetcher's origin requests in flight at most (``origin_requests``).
 ORIGIN_REQUESTS_MAX = 8
-# ... and one more than two for each this much of a chunk's transfer time that a
-# request waits for its first byte.
-ORIGIN_FIRST_BYTE_SHARE = 0.25
+# ... and one more than two for each eighth of a chunk's transfer time that a request
+# waits for its first byte.
+ORIGIN_FIRST_BYTE_SHARE = 0.125
 
 
 def origin_requests(
@@ -75,11 +75,12 @@ def origin_requests(
     and one request at a time leaves the fetcher's share of the origin idle for a first
     byte between chunks: 20 ms of 127 for a 16 MiB chunk at an eighth of 10 Gbit/s (the
     simulator, 1,000 nodes: 1.29x S/B with one, 1.16x with two; the fleet benchmark,
-    16 nodes at 50 Mbit/s: 1.17x with either). More where the first byte takes a
-    quarter of the transfer or longer (a fast origin: a 16 MiB chunk moves in 21 ms at
-    a sixteenth of 100 Gbit/s, after a 20 ms first byte), as the requests, all started
-    together, then wait for their first bytes together and leave the origin's link
-    idle: the simulator, 1,000 nodes at 100 Gbit/s, 2.00x S/B with two."""
+    16 nodes at 50 Mbit/s: 1.17x with either). More where the first byte takes an
+    eighth of the transfer or longer (a fast origin: a 16 MiB chunk moves in 21 ms at a
+    sixteenth of 100 Gbit/s, after a 20 ms first byte), as requests started together
+    then wait for their first bytes together and leave the origin's link idle (the
+    simulator at 100 Gbit/s, 200 nodes, 32 GiB: 2.02x S/B with two, 1.49x with one more
+    per quarter, 1.36x per eighth, as with eight from the start)."""
     if fetchers >= nodes:
         return 1
     if not first_byte_s > 0 or math.isinf(transfer_s):  # nothing measured yet
