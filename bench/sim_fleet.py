@@ -329,6 +329,7 @@ class Fleet:
         self.per_owner = self.s.per_owner or PER_OWNER
         self.origin_slots: list[int] = []
         self.origin_limit: list[int] = []  # ... as the lane grows (``widen_origin``)
+        self.origin_reads: list[list[schedule.OriginRead]] = [[] for _ in range(self.n)]
         self.origin_queue: list[deque[int]] = []
         self.pending: list[dict[int, deque[tuple[int, int]]]] = []
         self.running: list[dict[int, int]] = []
@@ -791,14 +792,17 @@ class Fleet:
             d = src  # -1: the origin; -2: no copy recorded
         return f"chunk {c}'s way: " + " <- ".join(hops) + (" <- origin" if d == -1 else "")
 
-    def widen_origin(self, d: int, transfer_s: float) -> None:
-        """``stage``'s origin lane after one of ``d``'s origin reads: as many requests in
-        flight as ``schedule.origin_requests`` says for its timing (never fewer)."""
+    def widen_origin(self, d: int, first_byte: float) -> None:
+        """``stage``'s origin lane after one of ``d``'s origin reads ended: as many
+        requests in flight as ``schedule.widened_origin_requests`` says (never fewer)."""
         if self.s.origin_workers:
             return
-        want = schedule.origin_requests(
-            self.n, len(self.fetchers), self.s.origin_latency_s, transfer_s
+        reads = self.origin_reads[d]
+        reads.append(
+            schedule.OriginRead(first_byte - self.s.origin_latency_s, first_byte, self.now)
         )
+        del reads[: -2 * schedule.ORIGIN_REQUESTS_MAX]
+        want = schedule.widened_origin_requests(self.origin_limit[d], reads)
         for _ in range(want - self.origin_limit[d]):
             self.origin_limit[d] += 1
             self.next_origin(d)
@@ -929,7 +933,7 @@ class Fleet:
         self.keep([i for i in range(len(self.f_dst)) if i not in gone])
         for i, task, first_byte in zip(ended, tasks, first_bytes, strict=True):
             if task is None:
-                self.widen_origin(int(dst[i]), self.now - first_byte)
+                self.widen_origin(int(dst[i]), first_byte)
                 self.next_origin(int(dst[i]))
             else:
                 task.landed(self)

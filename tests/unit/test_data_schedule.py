@@ -9,14 +9,18 @@ from collections import Counter
 import pytest
 
 from weightship.data.schedule import (
+    ORIGIN_REQUESTS_MAX,
+    OriginRead,
     live_parent,
     origin_fetchers,
+    origin_idle_share,
     origin_requests,
     plan_owners,
     relay_depth,
     relay_parent,
     stand_in,
     tree_offset,
+    widened_origin_requests,
 )
 
 NODES = [f"n{i:02d}" for i in range(48)]
@@ -173,23 +177,33 @@ def test_fetchers_pipeline_their_origin_requests_only_where_some_nodes_fetch() -
     assert origin_requests(48, len(origin_fetchers(NODES, ["k"], 8))) == 2
 
 
-@pytest.mark.parametrize(
-    ("first_byte_s", "transfer_s", "requests"),
-    [
-        (0.01, 2.7, 2),  # the fleet benchmark: 1 MiB at a sixteenth of 50 Mbit/s
-        (0.02, 0.215, 2),  # 16 MiB at a sixteenth of 10 Gbit/s
-        (0.02, 0.16, 3),  # the first byte an eighth of the transfer
-        (0.02, 0.079, 4),  # ... a quarter
-        (0.02, 0.021, 8),  # 16 MiB at a sixteenth of 100 Gbit/s
-        (0.5, 0.01, 8),  # never more than ORIGIN_REQUESTS_MAX
-        (0.0, 0.0, 2),  # nothing measured
-    ],
-)
-def test_fetchers_keep_more_origin_requests_in_flight_where_a_first_byte_takes_long(
-    first_byte_s: float, transfer_s: float, requests: int
-) -> None:
-    assert origin_requests(1000, 8, first_byte_s, transfer_s) == requests
-    assert origin_requests(8, 8, first_byte_s, transfer_s) == 1  # every node fetches
+def reads_of(*spans: tuple[float, float, float]) -> list[OriginRead]:
+    return [OriginRead(*span) for span in spans]
+
+
+def test_an_origin_lane_is_idle_only_while_every_read_under_way_waits_for_its_first_byte() -> None:
+    # Two reads at once, both waiting 1 s, then moving 1 s: idle half the time.
+    together = reads_of((0, 1, 2), (0, 1, 2), (2, 3, 4), (2, 3, 4))
+    assert origin_idle_share(together) == pytest.approx(0.5)
+    # Staggered by half a read: one always moving once the first byte came.
+    staggered = reads_of((0, 1, 3), (1.5, 2.5, 4.5), (3, 4, 6), (4.5, 5.5, 7.5))
+    assert origin_idle_share(staggered) == pytest.approx(1 / 7.5)
+    # A pause of the fetcher's own (nothing asked from 2 to 10 s) is not idle time.
+    paused = reads_of((0, 0.1, 2), (10, 10.1, 12))
+    assert origin_idle_share(paused) == pytest.approx(0.2 / 4)
+    assert origin_idle_share([]) == 0.0
+
+
+def test_an_origin_lane_widens_while_its_reads_wait_together() -> None:
+    together = reads_of((0, 1, 2), (0, 1, 2), (2, 3, 4), (2, 3, 4))
+    assert widened_origin_requests(2, together) == 4  # moving half the time: twice as many
+    assert widened_origin_requests(4, together * 2) == 8
+    assert widened_origin_requests(2, together[:3]) == 2  # judged after two rounds
+    assert widened_origin_requests(ORIGIN_REQUESTS_MAX, together * 8) == ORIGIN_REQUESTS_MAX
+    # The fleet benchmark on a loaded machine: a third of a second to a first byte
+    # beside 2.7 s transfers, but the fetcher's second read moving meanwhile.
+    shaped = reads_of((0, 0.3, 3.0), (1.4, 1.7, 4.4), (3.0, 3.3, 6.0), (4.4, 4.7, 7.4))
+    assert widened_origin_requests(2, shaped) == 2
 
 
 def test_a_node_asks_its_nearest_live_ancestor() -> None:

@@ -1320,7 +1320,7 @@ def test_an_origin_fetcher_widens_its_origin_lane_where_first_bytes_take_long(
     tmp_path: Path, manifest_version: int, timing: tuple[float, float], most: int
 ) -> None:
     src = tmp_path / "src"
-    m = make_model(src, {"w.bin": random_bytes(40 * CHUNK, 41)})
+    m = make_model(src, {"w.bin": random_bytes(80 * CHUNK, 41)})
     names = ["n1", "n2", "n3"]
     (node, _), owner = plan_owners([c.key for c in m.chunks], names, 2)
     stores = {n: ChunkStore(tmp_path / n) for n in names}
@@ -1339,7 +1339,7 @@ def test_an_origin_fetcher_widens_its_origin_lane_where_first_bytes_take_long(
         r = stage(m, stores[node], origin, peers, node=node, metrics=metrics()[0], policy=policy)
     assert same_files(m, stores[node], src)
     assert r.from_origin > 0 and origin.reads == r.from_origin // CHUNK
-    # Two at once to start with (schedule.origin_requests); with the first byte as long
-    # as the transfer, eight once the first read said so (six at least by the time the
-    # queue runs short; a tail claim's read may run beside them).
+    # Two at once to start with (schedule.origin_requests); where the reads wait for
+    # their first bytes together half the time, four after two rounds, then eight (six
+    # at least by the time the queue runs short; a tail claim's read may run beside).
     assert origin.most == most if most == 2 else origin.most >= most

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from weightship.data import schedule
+
 T = TypeVar("T")
 
 
@@ -175,3 +177,27 @@ class IntakePacer:
             return True
         allowed = self._own_done / self.own_bytes * self.peer_bytes + self.slack_bytes
         return self._peer_started + n <= allowed
+
+
+class OriginReads:
+    """An origin lane's last reads (``schedule.OriginRead``), as they end; says how many
+    requests the lane should keep in flight (``schedule.widened_origin_requests``).
+    Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reads: deque[schedule.OriginRead] = deque(maxlen=2 * schedule.ORIGIN_REQUESTS_MAX)
+
+    def read(self, first_byte_s: float, transfer_s: float, *, in_flight: int) -> int:
+        """A read just ended that waited ``first_byte_s`` for its first byte and moved
+        bytes for ``transfer_s``; the lane runs ``in_flight`` requests."""
+        end = self._clock()
+        with self._lock:
+            first_byte = end - transfer_s
+            self._reads.append(schedule.OriginRead(first_byte - first_byte_s, first_byte, end))
+            return schedule.widened_origin_requests(in_flight, list(self._reads))
+
+    def idle_share(self, last: int) -> float:
+        with self._lock:
+            return schedule.origin_idle_share(list(self._reads)[-last:])

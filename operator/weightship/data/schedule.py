@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from weightship.data import rendezvous
 
@@ -55,38 +56,82 @@ def origin_fetchers(nodes: Sequence[str], keys: Sequence[str], count: int) -> li
     return [members[(base + t * n // count) % n] for t in range(count)]
 
 
-# A fetcher's origin requests in flight at most (``origin_requests``).
+def origin_requests(nodes: int, fetchers: int) -> int:
+    """Origin fetches a fetcher keeps in flight (its origin lane) to begin with. One where
+    every node fetches: with two, TCP shared the origin link unevenly between the flows,
+    one node's origin stream finished 8 s after the others and every node waited for its
+    chunks (the fleet benchmark, 8 nodes). Two where only some nodes fetch: each
+    fetcher's stream is then its chunks' only source for the whole fleet, and one request
+    at a time leaves the fetcher's share of the origin idle for a first byte between
+    chunks: 20 ms of 127 for a 16 MiB chunk at an eighth of 10 Gbit/s (the simulator,
+    1,000 nodes: 1.29x S/B with one, 1.16x with two; the fleet benchmark, 16 nodes at
+    50 Mbit/s: 1.17x with either). More as it goes where that is not enough
+    (``widened_origin_requests``)."""
+    return 2 if fetchers < nodes else 1
+
+
+# A fetcher's origin requests in flight at most (``widened_origin_requests``).
 ORIGIN_REQUESTS_MAX = 8
-# ... and one more than two for each eighth of a chunk's transfer time that a request
-# waits for its first byte.
-ORIGIN_FIRST_BYTE_SHARE = 0.125
+# ... one more while its origin reads sat waiting for a first byte, none moving bytes,
+# over this share of the time they were busy.
+ORIGIN_IDLE_SHARE = 0.25
 
 
-def origin_requests(
-    nodes: int, fetchers: int, first_byte_s: float = 0.0, transfer_s: float = math.inf
-) -> int:
-    """Origin fetches a fetcher keeps in flight (its origin lane), given how long its
-    last origin request waited for its first byte and then transferred.
+@dataclass(frozen=True)
+class OriginRead:
+    """One origin read's times: asked, its first byte, its last."""
 
-    One where every node fetches: with two, TCP shared the origin link unevenly between
-    the flows, one node's origin stream finished 8 s after the others and every node
-    waited for its chunks (the fleet benchmark, 8 nodes). Two where only some nodes
-    fetch: each fetcher's stream is then its chunks' only source for the whole fleet,
-    and one request at a time leaves the fetcher's share of the origin idle for a first
-    byte between chunks: 20 ms of 127 for a 16 MiB chunk at an eighth of 10 Gbit/s (the
-    simulator, 1,000 nodes: 1.29x S/B with one, 1.16x with two; the fleet benchmark,
-    16 nodes at 50 Mbit/s: 1.17x with either). More where the first byte takes an
-    eighth of the transfer or longer (a fast origin: a 16 MiB chunk moves in 21 ms at a
-    sixteenth of 100 Gbit/s, after a 20 ms first byte), as requests started together
-    then wait for their first bytes together and leave the origin's link idle (the
-    simulator at 100 Gbit/s, 200 nodes, 32 GiB: 2.02x S/B with two, 1.49x with one more
-    per quarter, 1.36x per eighth, as with eight from the start)."""
-    if fetchers >= nodes:
-        return 1
-    if not first_byte_s > 0 or math.isinf(transfer_s):  # nothing measured yet
-        return 2
-    waits = first_byte_s / max(transfer_s, 1e-6) / ORIGIN_FIRST_BYTE_SHARE
-    return min(ORIGIN_REQUESTS_MAX, 2 + math.floor(waits))
+    asked: float
+    first_byte: float
+    end: float
+
+
+def origin_idle_share(reads: Sequence[OriginRead]) -> float:
+    """Of the time some of ``reads`` were under way, the share when every one under way
+    was still waiting for its first byte: the fetcher's share of the origin's link idle
+    for want of requests (time in which none was under way, a pause of its own, is not
+    counted)."""
+    events = sorted(
+        [(r.asked, 0, 1) for r in reads]
+        + [(r.first_byte, 1, 1) for r in reads]
+        + [(r.end, 1, -1) for r in reads]
+        + [(r.first_byte, 0, -1) for r in reads]
+    )
+    waiting = moving = 0
+    idle = busy = 0.0
+    last = events[0][0] if events else 0.0
+    for at, kind, step in events:
+        if waiting or moving:
+            busy += at - last
+            if not moving:
+                idle += at - last
+        last = at
+        if kind:
+            moving += step
+        else:
+            waiting += step
+    return idle / busy if busy > 0 else 0.0
+
+
+def widened_origin_requests(in_flight: int, reads: Sequence[OriginRead]) -> int:
+    """The origin requests a fetcher keeps in flight after its last ``reads`` (the lane's
+    last two rounds, ``2 * in_flight``, judged once it has had that many): where they
+    waited for first bytes with none moving over ``ORIGIN_IDLE_SHARE`` of the time, so
+    many more that the moving share would be whole (two idle half the time: four).
+    A fast origin needs it: at 100 Gbit/s a 16 MiB chunk moves in 21 ms at a sixteenth of
+    the link, after a 20 ms first byte, and two requests started together wait for their
+    first bytes together (the simulator, 200 nodes, 32 GiB at 100 Gbit/s: 2.02x S/B with
+    two). A long first byte alone is no reason: where the origin's link is full, a GET's
+    answer waits behind the other flows' bytes, and more requests would only queue (the
+    fleet benchmark, 50 Mbit/s, a loaded machine: first bytes of a third of a second
+    beside 2.7 s transfers, while each fetcher always had a read moving)."""
+    if in_flight >= ORIGIN_REQUESTS_MAX or len(reads) < 2 * in_flight:
+        return in_flight
+    idle = origin_idle_share(reads[-2 * in_flight :])
+    if idle <= ORIGIN_IDLE_SHARE:
+        return in_flight
+    # As many as it takes for the moving share of the time to be whole.
+    return min(ORIGIN_REQUESTS_MAX, max(in_flight + 1, math.ceil(in_flight / (1 - idle))))
 
 
 def plan_owners(

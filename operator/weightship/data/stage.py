@@ -30,7 +30,7 @@ from weightship.data.fetcher import (
     TokenBucket,
     fetch_order,
 )
-from weightship.data.lanes import IntakePacer, KeyedLane
+from weightship.data.lanes import IntakePacer, KeyedLane, OriginReads
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.modelstaging import ModelStaging
 from weightship.data.peer import PeerClient
@@ -288,6 +288,7 @@ def _stage(
         # one chunk from every other owner: the intake one own chunk pays for
         slack_bytes=max((c.size for c in others), default=0) * other_owners,
     )
+    origin_reads = OriginReads()
     deferred: list[Future[Any]] = []  # claimed chunks' fetches, on the peer lane
 
     def fetch_own(chunk: ChunkEntry) -> None:
@@ -307,14 +308,16 @@ def _stage(
     def widen_origin_lane() -> None:
         if (timing := fetcher.last_origin_read()) is None:
             return
-        want = schedule.origin_requests(len(fetcher.nodes), len(fetcher.fetchers), *timing)
-        if want > origin_lane.workers:
+        width = origin_lane.workers
+        want = origin_reads.read(*timing, in_flight=width)
+        if want > width:
             log.info(
-                "origin requests in flight %d -> %d: a first byte took %.0f ms, the chunk %.0f ms",
-                origin_lane.workers,
+                "origin requests in flight %d -> %d: the last %d origin reads sat waiting "
+                "for a first byte, none moving, %.0f%% of the time",
+                width,
                 want,
-                timing[0] * 1000,
-                timing[1] * 1000,
+                2 * width,
+                100 * origin_reads.idle_share(2 * width),
             )
             origin_lane.widen(want)
             fetcher.metrics.origin_requests.set(want)
