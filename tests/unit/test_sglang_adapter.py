@@ -36,16 +36,16 @@ from typing import Any
 
 import pytest
 
+from weightship.api.inference import FailureReason
 from weightship.core.seedtoken import join_token
 from weightship.httpserver import QuietHandler, Server
-from weightship.integrations.sglang.__main__ import initial_weights, parse_args, upstream_of
-from weightship.integrations.sglang.adapter import READBACK_MISMATCH, Adapter
+from weightship.integrations.serving import SwapAuth, Weights
+from weightship.integrations.sglang.__main__ import parse_args, upstream_of
+from weightship.integrations.sglang.adapter import Adapter
 from weightship.integrations.sglang.client import SGLangClient
 from weightship.integrations.sglang.gate import Gate, Ticket
 from weightship.integrations.sglang.server import serve
 from weightship.integrations.sglang.verify import VerifiedModel
-from weightship.integrations.vllm.stamp import Weights
-from weightship.integrations.vllm.swap import SwapAuth
 from weightship_dev.vllmlocal import stage
 from weightship_testing.tinyvllm.build import BuiltModel, Shape, build
 
@@ -314,7 +314,7 @@ def rig(tmp_path: Path, models: dict[str, BuiltModel]) -> Iterator[Rig]:
         client=SGLangClient(f"http://127.0.0.1:{upstream.server_port}"),
         auth=SwapAuth.from_env(env),
         cache_dir=cache,
-        start=initial_weights(env),
+        start=Weights.from_env(env),
     )
     front = serve(adapter, "127.0.0.1", 0, ("127.0.0.1", upstream.server_port))
     front.start("sglang-adapter", poll_interval_s=0.05)
@@ -399,14 +399,14 @@ def test_sglang_serving_another_folder_or_version_fails_the_report(rig: Rig) -> 
     assert model is not None
     assert not rig.adapter.await_server(model, timeout=10)
     doc = rig.get("/weightship/v1/loaded")
-    assert (doc["state"], doc["reason"]) == ("Failed", READBACK_MISMATCH)
+    assert (doc["state"], doc["reason"]) == ("Failed", FailureReason.READBACK_MISMATCH)
     assert "--weight-version" in doc["message"]
 
 
 def test_sglang_changing_under_the_adapter_is_seen_at_the_next_report(up: Rig) -> None:
     up.sglang.model_path = str(up.files["v2"])  # e.g. someone reached its admin port
     doc = up.get("/weightship/v1/loaded")
-    assert (doc["state"], doc["reason"]) == ("Failed", READBACK_MISMATCH)
+    assert (doc["state"], doc["reason"]) == ("Failed", FailureReason.READBACK_MISMATCH)
     assert "model_path" in doc["message"]
 
 
@@ -457,7 +457,7 @@ def test_swap_back_must_give_the_checksum_the_digest_had_before(up: Rig) -> None
     up.adapter.checksums[up.digest("v1")] = "0" * 64
     state = up.swapped("v1", "v1")
     assert (state["state"], state["reason"]) == ("Failed", "MixedWeights")
-    assert READBACK_MISMATCH in state["message"]
+    assert FailureReason.READBACK_MISMATCH in state["message"]
 
 
 def test_a_reload_that_kept_the_old_weights_is_caught_by_the_checksum(up: Rig) -> None:
@@ -801,7 +801,7 @@ def test_command_line() -> None:
     assert upstream_of("http://127.0.0.1:30000") == ("127.0.0.1", 30000)
     with pytest.raises(SystemExit, match="loopback"):
         upstream_of("http://10.0.0.5:30000")
-    assert initial_weights({}) == Weights("unknown", None)
+    assert Weights.from_env({}) == Weights("unknown", None)
 
 
 def free_port() -> int:

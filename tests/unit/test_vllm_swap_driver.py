@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import LoadReport, SwapRequest
+from weightship.integrations.serving import SwapTracker, Weights
 from weightship.integrations.vllm.reports import (
     RankReport,
     merge,
@@ -24,8 +25,7 @@ from weightship.integrations.vllm.reports import (
 )
 from weightship.integrations.vllm.settings import PluginSettings
 from weightship.integrations.vllm.staging import SwapFaults, SwapSession, remember_loaded
-from weightship.integrations.vllm.stamp import Ticket, Weights, WeightsGate
-from weightship.integrations.vllm.swap import SwapRequest, SwapTracker
+from weightship.integrations.vllm.stamp import Ticket, WeightsGate
 from weightship.integrations.vllm.swapdriver import SwapDriver
 from weightship.loader.load import load_model
 from weightship.weightformat.build import LocalFolder, build_manifest

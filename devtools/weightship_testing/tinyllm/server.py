@@ -34,7 +34,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import LoadReport
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH

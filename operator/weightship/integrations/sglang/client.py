@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from weightship.api.inference import AUTHORIZATION_HEADER, bearer
+
 MAX_ANSWER_BYTES = 1024 * 1024
 # weights_checker answers a checksum per tensor per rank: larger for large models.
 MAX_CHECKSUM_BYTES = 64 * 1024 * 1024
@@ -96,7 +98,7 @@ class SGLangClient:
         when SGLang does not answer within ``timeout``."""
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
-            headers["Authorization"] = f"Bearer {self.admin_key}"
+            headers[AUTHORIZATION_HEADER] = bearer(self.admin_key)
         request = urllib.request.Request(  # noqa: S310 (http: checked by the caller)
             self.base_url + path,
             data=json.dumps(body).encode() if body is not None else None,

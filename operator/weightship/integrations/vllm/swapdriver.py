@@ -31,29 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightship.api.inference import FailureReason, SwapRequest, SwapState
+from weightship.integrations.serving import StepTimes, SwapTracker, Weights, config_changes
 from weightship.loader.load import locate_staged
 from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 from .reports import merge, read_rank_reports
-from .stamp import Weights, WeightsGate
-from .swap import (
-    CONFIG_CHANGED,
-    ENGINE_ERROR,
-    MANIFEST_MISMATCH,
-    MIXED_WEIGHTS,
-    NOT_STAGED,
-    SWAP_TIMEOUT,
-    RankOutcome,
-    StepTimes,
-    SwapRequest,
-    SwapState,
-    SwapTracker,
-    config_changes,
-    first_failure,
-    ranked,
-    read_outcomes,
-)
+from .stamp import WeightsGate
+from .swap import RankOutcome, first_failure, ranked, read_outcomes
 
 log = logging.getLogger("vllm.weightship")
 # Beyond the swap's own timeout: what cleaning up after a timed-out step may take.
@@ -168,7 +154,11 @@ class SwapDriver:
             await self._failed(exc.outcome, swap_id, request, old, closed, changing)
             return
         except Exception as exc:  # a refused step, or a timeout
-            reason = SWAP_TIMEOUT if isinstance(exc, Timeout) else ENGINE_ERROR
+            reason = (
+                FailureReason.SWAP_TIMEOUT
+                if isinstance(exc, Timeout)
+                else FailureReason.ENGINE_ERROR
+            )
             outcome = RankOutcome(swap_id, "", -1, False, reason, _text(exc))
             await self._failed(outcome, swap_id, request, old, closed, changing)
             return
@@ -194,16 +184,21 @@ class SwapDriver:
         """What the API server can tell before pausing anything (every rank checks it all
         again, against what it loaded)."""
         if self.cache_dir is None:
-            return NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set"
+            return FailureReason.NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set"
         files = locate_staged(self.cache_dir, digest)
         if files is None:
-            return NOT_STAGED, f"{digest} is not staged in {self.cache_dir}"
+            return FailureReason.NOT_STAGED, f"{digest} is not staged in {self.cache_dir}"
         try:
             new = Manifest.parse((files.parent / MANIFEST_FILE).read_bytes())
         except (OSError, ManifestError) as exc:
-            return MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"[:500]
+            return FailureReason.MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"[
+                :500
+            ]
         if new.digest != digest:
-            return MANIFEST_MISMATCH, f"the manifest staged as {digest} is {new.digest}"
+            return (
+                FailureReason.MANIFEST_MISMATCH,
+                f"the manifest staged as {digest} is {new.digest}",
+            )
         current = self.gate.weights.manifest_digest
         at = locate_staged(self.cache_dir, current) if current else None
         if at is not None:
@@ -213,7 +208,7 @@ class SwapDriver:
                 return None  # the ranks compare with what they loaded
             changes = config_changes(old, new)
             if changes:
-                return CONFIG_CHANGED, (
+                return FailureReason.CONFIG_CHANGED, (
                     f"{digest} cannot be swapped in: {'; '.join(changes[:5])} "
                     "(vLLM read those at startup; roll it out by replacing pods)"
                 )
@@ -284,13 +279,13 @@ class SwapDriver:
     ) -> None:
         rank = outcome.rank if outcome.rank >= 0 else None
         message = ranked(outcome) if rank is not None else (outcome.message or "")
-        reason = outcome.reason or ENGINE_ERROR
+        reason = outcome.reason or FailureReason.ENGINE_ERROR
         cleanup = time.monotonic() + CLEANUP_GRACE_S
         if changing:
             # Parameters may have changed on some rank: every rank says so, nothing serves.
             message = f"{message} (the weights are mixed: generation stays paused)"
             self.mixed = message
-            self.gate.refuse(MIXED_WEIGHTS, message)
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, message)
             try:
                 if not self.session:
                     await self._start(cleanup)
@@ -300,7 +295,10 @@ class SwapDriver:
             except Exception as exc:
                 log.error("after a failed swap, the ranks could not all be told: %s", exc)
             self.tracker.failed(
-                MIXED_WEIGHTS, message, rank=rank, paused_seconds=time.monotonic() - closed
+                FailureReason.MIXED_WEIGHTS,
+                message,
+                rank=rank,
+                paused_seconds=time.monotonic() - closed,
             )
             log.error("swap to %s left mixed weights: %s", request.manifest_digest, message)
             return
@@ -312,13 +310,15 @@ class SwapDriver:
                 await self._resume(cleanup)
         except Exception as exc:
             # The engine did not come back: nothing can be served that is known good.
-            self.gate.refuse(ENGINE_ERROR, f"the engine did not resume after a failed swap: {exc}")
+            self.gate.refuse(
+                FailureReason.ENGINE_ERROR, f"the engine did not resume after a failed swap: {exc}"
+            )
             self.tracker.failed(
                 reason, f"{message}; then: {_text(exc)}", rank=rank, paused_seconds=None
             )
             return
         if self.mixed is not None:  # what was there before this swap is mixed too
-            self.gate.refuse(MIXED_WEIGHTS, self.mixed)
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, self.mixed)
         else:
             self.gate.open(old)
         self.tracker.failed(reason, message, rank=rank, paused_seconds=time.monotonic() - closed)
