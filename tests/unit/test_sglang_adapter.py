@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from weightship.api.inference import FailureReason
+from weightship.core.inplace import INTACT_REASONS
 from weightship.core.seedtoken import join_token
 from weightship.httpserver import QuietHandler, Server
 from weightship.integrations.serving import SwapAuth, Weights
@@ -426,14 +427,15 @@ def test_swap_verifies_then_pauses_updates_reads_back_and_resumes(up: Rig) -> No
         "/weights_checker",
         "/continue_generation",
     ]
+    # Nothing was running (the drain saw to it), and nothing SGLang holds is aborted.
     _, _, pause = up.sglang.calls[0]
-    assert pause == {"mode": "abort"}
+    assert pause == {"mode": "retract"}
     _, _, update = up.sglang.calls[1]
     assert update == {
         "model_path": str(up.files["v2"]),
         "weight_version": "v2",
         "flush_cache": True,
-        "abort_all_requests": True,
+        "abort_all_requests": False,
     }
     doc = up.get("/weightship/v1/loaded")
     assert (doc["state"], doc["manifestDigest"], doc["source"]) == (
@@ -591,12 +593,45 @@ def test_a_subtly_bad_revision_swaps_in_and_is_reported_as_it_is(up: Rig) -> Non
 # -- requests across a swap ------------------------------------------------------------------------
 
 
-def test_a_request_still_running_at_the_drain_timeout_is_cut_not_mixed(up: Rig) -> None:
+Answers = list[tuple[int, dict[str, str], bytes]]
+
+
+def held_request(up: Rig) -> tuple[threading.Thread, Answers]:
+    """A request that runs in SGLang until ``up.sglang.hold`` is set; its answer lands in
+    the list once it ends."""
     up.sglang.hold = threading.Event()
-    answers: list[tuple[int, dict[str, str], bytes]] = []
+    answers: Answers = []
     running = threading.Thread(target=lambda: answers.append(up.complete("hold")))
     running.start()
     assert up.sglang.held.wait(10)
+    return running, answers
+
+
+def test_a_request_still_running_at_the_drain_timeout_refuses_the_swap_and_finishes(
+    up: Rig,
+) -> None:
+    """By default nothing is ever aborted: the swap is refused before anything changed,
+    the request is answered by the weights it started on, and a later swap goes on."""
+    running, answers = held_request(up)
+    state = up.swapped("v2", "v2", drainTimeoutSeconds=0)
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.DRAIN_TIMEOUT, state
+    assert "1 request(s) still ran" in state["message"]
+    assert FailureReason.DRAIN_TIMEOUT in INTACT_REASONS  # the pod holds what it had
+    assert up.adapter.gate.mode == "open" and up.adapter.gate.weights.revision == "v1"
+    up.sglang.hold.set()
+    running.join(30)
+    [(status, headers, body)] = answers
+    assert status == 200
+    assert stamped(headers) == ("v1", up.digest("v1"))
+    assert json.loads(body)["choices"][0]["text"].startswith("made by v1")
+    assert not {"/pause_generation", "/update_weights_from_disk"} & set(up.sglang.names())
+    assert not up.sglang.aborted.is_set()
+    assert up.swapped("v2", "v2", drainTimeoutSeconds=0)["state"] == "Swapped"
+
+
+def test_with_abort_on_drain_timeout_a_running_request_is_cut_not_mixed(up: Rig) -> None:
+    up.adapter.abort_on_drain_timeout = True
+    running, answers = held_request(up)
     state = up.swapped("v2", "v2", drainTimeoutSeconds=0)
     up.sglang.hold.set()
     running.join(30)
@@ -605,14 +640,13 @@ def test_a_request_still_running_at_the_drain_timeout_is_cut_not_mixed(up: Rig) 
     assert status == 503
     assert json.loads(body)["reason"] == "WeightsChanged"
     assert stamped(headers) == ("v1", up.digest("v1"))
+    assert up.sglang.aborted.is_set()
+    update = next(body for _, path, body in up.sglang.calls if path == "/update_weights_from_disk")
+    assert update["abort_all_requests"] is True
 
 
 def test_requests_finishing_within_the_drain_are_answered_by_the_old_weights(up: Rig) -> None:
-    up.sglang.hold = threading.Event()
-    answers: list[tuple[int, dict[str, str], bytes]] = []
-    running = threading.Thread(target=lambda: answers.append(up.complete("hold")))
-    running.start()
-    assert up.sglang.held.wait(10)
+    running, answers = held_request(up)
     status, _ = up.swap("v2", "v2", drainTimeoutSeconds=60)
     assert status == 202
     assert wait_for(lambda: up.adapter.gate.mode == "closed")
@@ -796,8 +830,9 @@ def test_command_line() -> None:
     args, command = parse_args(
         ["--port", "8000", "--", "python", "-m", "sglang.launch_server", "--port", "30000"]
     )
-    assert args.port == 8000
+    assert args.port == 8000 and not args.abort_on_drain_timeout
     assert command == ["python", "-m", "sglang.launch_server", "--port", "30000"]
+    assert parse_args(["--abort-on-drain-timeout"])[0].abort_on_drain_timeout
     assert upstream_of("http://127.0.0.1:30000") == ("127.0.0.1", 30000)
     with pytest.raises(SystemExit, match="loopback"):
         upstream_of("http://10.0.0.5:30000")

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightship.api.inference import LoadReport, SwapRequest
+from weightship.api.inference import FailureReason, LoadReport, SwapRequest
+from weightship.core.inplace import INTACT_REASONS
 from weightship.integrations.serving import SwapTracker, Weights
 from weightship.integrations.vllm.reports import (
     RankReport,
@@ -96,6 +97,12 @@ class Engine:
     calls: list[str] = field(default_factory=list)
     fail_on: str | None = None
     slow: float = 0.0
+    sleeping: bool = False
+    sleep_checks: int = 0
+
+    async def is_sleeping(self) -> bool:
+        self.sleep_checks += 1
+        return self.sleeping
 
     async def pause_generation(self, *, mode: Any = "abort", clear_cache: bool = True) -> None:
         self.calls.append(f"pause:{mode}")
@@ -276,6 +283,24 @@ def test_what_cannot_fit_is_refused_before_anything_pauses(
     assert state["state"] == "Failed" and state["reason"] == reason, state
     assert s.engine.calls == [] and state["pausedSeconds"] == 0
     assert mode(s) == "open" and s.gate.epoch == 0
+
+
+def test_no_swap_while_the_engine_sleeps(staged: Staged, tmp_path: Path) -> None:
+    """vLLM's sleep mode offloads or drops the weights, and an update then crashes the
+    engine: the swap is refused before anything pauses, with its own reason, and runs
+    once the engine is awake again."""
+    s = server(staged, tmp_path, world=1)
+    s.engine.sleeping = True
+    state = run(s.swap(staged, "v2"))
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.ENGINE_SLEEPING
+    assert "wake it up" in state["message"] and state["pausedSeconds"] == 0.0
+    assert s.engine.sleep_checks == 1
+    assert s.engine.calls == []  # nothing paused, nothing sent to the ranks
+    assert s.gate.mode == "open" and s.gate.weights.revision == "v1"
+    assert s.loaded().manifest_digest == staged.digest("v1")
+    assert FailureReason.ENGINE_SLEEPING in INTACT_REASONS  # the pod holds what it had
+    s.engine.sleeping = False
+    assert run(s.swap(staged, "v2"))["state"] == "Swapped"
 
 
 def test_the_ranks_refuse_a_changed_config_even_if_the_api_server_could_not_tell(

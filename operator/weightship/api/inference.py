@@ -79,6 +79,9 @@ class FailureReason(StrEnum):
     BROADCAST_CHECKSUM_MISMATCH = "BroadcastChecksumMismatch"  # corrupted by a broadcast
     LOAD_FAILED = "LoadFailed"  # a rank failed and said no more
     RANKS_DISAGREE = "RanksDisagree"  # the ranks loaded different weights
+    # Found before any weight changed, the server's own state.
+    ENGINE_SLEEPING = "EngineSleeping"  # vLLM's sleep mode: an update now would crash it
+    DRAIN_TIMEOUT = "DrainTimeout"  # requests still ran, and the server aborts none
     # A swap that ran.
     SWAP_TIMEOUT = "SwapTimeout"
     ENGINE_ERROR = "EngineError"  # the engine refused a step, or a rank did not answer

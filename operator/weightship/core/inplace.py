@@ -39,6 +39,8 @@ INTACT_REASONS = frozenset(
         FailureReason.NOT_STAGED,
         FailureReason.MANIFEST_MISMATCH,
         FailureReason.CONFIG_CHANGED,
+        FailureReason.ENGINE_SLEEPING,
+        FailureReason.DRAIN_TIMEOUT,
         FailureReason.UNAUTHORIZED,
         FailureReason.NO_SWAP_KEY,
         FailureReason.NOT_SUPPORTED,

@@ -53,6 +53,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--ready-timeout", type=float, default=1800.0, help="seconds SGLang may take to start"
     )
     parser.add_argument(
+        "--abort-on-drain-timeout",
+        action="store_true",
+        help="cut the requests still running when a swap's drain timeout passes (SGLang "
+        "aborts them) and swap; by default they finish and that swap is refused",
+    )
+    parser.add_argument(
         "--request-deadline",
         type=float,
         default=REQUEST_DEADLINE_S,
@@ -81,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         auth=SwapAuth.from_env(env),
         cache_dir=Path(cache) if cache else None,
         start=Weights.from_env(env),
+        abort_on_drain_timeout=args.abort_on_drain_timeout,
     )
     server = serve(
         adapter, args.host, args.port, upstream, request_deadline_s=args.request_deadline

@@ -12,10 +12,16 @@ A swap, one at a time:
                unchanged, and every chunk of every file matches (``verify``), before
                anything is paused
     drain      the gate closes (new requests wait); in-flight requests finish, up to the
-               drain timeout
-    seal       requests still in flight are cut; SGLang's pause_generation(mode=abort)
+               drain timeout. None is ever aborted by default: requests still running
+               then refuse the swap (DrainTimeout), before anything changed, and are
+               answered by the old weights. With ``abort_on_drain_timeout``
+               (``--abort-on-drain-timeout``) they are cut instead and the swap goes on
+    seal       requests still in flight are cut (none, unless abort_on_drain_timeout);
+               SGLang's pause_generation(mode=retract, which aborts nothing and lets the
+               cache be flushed; abort with the flag)
     update     update_weights_from_disk(model_path=<the verified folder>,
-               weight_version=<revision>, flush_cache=True, abort_all_requests=True)
+               weight_version=<revision>, flush_cache=True, abort_all_requests=False;
+               True with the flag)
     readback   model_info: weight_version is the revision and model_path the folder;
                weights_checker: a checksum of what SGLang now holds, compared with what it
                said the last time this digest was loaded here (and it must have changed)
@@ -111,6 +117,9 @@ class Adapter:
     cache_dir: Path | None
     start: Weights
     verify: Verify = field(default=verify_staged)
+    # Requests still running at the drain timeout are cut (and SGLang aborts its own)
+    # rather than refusing the swap: SGLang's own default, and never this adapter's.
+    abort_on_drain_timeout: bool = False
     gate: Gate = field(init=False)
     tracker: SwapTracker = field(default_factory=SwapTracker)
     # The state /weightship/v1/loaded answers from (before the live readback).
@@ -300,21 +309,24 @@ class Adapter:
         hold = request.drain_timeout_s + request.swap_timeout_s + HOLD_GRACE_S
         self.gate.close(hold)
         closed = time.monotonic()
+        if not self.gate.wait_idle(request.drain_timeout_s) and not self.abort_on_drain_timeout:
+            self._undrained(request, old, closed)
+            return
         changing = False
+        abort = self.abort_on_drain_timeout
         try:
-            self.gate.wait_idle(request.drain_timeout_s)
             steps.done("drain")
             self.tracker.loading(time.monotonic() - closed)
             deadline = time.monotonic() + request.swap_timeout_s
             cut = self.gate.seal()
             if cut:
                 log.info("drain timeout: %d requests cut", cut)
-            self.client.pause("abort", _left(deadline, CONTROL_TIMEOUT_S))
+            self.client.pause("abort" if abort else "retract", _left(deadline, CONTROL_TIMEOUT_S))
             steps.done("pause")
             changing = True
             update_started = time.monotonic()
             result = self.client.update_weights_from_disk(
-                str(model.files), request.revision, _left(deadline)
+                str(model.files), request.revision, _left(deadline), abort_all_requests=abort
             )
             if not result.success:
                 if NOT_FLUSHED_TEXT not in result.message:
@@ -442,10 +454,7 @@ class Adapter:
             )
             self.tracker.failed(reason, message, paused_seconds=None)
             return
-        if self.mixed is not None:
-            self.gate.refuse(FailureReason.MIXED_WEIGHTS, self.mixed)
-        else:
-            self.gate.open(Weights(old.revision, old.model.digest))
+        self._reopen(old)
         self.tracker.failed(reason, message, paused_seconds=time.monotonic() - closed)
         log.warning(
             "swap to %s failed, still serving %s: %s",
@@ -453,6 +462,28 @@ class Adapter:
             old.model.digest,
             message,
         )
+
+    def _undrained(self, request: SwapRequest, old: Held, closed: float) -> None:
+        """Requests still ran at the drain timeout: the swap is refused, nothing paused or
+        aborted; they finish on the old weights, which serve on."""
+        message = (
+            f"{self.gate.in_flight} request(s) still ran after the drain timeout "
+            f"({request.drain_timeout_s} s): nothing was aborted or changed (the adapter "
+            "cuts them only with --abort-on-drain-timeout)"
+        )
+        self._reopen(old)
+        self.tracker.failed(
+            FailureReason.DRAIN_TIMEOUT, message, paused_seconds=time.monotonic() - closed
+        )
+        log.warning("swap to %s refused: %s", request.manifest_digest, message)
+
+    def _reopen(self, old: Held) -> None:
+        """After a failed swap that changed nothing: the old weights serve again (unless an
+        earlier swap left them mixed)."""
+        if self.mixed is not None:
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, self.mixed)
+        else:
+            self.gate.open(Weights(old.revision, old.model.digest))
 
 
 def _text(exc: BaseException) -> str:

@@ -133,13 +133,19 @@ class SGLangClient:
             raise SGLangError(status, f"continue_generation: HTTP {status}: {_brief(answer)}")
 
     def update_weights_from_disk(
-        self, model_path: str, weight_version: str, timeout: float, load_format: str | None = None
+        self,
+        model_path: str,
+        weight_version: str,
+        timeout: float,
+        load_format: str | None = None,
+        *,
+        abort_all_requests: bool = False,
     ) -> UpdateResult:
         body: dict[str, Any] = {
             "model_path": model_path,
             "weight_version": weight_version,
             "flush_cache": True,
-            "abort_all_requests": True,
+            "abort_all_requests": abort_all_requests,
         }
         if load_format:
             body["load_format"] = load_format

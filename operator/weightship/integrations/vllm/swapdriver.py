@@ -2,7 +2,8 @@
 ``weightship`` weight-transfer engine, and reopens the gate (asyncio; no vLLM imports: the
 engine client comes in, typed by what it is used for).
 
-    precheck   the target is staged, its manifest is its digest, config unchanged
+    precheck   the engine is awake (an update while vLLM sleeps would crash it), the
+               target is staged, its manifest is its digest, config unchanged
     drain      gate closed (new requests wait); in-flight requests finish, up to the drain
                timeout; pause_generation(mode="wait"), or "abort" once that has passed
     seal       requests still in flight are cut from now on (stamp.WeightsGate.seal)
@@ -62,6 +63,8 @@ class EngineClient(Protocol):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
+
+    async def is_sleeping(self) -> bool: ...  # vLLM's sleep mode (its absence: never)
 
 
 class StepFailed(Exception):
@@ -123,7 +126,9 @@ class SwapDriver:
             "deadline": deadline_epoch,
         }
 
-        precheck = await asyncio.to_thread(self._precheck, request.manifest_digest)
+        precheck = await self._asleep(deadline) or await asyncio.to_thread(
+            self._precheck, request.manifest_digest
+        )
         if precheck is not None:
             self.tracker.failed(*precheck, paused_seconds=0.0)
             log.warning("swap to %s refused: %s", request.manifest_digest, precheck[1])
@@ -179,6 +184,27 @@ class SwapDriver:
             state.paused_seconds or 0.0,
             steps,
         )
+
+    async def _asleep(self, deadline: float) -> tuple[str, str] | None:
+        """Why no swap may start while vLLM's sleep mode holds the engine (its weights
+        offloaded or dropped: a weight update then crashes it), or None when it is awake.
+        A /sleep sent during a swap waits at the closed gate until it ends."""
+        is_sleeping = getattr(self.engine, "is_sleeping", None)
+        if is_sleeping is None:
+            return None  # an engine client without sleep mode
+        try:
+            sleeping = await self._call(is_sleeping(), deadline)
+        except Exception as exc:
+            return (
+                FailureReason.ENGINE_ERROR,
+                f"cannot tell whether the engine sleeps: {_text(exc)}",
+            )
+        if sleeping:
+            return FailureReason.ENGINE_SLEEPING, (
+                "the engine sleeps (vLLM's sleep mode): wake it up (POST /wake_up) before "
+                "swapping its weights"
+            )
+        return None
 
     def _precheck(self, digest: str) -> tuple[str, str] | None:
         """What the API server can tell before pausing anything (every rank checks it all
