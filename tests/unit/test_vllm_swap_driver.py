@@ -97,18 +97,22 @@ class Engine:
     calls: list[str] = field(default_factory=list)
     fail_on: str | None = None
     slow: float = 0.0
-    sleeping: bool = False
+    sleeping: bool = False  # vLLM's sleep mode (which pauses the scheduler too)
+    paused: bool = False
     sleep_checks: int = 0
 
     async def is_sleeping(self) -> bool:
+        """As vLLM says it: asleep, or only paused."""
         self.sleep_checks += 1
-        return self.sleeping
+        return self.sleeping or self.paused
 
     async def pause_generation(self, *, mode: Any = "abort", clear_cache: bool = True) -> None:
         self.calls.append(f"pause:{mode}")
+        self.paused = True
 
     async def resume_generation(self) -> None:
         self.calls.append("resume")
+        self.paused = False
 
     async def start_weight_update(self) -> None:
         self.calls.append("start")
@@ -301,6 +305,9 @@ def test_no_swap_while_the_engine_sleeps(staged: Staged, tmp_path: Path) -> None
     assert FailureReason.ENGINE_SLEEPING in INTACT_REASONS  # the pod holds what it had
     s.engine.sleeping = False
     assert run(s.swap(staged, "v2"))["state"] == "Swapped"
+    s.engine.paused = True  # paused by someone else (or vLLM's sleep level 0): the same
+    state = run(s.swap(staged, "v1"))
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.ENGINE_SLEEPING
 
 
 def test_the_ranks_refuse_a_changed_config_even_if_the_api_server_could_not_tell(

@@ -95,6 +95,9 @@ class SwapDriver:
     # executor must never see a rank raise (see engine.py). vLLM runs the engine's calls
     # in the order they were sent, so what counts is what was sent, not what completed.
     session: bool = False
+    # A swap paused generation and no resume_generation has succeeded since (a swap that
+    # left mixed weights keeps it paused): vLLM counts the engine as sleeping then.
+    paused: bool = False
 
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -188,10 +191,13 @@ class SwapDriver:
     async def _asleep(self, deadline: float) -> tuple[str, str] | None:
         """Why no swap may start while vLLM's sleep mode holds the engine (its weights
         offloaded or dropped: a weight update then crashes it), or None when it is awake.
-        A /sleep sent during a swap waits at the closed gate until it ends."""
+        vLLM says an engine sleeps whenever its scheduler is paused too: one a swap left
+        paused is this plugin's own (nothing else reaches it: a /sleep waits at the gate
+        while a swap runs, and is refused while the weights are mixed); one paused by
+        anyone else is refused like a sleeping one."""
         is_sleeping = getattr(self.engine, "is_sleeping", None)
-        if is_sleeping is None:
-            return None  # an engine client without sleep mode
+        if is_sleeping is None or self.paused:
+            return None  # an engine client without sleep mode, or paused by a swap
         try:
             sleeping = await self._call(is_sleeping(), deadline)
         except Exception as exc:
@@ -201,8 +207,8 @@ class SwapDriver:
             )
         if sleeping:
             return FailureReason.ENGINE_SLEEPING, (
-                "the engine sleeps (vLLM's sleep mode): wake it up (POST /wake_up) before "
-                "swapping its weights"
+                "the engine sleeps (vLLM's sleep mode) or was paused outside a swap: wake "
+                "it up (POST /wake_up) or resume it before swapping its weights"
             )
         return None
 
@@ -243,6 +249,7 @@ class SwapDriver:
     async def _drain(self, drain_s: float, deadline: float) -> None:
         end = time.monotonic() + drain_s
         await self.gate.wait_idle(drain_s)
+        self.paused = True  # sent from here on, even if its answer times out
         remaining = end - time.monotonic()
         if remaining > 0:
             try:
@@ -293,6 +300,7 @@ class SwapDriver:
         if self.gate.in_flight:  # requests admitted before the seal, queued: cut anyway
             await self._call(self.engine.pause_generation(mode="abort"), deadline)
         await self._call(self.engine.resume_generation(), deadline)
+        self.paused = False
 
     async def _failed(
         self,
