@@ -53,16 +53,17 @@ for _path in (REPO / "operator", REPO / "devtools"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from weightship.api.env import POD_NAME_ENV, ROLLOUT_UID_ENV, SEED_KEY_ENV  # noqa: E402
-from weightship.core.seedtoken import join_token  # noqa: E402
-from weightship.integrations.vllm.settings import (  # noqa: E402
-    RUN_DIR_ENV,
-    SEED_ROOT_ENV,
+from weightship.api.env import (  # noqa: E402
+    POD_NAME_ENV,
+    ROLLOUT_UID_ENV,
+    SEED_KEY_ENV,
     TERMINATION_LOG_ENV,
 )
-from weightship.integrations.vllm.swap import SWAP_PATH, SwapAuth, SwapRequest  # noqa: E402
+from weightship.api.inference import LOADED_PATH, SWAP_PATH, SwapRequest  # noqa: E402
+from weightship.core.seedtoken import join_token  # noqa: E402
+from weightship.integrations.serving import SwapAuth  # noqa: E402
+from weightship.integrations.vllm.settings import RUN_DIR_ENV, SEED_ROOT_ENV  # noqa: E402
 
-LOADED_PATH = "/weightship/v1/loaded"
 POD = "gpu-check-inplace-0"
 ROLLOUT_UID = "gpu-check-inplace"
 PLUGIN_ENTRY_POINTS = {

@@ -101,6 +101,7 @@ def serve(models: Models, workdir: Path, tensor_parallel: int) -> Iterator[Local
             "WEIGHTSHIP_POD_NAME": POD,
             "WEIGHTSHIP_POD_IP": "127.0.0.1",  # rank 0 of one rank becomes a seed root
             "WEIGHTSHIP_VLLM_SWAP_FAULT": f"@{workdir / 'fault'}",  # tests only
+            "VLLM_SERVER_DEV_MODE": "1",  # vLLM's /sleep and /wake_up
         },
     )
     workdir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +282,24 @@ class TestOneRank:
         assert state["state"] == "Failed" and state["reason"] == "NotStaged", state
         loaded_everywhere(server, models.digests["v2"], 1)
         answers_as(server, models, "v2")
+
+    def test_no_swap_while_the_engine_sleeps(self, server: LocalVllm, models: Models) -> None:
+        """vLLM's sleep mode (level 0 here: the CPU build offloads no weights; deeper levels
+        drop them, and an update then crashes the engine): the swap is refused before
+        anything pauses, with its reason; awake again, the engine serves on."""
+        held = "v2" if server.loaded()["manifestDigest"] == models.digests["v2"] else "v1"
+        asleep = server.request("POST", "/sleep?level=0")
+        assert asleep.status == 200, asleep.body
+        try:
+            assert server.request("GET", "/is_sleeping").json()["is_sleeping"] is True
+            state = swap(server, models, "v1" if held == "v2" else "v2")
+        finally:
+            awake = server.request("POST", "/wake_up?tags=scheduling")
+        assert awake.status == 200, awake.body
+        assert state["state"] == "Failed" and state["reason"] == "EngineSleeping", state
+        assert "wake it up" in state["message"] and state["pausedSeconds"] == 0
+        loaded_everywhere(server, models.digests[held], 1)
+        answers_as(server, models, held)
 
     def test_requests_during_a_swap_are_held_then_stamped_with_the_weights_that_answered(
         self, server: LocalVllm, models: Models

@@ -24,9 +24,9 @@ from typing import Any
 import urllib3
 from kubernetes import client
 
+from weightship.api.inference import DIGEST_HEADER, REVISION_HEADER
+
 log = logging.getLogger(__name__)
-REVISION_HEADER = "X-Weightship-Revision"
-DIGEST_HEADER = "X-Weightship-Manifest-Digest"
 IDLE_LIMIT_S = 2.0
 """Longest a pooled connection may sit idle and still be reused: well under uvicorn's
 keep-alive timeout (5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request sent as the server

@@ -1,10 +1,13 @@
-"""The swapper against a real HTTP server on loopback speaking the plugin's swap protocol
-(POST/GET /weightship/v1/swap), with the Kubernetes writes recorded: what it writes to the
-pod before, after a success and after a failure, and the token it sends."""
+"""In-place swaps, the swapper reporting, the core deciding, apply writing: the swapper
+against a real HTTP server on loopback speaking the contract (POST/GET SWAP_PATH), with
+Kubernetes reads only (a write would fail the test); then what the core decides from its
+report and what apply writes for it, before the swap, after a success and after a failure.
+"""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -12,21 +15,37 @@ from typing import Any, ClassVar
 
 import pytest
 
-from weightship.api.names import DIGEST_ANNOTATION, REVISION_LABEL, SWAP_ANNOTATION, VERIFIED_GATE
+from weightship.api.inference import SwapRequest
+from weightship.api.names import (
+    DIGEST_ANNOTATION,
+    LOADED_ANNOTATION,
+    REVISION_LABEL,
+    SWAP_ANNOTATION,
+    VERIFIED_GATE,
+)
+from weightship.controller.apply import pod_condition_writes
+from weightship.controller.builders import swap_record
+from weightship.controller.kube import PodConditionWrite
 from weightship.controller.seedkey import swap_group
-from weightship.controller.snapshot import pod_swap
+from weightship.controller.snapshot import observed_pods, pod_swap
 from weightship.controller.swapper import Swapper
-from weightship.core.decision import SwapPod
+from weightship.core import inplace
+from weightship.core.context import RolloutContext
+from weightship.core.decide import decide
+from weightship.core.decision import Decision, SwapPod
+from weightship.core.gates import DEFAULT_GATES
+from weightship.core.observed import ManifestResolution, Observed, PodSwap
 from weightship.core.seedtoken import check_token
 from weightship.httpserver import Server
-from weightship_testing.core import make_rollout
+from weightship_testing.core import DIGEST_A, T0, make_rollout
 
 KEY = bytes(range(32))
 DIGEST = "sha256:" + "b" * 64
+SWAP = SwapPod("llm-t-1", "h2", DIGEST, "v2", "canary", "h1", 0, T0)
 
 
 class Plugin(BaseHTTPRequestHandler):
-    """The plugin's side: accepts a swap, then answers GET with ``outcome`` for its digest."""
+    """The server's side: accepts a swap, then answers GET with ``outcome`` for its digest."""
 
     outcome: ClassVar[dict[str, Any]] = {}
     posted: ClassVar[list[tuple[dict[str, Any], str]]] = []
@@ -61,21 +80,12 @@ def plugin() -> Iterator[int]:
         yield server.server_port
 
 
-class Writes:
-    """The Kube calls the swapper makes, recorded (the pod is unready once its gate is)."""
+class Reads:
+    """The Kube the swapper gets: the pod (unready once its gate closed) and the seeding
+    key. Anything else it touches is recorded, and fails the test."""
 
     def __init__(self) -> None:
-        self.patches: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = []
-
-    def patch_pod_condition(
-        self,
-        namespace: str,
-        name: str,
-        condition: dict[str, Any],
-        annotations: dict[str, Any] | None = None,
-        labels: dict[str, str] | None = None,
-    ) -> None:
-        self.patches.append((condition, annotations or {}, labels or {}))
+        self.other: list[str] = []
 
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         return {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
@@ -83,35 +93,51 @@ class Writes:
     def secret_data(self, namespace: str, name: str) -> dict[str, str]:
         return {"key": KEY.hex()}
 
+    def __getattr__(self, name: str) -> Any:
+        self.other.append(name)
+        raise AssertionError(f"the swapper called Kube.{name}")
 
-def swap(port: int, writes: Writes) -> None:
-    rollout = make_rollout()
-    rollout.spec.validation.endpoint.port = port
-    pod = {
+
+def raw_pod(record: PodSwap | None = None, port: int = 0) -> dict[str, Any]:
+    annotations = {SWAP_ANNOTATION: swap_record(record)} if record is not None else {}
+    return {
         "metadata": {
             "name": "llm-t-1",
             "namespace": "serving",
             "uid": "u1",
             "labels": {REVISION_LABEL: "h1"},
+            "annotations": annotations,
         },
-        "status": {"podIP": "127.0.0.1"},
+        "status": {"podIP": "127.0.0.1", "phase": "Running"},
     }
-    swapper = Swapper(writes)  # type: ignore[arg-type]
-    job = swapper._job(
-        rollout, pod, SwapPod("llm-t-1", "h2", DIGEST, "v2", "canary"), "t0", resume=False
-    )
-    swapper._run(job)
+
+
+def swap(port: int, reads: Reads) -> tuple[Swapper, dict[str, Any], PodSwap]:
+    """Start SWAP as reconcile does after apply recorded it; the swapper's report."""
+    rollout = make_rollout()
+    rollout.spec.validation.endpoint.port = port
+    pod = raw_pod(SWAP.record())
+    done = threading.Event()
+    swapper = Swapper(reads, on_done=lambda namespace, name: done.set())  # type: ignore[arg-type]
+    swapper.endpoints_grace_s = 0.0
+    swapper.submit(rollout, [SWAP], [pod])
+    assert done.wait(30)
     swapper.close()
+    assert not reads.other
+    ((uid, report),) = swapper.pending([pod]).items()
+    assert uid == "u1" and report.same_swap(SWAP.record())
+    return swapper, pod, report
 
 
-def test_a_swap_takes_the_pod_out_then_moves_it_to_the_new_revision_unverified(plugin: int) -> None:
+def test_the_swapper_asks_for_the_swap_and_reports_how_it_ended(plugin: int) -> None:
     Plugin.outcome = {"state": "Swapped", "seconds": 1.25, "pausedSeconds": 0.5}
-    writes = Writes()
-    swap(plugin, writes)
+    _swapper, _pod, report = swap(plugin, Reads())
     ((body, authorization),) = Plugin.posted
-    assert body["manifestDigest"] == DIGEST and body["revision"] == "v2"
-    # The rollout verifies pods: the server holds the new weights for the verifier.
-    assert body["holdUntilVerified"] is True
+    # The contract's request; the rollout verifies pods: the server holds the new weights
+    # for the verifier.
+    assert SwapRequest.parse(json.dumps(body).encode()) == SwapRequest(
+        DIGEST, "v2", 30, 300, hold_until_verified=True
+    )
     token = authorization.removeprefix("Bearer ")
     rollout = make_rollout()
     assert (
@@ -120,35 +146,97 @@ def test_a_swap_takes_the_pod_out_then_moves_it_to_the_new_revision_unverified(p
         )
         is None
     )
-    (out, out_notes, out_labels), (done, done_notes, done_labels) = writes.patches
-    assert out["type"] == VERIFIED_GATE and out["status"] == "False" and out["reason"] == "Swapping"
-    assert json.loads(out_notes[SWAP_ANNOTATION])["state"] == "Swapping" and not out_labels
-    # Swapped: the new revision's label and digest, the gate left to the verifier.
-    assert done["status"] == "False" and done["reason"] == "Pending"
-    assert done_labels == {REVISION_LABEL: "h2"} and done_notes[DIGEST_ANNOTATION] == DIGEST
-    record = pod_swap(done_notes)
-    assert record is not None and record.state == "Swapped" and record.to_revision_hash == "h2"
-    assert (
-        record.seconds == 1.25
-        and record.paused_seconds == 0.5
-        and record.from_revision_hash == "h1"
-    )
+    assert report.state == "Swapped" and report.to_revision_hash == "h2"
+    assert report.seconds == 1.25 and report.paused_seconds == 0.5
+    assert report.from_revision_hash == "h1" and report.finished_at is not None
 
 
-def test_a_failed_swap_keeps_the_pod_on_its_revision_with_the_reason(plugin: int) -> None:
+def test_a_failed_swap_is_reported_with_its_reason(plugin: int) -> None:
     Plugin.outcome = {"state": "Failed", "reason": "ChecksumMismatch", "message": "chunk 3"}
-    writes = Writes()
-    swap(plugin, writes)
-    _out, (failed, notes, labels) = writes.patches
-    assert failed["reason"] == "SwapFailed" and "ChecksumMismatch" in failed["message"]
-    assert not labels and DIGEST_ANNOTATION not in notes
-    record = pod_swap(notes)
-    assert record is not None and record.state == "Failed" and record.reason == "ChecksumMismatch"
+    _swapper, _pod, report = swap(plugin, Reads())
+    assert report.state == "Failed" and report.reason == "ChecksumMismatch"
+    assert report.message == "chunk 3"
 
 
 def test_a_server_without_swaps_is_not_supported(plugin: int) -> None:
     Plugin.post_status = 501
-    writes = Writes()
-    swap(plugin, writes)
-    record = pod_swap(writes.patches[-1][1])
-    assert record is not None and record.reason == "NotSupported"
+    _swapper, _pod, report = swap(plugin, Reads())
+    assert report.state == "Failed" and report.reason == "NotSupported"
+
+
+def test_a_report_waits_for_the_record_and_its_swap_is_not_followed_again(plugin: int) -> None:
+    Plugin.outcome = {"state": "Swapped"}
+    swapper, pod, report = swap(plugin, Reads())
+    rollout = make_rollout()
+    rollout.spec.validation.endpoint.port = plugin
+    # The record still says Swapping: the swap runs, as far as the rollout knows, but the
+    # report waits for the core; nothing asks the server again.
+    assert swapper.resume(rollout, [pod])
+    assert not swapper.in_flight and len(Plugin.posted) == 1
+    assert swapper.pending([pod]) == {"u1": report}
+    # Apply wrote the report: it is dropped.
+    written = raw_pod(report)
+    assert not swapper.resume(rollout, [written])
+    assert swapper.pending([written]) == {}
+
+
+def decision_on(pod: dict[str, Any], reports: dict[str, PodSwap] | None = None) -> Decision:
+    observed = Observed(
+        manifest=ManifestResolution(digest=DIGEST_A), pods=observed_pods([pod], None, reports)
+    )
+    return decide(make_rollout(), observed, T0)
+
+
+def test_a_swap_starts_with_its_record_and_the_gate_closed_in_one_write() -> None:
+    rollout = make_rollout()
+    ctx = RolloutContext(rollout, Observed(ManifestResolution(digest=DIGEST_A)), T0, DEFAULT_GATES)
+    decision = Decision(status=rollout.status, swap_records=inplace.swap_records(ctx, [SWAP]))
+    (write,) = pod_condition_writes(decision)
+    assert write.condition["type"] == VERIFIED_GATE and write.condition["status"] == "False"
+    assert write.condition["reason"] == "Swapping" and not write.labels
+    assert pod_swap(dict(write.annotations or {})) == SWAP.record()
+    assert json.loads((write.annotations or {})[SWAP_ANNOTATION])["purpose"] == "canary"
+
+
+def swap_writes(decision: Decision) -> list[PodConditionWrite]:
+    return [w for w in pod_condition_writes(decision) if SWAP_ANNOTATION in (w.annotations or {})]
+
+
+def test_the_core_records_a_swapped_report_and_moves_the_pod_to_its_revision() -> None:
+    report = PodSwap(
+        "h2", DIGEST, "v2", "Swapped", "h1", T0, 1.25, 0.5, restarts=0, purpose="canary"
+    )
+    decision = decision_on(raw_pod(SWAP.record()), {"u1": report})
+    (record,) = decision.swap_records
+    assert record.swap == report
+    (write,) = [
+        w for w in pod_condition_writes(decision) if SWAP_ANNOTATION in (w.annotations or {})
+    ]
+    # Swapped: the new revision's label and digest, the gate left to the verifier.
+    assert write.condition["status"] == "False" and write.condition["reason"] == "Pending"
+    notes = dict(write.annotations or {})
+    assert write.labels == {REVISION_LABEL: "h2"} and notes[DIGEST_ANNOTATION] == DIGEST
+    assert LOADED_ANNOTATION in notes and notes[LOADED_ANNOTATION] is None
+    assert pod_swap(notes) == report
+    # Once the record shows it, nothing more is written.
+    assert not decision_on(raw_pod(report), {"u1": report}).swap_records
+
+
+def test_the_core_records_a_failed_report_and_keeps_the_pod_on_its_revision() -> None:
+    report = PodSwap(
+        "h2", DIGEST, "v2", "Failed", "h1", T0, reason="ChecksumMismatch", message="chunk 3"
+    )
+    decision = decision_on(raw_pod(SWAP.record()), {"u1": report})
+    (write,) = [
+        w for w in pod_condition_writes(decision) if SWAP_ANNOTATION in (w.annotations or {})
+    ]
+    assert write.condition["reason"] == "SwapFailed"
+    assert "ChecksumMismatch" in write.condition["message"]
+    assert not write.labels and DIGEST_ANNOTATION not in (write.annotations or {})
+    record = pod_swap(dict(write.annotations or {}))
+    assert record is not None and record.state == "Failed" and record.reason == "ChecksumMismatch"
+
+
+def test_a_report_of_another_swap_than_the_recorded_one_is_not_written() -> None:
+    other = PodSwap("h3", DIGEST, "v3", "Swapped", "h1", T0)
+    assert not decision_on(raw_pod(SWAP.record()), {"u1": other}).swap_records

@@ -12,11 +12,12 @@ from typing import Any
 from weightship.api.models import ModelRollout
 from weightship.api.names import DELETION_COST_ANNOTATION, REVISION_LABEL, VERIFIED_GATE
 from weightship.api.status import AbortRequest, ControlStatus, PromoteRequest
-from weightship.controller.builders import DRAINED_DELETION_COST, draining_condition
+from weightship.controller.builders import DRAINED_DELETION_COST, gate_condition
 from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction
 from weightship.core.observed import ManifestResolution, Observed
+from weightship.core.pod_gates import draining
 from weightship.core.verification import DRAINING
 from weightship_testing.core import (
     DIGEST_A,
@@ -59,7 +60,7 @@ class Cluster:
                 self.resize(action.name, action.replicas)
         for drain in decision.drain_pods:
             pod = self.pod(drain.pod)
-            _set_gate(pod, draining_condition(drain))
+            _set_gate(pod, gate_condition(draining(drain)))
             pod["metadata"]["annotations"][DELETION_COST_ANNOTATION] = DRAINED_DELETION_COST
         for name in decision.undrain_pods:
             pod = self.pod(name)

@@ -12,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from weightship.integrations.vllm.swap import SwapAuth, SwapRequest
+from weightship.api.inference import SwapRequest
+from weightship.integrations.serving import SwapAuth
 from weightship.weightformat.cachedir import STAGED_MARKER
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check_inplace.py"

@@ -91,6 +91,17 @@ RULES = (
         )
         for tests in TESTS
     ),
+    Rule(
+        f"{PRODUCT}/integrations/sglang",
+        "weightship.integrations.vllm",
+        "the SGLang adapter and the vLLM plugin share the contract (weightship.api.inference) "
+        "and its server side (weightship.integrations.serving), never each other's code",
+    ),
+    Rule(
+        f"{PRODUCT}/integrations/vllm",
+        "weightship.integrations.sglang",
+        "the vLLM plugin and the SGLang adapter share weightship.integrations.serving",
+    ),
     *(
         Rule(
             rig,
@@ -281,3 +292,130 @@ def test_the_circle_check_sees_a_circle_through_type_checking_imports() -> None:
     ]
     del sources[f"{PRODUCT}/p/c.py"]
     assert circles(import_graph(sources)) == []
+
+
+# -- the seams between processes -----------------------------------------------------------
+
+CONTRACT = f"{PRODUCT}/api/inference.py"
+
+
+def contract_strings() -> dict[str, str]:
+    """The inference-server contract's paths, headers and failure reasons: name to value."""
+    from weightship.api import inference
+
+    named = {
+        name: getattr(inference, name)
+        for name in dir(inference)
+        if name.endswith(("_PATH", "_HEADER"))
+    }
+    return named | {f"FailureReason.{r.name}": r.value for r in inference.FailureReason}
+
+
+def literals(path: str, source: str) -> Iterator[tuple[int, str]]:
+    """Every string literal of the file (f-strings' literal parts too), with its line."""
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def spelled(values: set[str], paths: list[str]) -> dict[str, list[str]]:
+    """Where each of ``values`` is written as a whole string literal: value to places."""
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        for line, text in literals(path, (REPO / path).read_text()):
+            if text in values:
+                found.setdefault(text, []).append(f"{path}:{line}")
+    return found
+
+
+def test_the_inference_server_contract_is_spelled_once() -> None:
+    """Its paths, headers and reasons are written once, in the contract; the product
+    imports them (the prose of docstrings aside)."""
+    strings = contract_strings()
+    assert {"LOADED_PATH", "FailureReason.CHECKSUM_MISMATCH", "VERIFY_HEADER"} <= set(strings)
+    found = spelled(set(strings.values()), files(PRODUCT))
+    again = {
+        value: places
+        for value, places in found.items()
+        if len(places) > 1 or not places[0].startswith(f"{CONTRACT}:")
+    }
+    assert not again, "written again outside weightship.api.inference:\n" + "\n".join(
+        f"{value!r}: {', '.join(places)}" for value, places in sorted(again.items())
+    )
+
+
+def test_the_spelling_check_finds_a_reason_written_out() -> None:
+    sources = {
+        "a.py": 'raise LoadFailure("ChecksumMismatch", f"{x} is not /weightship/v1/loaded")\n',
+        "b.py": '"""A docstring that says ChecksumMismatch."""\nX = f"{Y}ChecksumMismatch"\n',
+    }
+    found = [
+        text
+        for path, source in sources.items()
+        for _line, text in literals(path, source)
+        if text in {"ChecksumMismatch", "/weightship/v1/loaded"}
+    ]
+    assert found == ["ChecksumMismatch", "ChecksumMismatch"]
+
+
+# Kubernetes' writing verbs, as the client and the controller's Kube name their methods.
+WRITE_VERBS = ("patch_", "create_", "delete_", "replace_", "label_", "scale_", "set_")
+
+
+def kube_writes() -> frozenset[str]:
+    """The methods of the controller's Kube that write: each calls a client method with a
+    writing verb, or another of its own that does."""
+    tree = ast.parse((REPO / PRODUCT / "controller/kube.py").read_text())
+    kube = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kube")
+    methods = {m.name: m for m in kube.body if isinstance(m, ast.FunctionDef)}
+
+    def calls(method: ast.FunctionDef) -> set[str]:
+        return {
+            n.func.attr
+            for n in ast.walk(method)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+        }
+
+    writes = {
+        name
+        for name, method in methods.items()
+        if any(c.startswith(WRITE_VERBS) for c in calls(method) if c not in methods)
+    }
+    while more := {n for n, m in methods.items() if n not in writes and calls(m) & writes}:
+        writes |= more
+    return frozenset(writes)
+
+
+def attributes(path: str) -> dict[str, list[int]]:
+    """Every attribute the file reads or calls (``x.name``), with its lines."""
+    found: dict[str, list[int]] = {}
+    source = (REPO / path).read_text()
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Attribute):
+            found.setdefault(node.attr, []).append(node.lineno)
+    return found
+
+
+def test_the_swapper_writes_nothing_to_kubernetes() -> None:
+    """The swapper reports, the core decides, apply writes (as for the verifier): it uses
+    none of Kube's writes, and no Kubernetes client at all."""
+    writes = kube_writes()
+    assert {"patch_pod_condition", "patch_pod_conditions", "delete_pod", "label_node"} <= writes
+    assert {"pod", "secret_data"}.isdisjoint(writes)
+    swapper = f"{PRODUCT}/controller/swapper.py"
+    used = {name: lines for name, lines in attributes(swapper).items() if name in writes}
+    assert not used, f"{swapper} writes: {used}"
+    clients = [
+        f for f in imports(swapper, (REPO / swapper).read_text()) if _under(f.target, "kubernetes")
+    ]
+    assert not clients, "\n".join(map(str, clients))
+
+
+def test_pods_are_written_by_apply_alone() -> None:
+    """In the controller, only apply calls Kube's pod writes (Kube itself aside)."""
+    pod_writes = {name for name in kube_writes() if "pod" in name}
+    assert {"patch_pod_condition", "patch_pod_conditions", "delete_pod"} <= pod_writes
+    writers = {
+        path for path in files(f"{PRODUCT}/controller") if pod_writes & set(attributes(path))
+    }
+    assert writers == {f"{PRODUCT}/controller/apply.py", f"{PRODUCT}/controller/kube.py"}

@@ -36,16 +36,17 @@ from typing import Any
 
 import pytest
 
+from weightship.api.inference import FailureReason
+from weightship.core.inplace import INTACT_REASONS
 from weightship.core.seedtoken import join_token
 from weightship.httpserver import QuietHandler, Server
-from weightship.integrations.sglang.__main__ import initial_weights, parse_args, upstream_of
-from weightship.integrations.sglang.adapter import READBACK_MISMATCH, Adapter
+from weightship.integrations.serving import SwapAuth, Weights
+from weightship.integrations.sglang.__main__ import parse_args, upstream_of
+from weightship.integrations.sglang.adapter import Adapter
 from weightship.integrations.sglang.client import SGLangClient
 from weightship.integrations.sglang.gate import Gate, Ticket
 from weightship.integrations.sglang.server import serve
 from weightship.integrations.sglang.verify import VerifiedModel
-from weightship.integrations.vllm.stamp import Weights
-from weightship.integrations.vllm.swap import SwapAuth
 from weightship_dev.vllmlocal import stage
 from weightship_testing.tinyvllm.build import BuiltModel, Shape, build
 
@@ -314,7 +315,7 @@ def rig(tmp_path: Path, models: dict[str, BuiltModel]) -> Iterator[Rig]:
         client=SGLangClient(f"http://127.0.0.1:{upstream.server_port}"),
         auth=SwapAuth.from_env(env),
         cache_dir=cache,
-        start=initial_weights(env),
+        start=Weights.from_env(env),
     )
     front = serve(adapter, "127.0.0.1", 0, ("127.0.0.1", upstream.server_port))
     front.start("sglang-adapter", poll_interval_s=0.05)
@@ -399,14 +400,14 @@ def test_sglang_serving_another_folder_or_version_fails_the_report(rig: Rig) -> 
     assert model is not None
     assert not rig.adapter.await_server(model, timeout=10)
     doc = rig.get("/weightship/v1/loaded")
-    assert (doc["state"], doc["reason"]) == ("Failed", READBACK_MISMATCH)
+    assert (doc["state"], doc["reason"]) == ("Failed", FailureReason.READBACK_MISMATCH)
     assert "--weight-version" in doc["message"]
 
 
 def test_sglang_changing_under_the_adapter_is_seen_at_the_next_report(up: Rig) -> None:
     up.sglang.model_path = str(up.files["v2"])  # e.g. someone reached its admin port
     doc = up.get("/weightship/v1/loaded")
-    assert (doc["state"], doc["reason"]) == ("Failed", READBACK_MISMATCH)
+    assert (doc["state"], doc["reason"]) == ("Failed", FailureReason.READBACK_MISMATCH)
     assert "model_path" in doc["message"]
 
 
@@ -426,14 +427,15 @@ def test_swap_verifies_then_pauses_updates_reads_back_and_resumes(up: Rig) -> No
         "/weights_checker",
         "/continue_generation",
     ]
+    # Nothing was running (the drain saw to it), and nothing SGLang holds is aborted.
     _, _, pause = up.sglang.calls[0]
-    assert pause == {"mode": "abort"}
+    assert pause == {"mode": "retract"}
     _, _, update = up.sglang.calls[1]
     assert update == {
         "model_path": str(up.files["v2"]),
         "weight_version": "v2",
         "flush_cache": True,
-        "abort_all_requests": True,
+        "abort_all_requests": False,
     }
     doc = up.get("/weightship/v1/loaded")
     assert (doc["state"], doc["manifestDigest"], doc["source"]) == (
@@ -457,7 +459,7 @@ def test_swap_back_must_give_the_checksum_the_digest_had_before(up: Rig) -> None
     up.adapter.checksums[up.digest("v1")] = "0" * 64
     state = up.swapped("v1", "v1")
     assert (state["state"], state["reason"]) == ("Failed", "MixedWeights")
-    assert READBACK_MISMATCH in state["message"]
+    assert FailureReason.READBACK_MISMATCH in state["message"]
 
 
 def test_a_reload_that_kept_the_old_weights_is_caught_by_the_checksum(up: Rig) -> None:
@@ -591,12 +593,45 @@ def test_a_subtly_bad_revision_swaps_in_and_is_reported_as_it_is(up: Rig) -> Non
 # -- requests across a swap ------------------------------------------------------------------------
 
 
-def test_a_request_still_running_at_the_drain_timeout_is_cut_not_mixed(up: Rig) -> None:
+Answers = list[tuple[int, dict[str, str], bytes]]
+
+
+def held_request(up: Rig) -> tuple[threading.Thread, Answers]:
+    """A request that runs in SGLang until ``up.sglang.hold`` is set; its answer lands in
+    the list once it ends."""
     up.sglang.hold = threading.Event()
-    answers: list[tuple[int, dict[str, str], bytes]] = []
+    answers: Answers = []
     running = threading.Thread(target=lambda: answers.append(up.complete("hold")))
     running.start()
     assert up.sglang.held.wait(10)
+    return running, answers
+
+
+def test_a_request_still_running_at_the_drain_timeout_refuses_the_swap_and_finishes(
+    up: Rig,
+) -> None:
+    """By default nothing is ever aborted: the swap is refused before anything changed,
+    the request is answered by the weights it started on, and a later swap goes on."""
+    running, answers = held_request(up)
+    state = up.swapped("v2", "v2", drainTimeoutSeconds=0)
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.DRAIN_TIMEOUT, state
+    assert "1 request(s) still ran" in state["message"]
+    assert FailureReason.DRAIN_TIMEOUT in INTACT_REASONS  # the pod holds what it had
+    assert up.adapter.gate.mode == "open" and up.adapter.gate.weights.revision == "v1"
+    up.sglang.hold.set()
+    running.join(30)
+    [(status, headers, body)] = answers
+    assert status == 200
+    assert stamped(headers) == ("v1", up.digest("v1"))
+    assert json.loads(body)["choices"][0]["text"].startswith("made by v1")
+    assert not {"/pause_generation", "/update_weights_from_disk"} & set(up.sglang.names())
+    assert not up.sglang.aborted.is_set()
+    assert up.swapped("v2", "v2", drainTimeoutSeconds=0)["state"] == "Swapped"
+
+
+def test_with_abort_on_drain_timeout_a_running_request_is_cut_not_mixed(up: Rig) -> None:
+    up.adapter.abort_on_drain_timeout = True
+    running, answers = held_request(up)
     state = up.swapped("v2", "v2", drainTimeoutSeconds=0)
     up.sglang.hold.set()
     running.join(30)
@@ -605,14 +640,13 @@ def test_a_request_still_running_at_the_drain_timeout_is_cut_not_mixed(up: Rig) 
     assert status == 503
     assert json.loads(body)["reason"] == "WeightsChanged"
     assert stamped(headers) == ("v1", up.digest("v1"))
+    assert up.sglang.aborted.is_set()
+    update = next(body for _, path, body in up.sglang.calls if path == "/update_weights_from_disk")
+    assert update["abort_all_requests"] is True
 
 
 def test_requests_finishing_within_the_drain_are_answered_by_the_old_weights(up: Rig) -> None:
-    up.sglang.hold = threading.Event()
-    answers: list[tuple[int, dict[str, str], bytes]] = []
-    running = threading.Thread(target=lambda: answers.append(up.complete("hold")))
-    running.start()
-    assert up.sglang.held.wait(10)
+    running, answers = held_request(up)
     status, _ = up.swap("v2", "v2", drainTimeoutSeconds=60)
     assert status == 202
     assert wait_for(lambda: up.adapter.gate.mode == "closed")
@@ -796,12 +830,13 @@ def test_command_line() -> None:
     args, command = parse_args(
         ["--port", "8000", "--", "python", "-m", "sglang.launch_server", "--port", "30000"]
     )
-    assert args.port == 8000
+    assert args.port == 8000 and not args.abort_on_drain_timeout
     assert command == ["python", "-m", "sglang.launch_server", "--port", "30000"]
+    assert parse_args(["--abort-on-drain-timeout"])[0].abort_on_drain_timeout
     assert upstream_of("http://127.0.0.1:30000") == ("127.0.0.1", 30000)
     with pytest.raises(SystemExit, match="loopback"):
         upstream_of("http://10.0.0.5:30000")
-    assert initial_weights({}) == Weights("unknown", None)
+    assert Weights.from_env({}) == Weights("unknown", None)
 
 
 def free_port() -> int:

@@ -22,7 +22,8 @@ from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightship.core.verification import LoadReport, load_verdict
+from weightship.api.inference import LoadReport
+from weightship.core.verification import load_verdict
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, S3Settings, make_client

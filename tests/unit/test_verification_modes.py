@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from weightship.api.inference import LoadReport, termination_message
 from weightship.api.models import ModelRollout
 from weightship.api.names import (
     DIGEST_ANNOTATION,
@@ -34,7 +35,7 @@ from weightship.controller.verifier import (
 )
 from weightship.core.pod_gates import pod_gates
 from weightship.core.seedtoken import check_token
-from weightship.core.verification import LoadReport, StagedEvidence, termination_message
+from weightship.core.verification import StagedEvidence
 from weightship.httpserver import QuietHandler, Server
 from weightship_testing.samples import VALID_MANIFEST
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightship.core.verification import LoadReport, report_from_termination, termination_message
+from weightship.api.inference import LoadReport, report_from_termination, termination_message
 from weightship.integrations.vllm import claim_run_dir
 from weightship.integrations.vllm.reports import (
     RankReport,

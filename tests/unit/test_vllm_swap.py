@@ -9,27 +9,31 @@ from pathlib import Path
 
 import pytest
 
-from weightship.core.loadreport import LoadReport
-from weightship.core.seedtoken import join_token
-from weightship.integrations.vllm.reports import RankReport, merge
-from weightship.integrations.vllm.swap import (
-    ENGINE_ERROR,
+from weightship.api.inference import (
     MAX_SWAP_BODY,
-    RankOutcome,
-    StepTimes,
-    SwapAuth,
+    FailureReason,
+    LoadReport,
     SwapRequest,
     SwapRequestError,
     SwapState,
-    SwapTracker,
     bearer_token,
-    config_changes,
-    first_failure,
     parse_verified,
+    rfc3339,
+)
+from weightship.core.seedtoken import join_token
+from weightship.integrations.serving import (
+    StepTimes,
+    SwapAuth,
+    SwapTracker,
+    config_changes,
+    refused,
+)
+from weightship.integrations.vllm.reports import RankReport, merge
+from weightship.integrations.vllm.swap import (
+    RankOutcome,
+    first_failure,
     ranked,
     read_outcomes,
-    refusal_doc,
-    rfc3339,
     write_outcome,
 )
 from weightship.weightformat.build import LocalFolder, build_manifest
@@ -153,7 +157,7 @@ def test_a_swap_without_the_right_token_is_refused(
 ) -> None:
     refusal = auth().check(authorization, SwapRequest(DIGEST, "v2"), NOW)
     assert refusal is not None and (refusal.status, refusal.reason) == (status, reason)
-    doc = refusal_doc(refusal)
+    doc = refused(refusal)[1].to_json()
     assert doc["accepted"] is False
     if authorization:
         assert authorization.split(" ", 1)[-1] not in json.dumps(doc) or status == 401
@@ -309,8 +313,10 @@ def test_outcomes_round_trip_and_silence_is_a_failure(tmp_path: Path) -> None:
     write_outcome(tmp_path, RankOutcome("s0", "stage", 1, True))  # an older swap's
     got = read_outcomes(tmp_path, "s1", "stage", 3)
     assert got[0] == RankOutcome("s1", "stage", 0, True, seconds=0.5)
-    assert not got[1].ok and got[1].reason == ENGINE_ERROR  # rank 1 answered another swap
-    assert not got[2].ok and got[2].reason == ENGINE_ERROR  # rank 2 wrote nothing
+    assert (
+        not got[1].ok and got[1].reason == FailureReason.ENGINE_ERROR
+    )  # rank 1 answered another swap
+    assert not got[2].ok and got[2].reason == FailureReason.ENGINE_ERROR  # rank 2 wrote nothing
     assert first_failure(got) == got[1]
     (tmp_path / "swap-rank-0.json").write_text("{not json")
     assert not read_outcomes(tmp_path, "s1", "stage", 1)[0].ok
@@ -318,7 +324,7 @@ def test_outcomes_round_trip_and_silence_is_a_failure(tmp_path: Path) -> None:
 
 def test_a_ranks_own_failure_comes_before_one_that_did_not_answer() -> None:
     outcomes = [
-        RankOutcome("s", "stage", 0, False, ENGINE_ERROR, "no answer"),
+        RankOutcome("s", "stage", 0, False, FailureReason.ENGINE_ERROR, "no answer"),
         RankOutcome("s", "stage", 1, False, "ChecksumMismatch", "lm_head.weight: checksum"),
         RankOutcome("s", "stage", 2, True),
     ]
@@ -382,7 +388,7 @@ def test_only_a_weightship_loaded_engine_with_the_weightship_transfer_engine_swa
 
 
 def test_the_first_stamp_is_the_pods_env() -> None:
-    from weightship.integrations.vllm.stamp import Weights
+    from weightship.integrations.serving import Weights
 
     env = {"WEIGHTSHIP_MODEL_REVISION": "v1", "WEIGHTSHIP_MANIFEST_DIGEST": DIGEST}
     assert Weights.from_env(env) == Weights("v1", DIGEST)

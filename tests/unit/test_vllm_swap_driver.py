@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import FailureReason, LoadReport, SwapRequest
+from weightship.core.inplace import INTACT_REASONS
+from weightship.integrations.serving import SwapTracker, Weights
 from weightship.integrations.vllm.reports import (
     RankReport,
     merge,
@@ -24,8 +26,7 @@ from weightship.integrations.vllm.reports import (
 )
 from weightship.integrations.vllm.settings import PluginSettings
 from weightship.integrations.vllm.staging import SwapFaults, SwapSession, remember_loaded
-from weightship.integrations.vllm.stamp import Ticket, Weights, WeightsGate
-from weightship.integrations.vllm.swap import SwapRequest, SwapTracker
+from weightship.integrations.vllm.stamp import Ticket, WeightsGate
 from weightship.integrations.vllm.swapdriver import SwapDriver
 from weightship.loader.load import load_model
 from weightship.weightformat.build import LocalFolder, build_manifest
@@ -96,12 +97,22 @@ class Engine:
     calls: list[str] = field(default_factory=list)
     fail_on: str | None = None
     slow: float = 0.0
+    sleeping: bool = False  # vLLM's sleep mode (which pauses the scheduler too)
+    paused: bool = False
+    sleep_checks: int = 0
+
+    async def is_sleeping(self) -> bool:
+        """As vLLM says it: asleep, or only paused."""
+        self.sleep_checks += 1
+        return self.sleeping or self.paused
 
     async def pause_generation(self, *, mode: Any = "abort", clear_cache: bool = True) -> None:
         self.calls.append(f"pause:{mode}")
+        self.paused = True
 
     async def resume_generation(self) -> None:
         self.calls.append("resume")
+        self.paused = False
 
     async def start_weight_update(self) -> None:
         self.calls.append("start")
@@ -276,6 +287,27 @@ def test_what_cannot_fit_is_refused_before_anything_pauses(
     assert state["state"] == "Failed" and state["reason"] == reason, state
     assert s.engine.calls == [] and state["pausedSeconds"] == 0
     assert mode(s) == "open" and s.gate.epoch == 0
+
+
+def test_no_swap_while_the_engine_sleeps(staged: Staged, tmp_path: Path) -> None:
+    """vLLM's sleep mode offloads or drops the weights, and an update then crashes the
+    engine: the swap is refused before anything pauses, with its own reason, and runs
+    once the engine is awake again."""
+    s = server(staged, tmp_path, world=1)
+    s.engine.sleeping = True
+    state = run(s.swap(staged, "v2"))
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.ENGINE_SLEEPING
+    assert "wake it up" in state["message"] and state["pausedSeconds"] == 0.0
+    assert s.engine.sleep_checks == 1
+    assert s.engine.calls == []  # nothing paused, nothing sent to the ranks
+    assert s.gate.mode == "open" and s.gate.weights.revision == "v1"
+    assert s.loaded().manifest_digest == staged.digest("v1")
+    assert FailureReason.ENGINE_SLEEPING in INTACT_REASONS  # the pod holds what it had
+    s.engine.sleeping = False
+    assert run(s.swap(staged, "v2"))["state"] == "Swapped"
+    s.engine.paused = True  # paused by someone else (or vLLM's sleep level 0): the same
+    state = run(s.swap(staged, "v1"))
+    assert state["state"] == "Failed" and state["reason"] == FailureReason.ENGINE_SLEEPING
 
 
 def test_the_ranks_refuse_a_changed_config_even_if_the_api_server_could_not_tell(

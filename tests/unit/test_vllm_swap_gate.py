@@ -8,16 +8,13 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from weightship.integrations.vllm.stamp import (
-    DIGEST_HEADER,
-    MAX_HELD,
-    REVISION_HEADER,
+from weightship.integrations.serving import (
+    DIGEST_HEADER_KEY,
+    REVISION_HEADER_KEY,
     Refused,
-    StampMiddleware,
     Weights,
-    WeightsGate,
-    gated,
 )
+from weightship.integrations.vllm.stamp import MAX_HELD, StampMiddleware, WeightsGate, gated
 
 V1 = Weights("v1", "sha256:" + "1" * 64)
 V2 = Weights("v2", "sha256:" + "2" * 64)
@@ -44,7 +41,7 @@ class App:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (REVISION_HEADER, b"spoofed")],
+                "headers": [(b"content-type", b"text/plain"), (REVISION_HEADER_KEY, b"spoofed")],
             }
         )
         if path.startswith("/stream"):
@@ -83,7 +80,7 @@ def headers(sent: Sent) -> dict[bytes, bytes]:
 
 def stamped(sent: Sent) -> tuple[str, str]:
     h = headers(sent)
-    return h[REVISION_HEADER].decode(), h[DIGEST_HEADER].decode()
+    return h[REVISION_HEADER_KEY].decode(), h[DIGEST_HEADER_KEY].decode()
 
 
 def body(sent: Sent) -> bytes:
@@ -109,7 +106,7 @@ def test_every_response_is_stamped_with_the_weights_serving_it() -> None:
             task, sent = request(mw, path)
             await task
             assert status(sent) == 200 and stamped(sent) == ("v1", V1.manifest_digest)
-            assert list(headers(sent)).count(REVISION_HEADER) == 1  # the app's own is replaced
+            assert list(headers(sent)).count(REVISION_HEADER_KEY) == 1  # the app's own is replaced
         assert gate.in_flight == 0
 
     run(test)
@@ -326,9 +323,9 @@ def test_wait_idle_returns_once_admitted_requests_are_done() -> None:
 
 def test_header_values_are_printable_ascii() -> None:
     weird = Weights("v2\r\nX-Evil: 1", None)
-    assert dict(weird.headers())[REVISION_HEADER] == b"v2X-Evil: 1"
-    assert dict(weird.headers())[DIGEST_HEADER] == b""
-    assert dict(Weights("", None).headers())[REVISION_HEADER] == b"unknown"
+    assert dict(weird.headers())[REVISION_HEADER_KEY] == b"v2X-Evil: 1"
+    assert dict(weird.headers())[DIGEST_HEADER_KEY] == b""
+    assert dict(Weights("", None).headers())[REVISION_HEADER_KEY] == b"unknown"
 
 
 def test_probes_metrics_and_the_plugins_own_routes_are_not_gated() -> None:

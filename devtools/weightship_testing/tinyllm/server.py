@@ -34,7 +34,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import LOADED_PATH, LoadReport
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
@@ -47,7 +47,6 @@ from weightship_testing.tinyllm.weights import LoadFailure, obtain_weights
 
 log = logging.getLogger("tinyllm")
 
-LOADED_PATH = "/weightship/v1/loaded"
 COMPLETIONS_PATH = "/v1/completions"
 MODEL_NAME = "tinyllm"
 MAX_TOKENS_LIMIT = 4096  # as spec.validation.goldenPrompts[].maxTokens

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from prometheus_client import CollectorRegistry
 
+from weightship.api.inference import FailureReason
 from weightship.data.chunkstore import ChunkStore
 from weightship.data.metrics import DataPlaneMetrics
 from weightship.data.s3 import S3Location, S3Origin, make_client
@@ -32,14 +33,13 @@ from weightship_testing.tinyllm.model import ModelConfig
 from weightship_testing.tinyllm.settings import Settings
 
 Source = Literal["cache", "origin", "broadcast"]
-Reason = Literal["ChecksumMismatch", "BroadcastChecksumMismatch", "ManifestMismatch", "LoadError"]
 log = logging.getLogger("tinyllm")
 
 
 class LoadFailure(Exception):
     """Weights that must not be served, with the reason the server reports."""
 
-    def __init__(self, reason: Reason, message: str, digest: str | None = None) -> None:
+    def __init__(self, reason: FailureReason, message: str, digest: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -73,11 +73,13 @@ def obtain_weights(settings: Settings) -> Obtained:
         loaded = load_model(staged, manifest, device=settings.device)
         config = _config(loaded.files, manifest)
     except (ChunkVerificationError, WeightsVerificationError) as exc:
-        raise LoadFailure("ChecksumMismatch", str(exc), manifest.digest) from exc
+        raise LoadFailure(FailureReason.CHECKSUM_MISMATCH, str(exc), manifest.digest) from exc
     except LoadFailure:
         raise
     except Exception as exc:
-        raise LoadFailure("LoadError", f"{type(exc).__name__}: {exc}", manifest.digest) from exc
+        raise LoadFailure(
+            FailureReason.LOAD_ERROR, f"{type(exc).__name__}: {exc}", manifest.digest
+        ) from exc
     return Obtained(
         tensors=loaded.tensors,
         config=config,
@@ -100,7 +102,9 @@ def _receive(
         received = settings.seed.receive(manifest, device=settings.device)
     except SeedingError as exc:
         if not exc.fall_back:
-            raise LoadFailure("BroadcastChecksumMismatch", exc.message, manifest.digest) from exc
+            raise LoadFailure(
+                FailureReason.BROADCAST_CHECKSUM_MISMATCH, exc.message, manifest.digest
+            ) from exc
         log.warning("broadcast seeding failed (%s); loading from the node cache", exc)
         return None
     config = ModelConfig.from_json(_verified_file(settings, manifest, staged, CONFIG_NAME))
@@ -119,13 +123,15 @@ def _verified_file(settings: Settings, manifest: Manifest, staged: Path | None, 
     """A small non-tensor file (config.json), from the cache or S3, checked by sha256."""
     entry = next((f for f in manifest.files if f.path == name), None)
     if entry is None:
-        raise LoadFailure("LoadError", f"the manifest lists no {name}", manifest.digest)
+        raise LoadFailure(
+            FailureReason.LOAD_ERROR, f"the manifest lists no {name}", manifest.digest
+        )
     data = (
         (staged / name).read_bytes() if staged is not None else _origin(settings).read_bytes(name)
     )
     if hashlib.sha256(data).hexdigest() != entry.sha256:
         raise LoadFailure(
-            "ChecksumMismatch", f"{name} does not match the manifest", manifest.digest
+            FailureReason.CHECKSUM_MISMATCH, f"{name} does not match the manifest", manifest.digest
         )
     return data
 
@@ -139,7 +145,9 @@ def _staged_files(settings: Settings) -> Path | None:
 
 def _origin(settings: Settings) -> S3Origin:
     if not settings.model_uri:
-        raise LoadFailure("LoadError", "the model is not in the node cache and no S3 URI is set")
+        raise LoadFailure(
+            FailureReason.LOAD_ERROR, "the model is not in the node cache and no S3 URI is set"
+        )
     return S3Origin(make_client(settings.s3), S3Location.parse(settings.model_uri))
 
 
@@ -153,12 +161,12 @@ def _find_manifest(settings: Settings, staged: Path | None) -> Manifest:
     except LoadFailure:
         raise
     except Exception as exc:
-        raise LoadFailure("LoadError", f"cannot read the manifest: {exc}") from exc
+        raise LoadFailure(FailureReason.LOAD_ERROR, f"cannot read the manifest: {exc}") from exc
     want = settings.manifest_digest
     if want is not None and manifest.digest != want:
         where = staged.parent if staged else settings.model_uri
         raise LoadFailure(
-            "ManifestMismatch",
+            FailureReason.MANIFEST_MISMATCH,
             f"the manifest at {where} is {manifest.digest}, the rollout wants {want}",
             manifest.digest,
         )
@@ -182,5 +190,7 @@ def _stage_from_origin(settings: Settings, manifest: Manifest) -> Path:
 def _config(files: Mapping[str, bytes], manifest: Manifest) -> ModelConfig:
     """config.json, verified by the loader along with the weights."""
     if CONFIG_NAME not in files:
-        raise LoadFailure("LoadError", f"the manifest lists no {CONFIG_NAME}", manifest.digest)
+        raise LoadFailure(
+            FailureReason.LOAD_ERROR, f"the manifest lists no {CONFIG_NAME}", manifest.digest
+        )
     return ModelConfig.from_json(files[CONFIG_NAME])

@@ -34,6 +34,9 @@ SEED_WORLD_SIZE_ENV = "WEIGHTSHIP_SEED_WORLD_SIZE"
 SEED_BACKEND_ENV = "WEIGHTSHIP_SEED_BACKEND"
 SEED_TIMEOUT_ENV = "WEIGHTSHIP_SEED_TIMEOUT_SECONDS"
 SEED_BUCKET_BYTES_ENV = "WEIGHTSHIP_SEED_BUCKET_BYTES"
+# Where a server that refuses its weights writes why before it exits (the vLLM plugin, the
+# SGLang adapter; default api.inference.DEFAULT_TERMINATION_LOG).
+TERMINATION_LOG_ENV = "WEIGHTSHIP_TERMINATION_LOG"
 
 # Settings the chart gives more than one process (the operator, the agent).
 METRICS_PORT_ENV = "WEIGHTSHIP_METRICS_PORT"

@@ -37,7 +37,7 @@ def staged_node_label(manifest_digest: str) -> str:
 # Annotations.
 DIGEST_ANNOTATION = f"{GROUP}/manifest-digest"
 MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
-# The swapper's record of a pod's last in-place swap (JSON; controller/swapper.py).
+# The record of a pod's last in-place swap (JSON; controller/builders.swap_record).
 SWAP_ANNOTATION = f"{GROUP}/swap"
 # The verifier's records on a pod (controller/verifier.py).
 LOADED_ANNOTATION = f"{GROUP}/loaded"

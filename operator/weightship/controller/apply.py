@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from weightship.api.models import ModelRollout
@@ -16,17 +17,17 @@ from weightship.api.names import DELETION_COST_ANNOTATION, REVISION_LABEL, stage
 from weightship.controller.builders import (
     DEFAULT_CACHE_DIR,
     DRAINED_DELETION_COST,
-    draining_condition,
     gate_condition,
-    pending_condition,
     replicaset_body,
     replicaset_name,
     retemplate_patch,
     scale_patch,
+    swap_record_write,
 )
 from weightship.controller.kube import Kube, PodConditionWrite
 from weightship.controller.seedkey import SeedKeys
-from weightship.core.decision import CreateReplicaSet, Decision, ScaleWorkload
+from weightship.core.decision import CreateReplicaSet, Decision, RecordSwap, ScaleWorkload
+from weightship.core.pod_gates import draining, pending
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +56,35 @@ def carry_out(
 
 
 def pod_condition_writes(decision: Decision) -> list[PodConditionWrite]:
-    """The decision's gate, reverify, drain and undrain writes, in that order."""
+    """The decision's gate, reverify, drain, undrain and swap-record writes, in that order
+    (a swap's record last: its gate is the one the pod keeps)."""
     cost = {DELETION_COST_ANNOTATION: DRAINED_DELETION_COST}
+    now = datetime.now(UTC)
     return [
         *(
             PodConditionWrite(g.pod, gate_condition(g), dict(g.annotations) or None)
             for g in decision.pod_gates
         ),
         *(
-            PodConditionWrite(pod, pending_condition("its swap was refused"))
+            PodConditionWrite(pod, gate_condition(pending(pod, "its swap was refused", now)))
             for pod in decision.reverify_pods
         ),
-        *(PodConditionWrite(d.pod, draining_condition(d), cost) for d in decision.drain_pods),
+        *(PodConditionWrite(d.pod, gate_condition(draining(d)), cost) for d in decision.drain_pods),
         *(
             PodConditionWrite(
                 pod,
-                pending_condition("its scale-down was called off"),
+                gate_condition(pending(pod, "its scale-down was called off", now)),
                 {DELETION_COST_ANNOTATION: None},
             )
             for pod in decision.undrain_pods
         ),
+        *map(_swap_record_write, decision.swap_records),
     ]
+
+
+def _swap_record_write(record: RecordSwap) -> PodConditionWrite:
+    condition, annotations, labels = swap_record_write(record)
+    return PodConditionWrite(record.pod, condition, annotations, labels)
 
 
 def apply_replica_sets(

@@ -7,6 +7,7 @@ shapes are unit-tested without a cluster.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -24,16 +25,20 @@ from weightship.api.env import (
 from weightship.api.models import ModelRollout
 from weightship.api.names import (
     DIGEST_ANNOTATION,
+    FAILED_PROMPT_ANNOTATION,
+    LOADED_ANNOTATION,
     MODEL_REVISION_ANNOTATION,
+    RESTARTS_ANNOTATION,
     REVISION_LABEL,
     ROLLOUT_LABEL,
+    SWAP_ANNOTATION,
     TEMPLATE_LABEL,
     VERIFIED_GATE,
     staged_node_label,
 )
 from weightship.controller.seedkey import seed_key_env
-from weightship.core.decision import DrainPod, SeedEnv, SetGate
-from weightship.core.verification import DRAINING
+from weightship.core.decision import RecordSwap, SeedEnv, SetGate
+from weightship.core.observed import PodSwap
 from weightship.data import viewlayout
 from weightship.weightformat.cachedir import (
     FILES_DIR,
@@ -176,36 +181,63 @@ def scale_patch(replicas: int, seed: SeedEnv | None = None) -> dict[str, Any]:
 
 
 def gate_condition(gate: SetGate) -> dict[str, Any]:
-    """The pod condition of the weights-verified readiness gate, as the core decided it."""
+    """The pod condition of the weights-verified readiness gate, as the core decided it:
+    the one place its dict is built."""
     return {
         "type": VERIFIED_GATE,
         "status": gate.status,
         "reason": gate.reason,
         "message": gate.message[:1024],
-        "lastTransitionTime": gate.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "lastTransitionTime": _rfc3339(gate.at),
     }
 
 
-def draining_condition(drain: DrainPod) -> dict[str, Any]:
-    """The weights-verified gate closed on a pod about to be deleted (core.drain)."""
-    return {
-        "type": VERIFIED_GATE,
-        "status": "False",
-        "reason": DRAINING,
-        "message": drain.message,
-        "lastTransitionTime": drain.at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+def swap_record(swap: PodSwap) -> str:
+    """A pod's swap record (SWAP_ANNOTATION; snapshot.pod_swap reads it)."""
+    doc: dict[str, Any] = {
+        "state": swap.state,
+        "to": swap.to_revision_hash,
+        "from": swap.from_revision_hash,
+        "manifestDigest": swap.manifest_digest,
+        "revision": swap.revision,
+        "purpose": swap.purpose,
+        "startedAt": _rfc3339(swap.started_at) if swap.started_at else None,
+        "restarts": swap.restarts,
     }
+    ended = {
+        "finishedAt": _rfc3339(swap.finished_at) if swap.finished_at else None,
+        "seconds": swap.seconds,
+        "pausedSeconds": swap.paused_seconds,
+        "reason": swap.reason,
+        "message": swap.message[:500] if swap.message else None,
+    }
+    doc.update({k: v for k, v in ended.items() if v is not None})
+    return json.dumps(doc, sort_keys=True)
 
 
-def pending_condition(why: str) -> dict[str, Any]:
-    """The weights-verified gate handed (back) to the verifier: reason Pending."""
-    return {
-        "type": VERIFIED_GATE,
-        "status": "False",
-        "reason": "Pending",
-        "message": f"{why}; verifying",
-        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+def swap_record_write(
+    record: RecordSwap,
+) -> tuple[dict[str, Any], dict[str, str | None], dict[str, str]]:
+    """The condition, annotations and labels of one RecordSwap's write: the record and the
+    gate; once Swapped, also the pod's new revision (its label, digest and revision
+    annotations), with the notes of its last verification cleared."""
+    swap = record.swap
+    annotations: dict[str, str | None] = {SWAP_ANNOTATION: swap_record(swap)}
+    labels: dict[str, str] = {}
+    if swap.state == "Swapped":
+        annotations |= {
+            DIGEST_ANNOTATION: swap.manifest_digest,
+            MODEL_REVISION_ANNOTATION: swap.revision,
+            LOADED_ANNOTATION: None,
+            FAILED_PROMPT_ANNOTATION: None,
+            RESTARTS_ANNOTATION: None,
+        }
+        labels[REVISION_LABEL] = swap.to_revision_hash
+    return gate_condition(record.gate), annotations, labels
+
+
+def _rfc3339(at: datetime) -> str:
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def model_volumes(

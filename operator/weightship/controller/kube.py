@@ -41,6 +41,7 @@ class PodConditionWrite:
     pod: str
     condition: dict[str, Any]
     annotations: Mapping[str, str | None] | None = None
+    labels: Mapping[str, str] | None = None
 
 
 class Kube:
@@ -133,7 +134,8 @@ class Kube:
         def one_pod(pod_writes: list[PodConditionWrite]) -> None:
             for w in pod_writes:
                 annotations = dict(w.annotations) if w.annotations else None
-                self.patch_pod_condition(namespace, w.pod, w.condition, annotations)
+                labels = dict(w.labels) if w.labels else None
+                self.patch_pod_condition(namespace, w.pod, w.condition, annotations, labels)
 
         if len(by_pod) <= 1:
             for pod_writes in by_pod.values():

@@ -34,6 +34,7 @@ from weightship.core.observed import (
     ManifestResolution,
     Observed,
     ObservedMeasurement,
+    PodSwap,
     PodVerdict,
 )
 from weightship.core.targets import prefetch_node_selector
@@ -281,9 +282,11 @@ def observe(
     templates: Templates,
     now: datetime,
     verdicts: Mapping[str, PodVerdict] | None = None,
+    swaps: Mapping[str, PodSwap] | None = None,
 ) -> Observation | None:
     """None while the manifest is being read for the first time. ``verdicts``: the
-    verifier's, not yet on the pods' gates (by pod uid)."""
+    verifier's, not yet on the pods' gates; ``swaps``: the swapper's reports, not yet on
+    the pods' records (both by pod uid)."""
     namespace = rollout.metadata.namespace or "default"
     key = (namespace, rollout.metadata.name)
     manifest = manifests.resolve(rollout, key)
@@ -311,7 +314,7 @@ def observe(
         Observed(
             manifest=manifest,
             replica_sets=replica_sets,
-            pods=observed_pods(objects.pods, verdicts),
+            pods=observed_pods(objects.pods, verdicts, swaps),
             prefetch=prefetch,
             measurements=tuple(measured),
             workload_template=template,

@@ -38,7 +38,7 @@ from weightship.controller.verifier import Verifier
 from weightship.core.decide import decide, decide_invalid_spec
 from weightship.core.decision import Decision
 from weightship.core.gates import DEFAULT_GATES, GateSet
-from weightship.core.observed import PodVerdict
+from weightship.core.observed import PodSwap, PodVerdict
 from weightship.notify import blocks
 from weightship.notify.slack import SlackSender
 
@@ -64,7 +64,8 @@ class Reconciler:
     slack: SlackSender | None = None
     verifier: Verifier | None = None
     swapper: Swapper | None = None
-    """Carries out in-place swaps (None: the decision's swaps are not carried out)."""
+    """Follows in-place swaps on the pods' servers and reports how they ended (None: the
+    decision's swaps are recorded, not carried out)."""
     requeue: Callable[[RolloutKey], None] = _never
     """Called when a lookup the reconcile did not wait for completes (the work queue's add)."""
     cache_dir: str = DEFAULT_CACHE_DIR  # the node cache (install-time: WEIGHTSHIP_CACHE_DIR)
@@ -133,7 +134,7 @@ class Reconciler:
             self.measurements,
             self.templates,
             now,
-            self._verdicts(pods),
+            *self._reports(pods),
         )
         laps.lap("observe")
         if observation is None:
@@ -169,7 +170,7 @@ class Reconciler:
         watch event and another reconcile: 7 status patches per revision change of a
         two-step canary, 3 with this). Each link reads the view again, which holds the
         writes so far (its overlay), so no link repeats an action. Returns the last link's
-        decision with every link's events and notifications."""
+        decision with every link's events, notifications and swaps."""
         links = [decision]
         current = rollout
         meta = rollout.metadata
@@ -191,7 +192,7 @@ class Reconciler:
                 self.measurements,
                 self.templates,
                 now,
-                self._verdicts(objects.pods),
+                *self._reports(objects.pods),
             )
             if observation is None:
                 break
@@ -208,13 +209,22 @@ class Reconciler:
             return decision
         return replace(
             links[-1],
+            # Each link's swaps were recorded by its apply: the swapper follows them all.
+            swaps=tuple(s for link in links for s in link.swaps),
             events=tuple(e for link in links for e in link.events),
             notifications=tuple(n for link in links for n in link.notifications),
             requeue_after=requeue_after,
         )
 
-    def _verdicts(self, pods: list[dict[str, Any]]) -> dict[str, PodVerdict]:
-        return self.verifier.pending(pods) if self.verifier is not None else {}
+    def _reports(
+        self, pods: list[dict[str, Any]]
+    ) -> tuple[dict[str, PodVerdict], dict[str, PodSwap]]:
+        """What the observation sources found that the pods do not show yet: the
+        verifier's verdicts and the swapper's reports, by pod uid."""
+        return (
+            self.verifier.pending(pods) if self.verifier is not None else {},
+            self.swapper.pending(pods) if self.swapper is not None else {},
+        )
 
     def _forget_scaled(self, namespace: str, decision: Decision) -> None:
         """A workloadRef Deployment just scaled is read again, not the count before."""
@@ -296,6 +306,7 @@ def _acts(decision: Decision) -> bool:
         or decision.undrain_pods
         or decision.workloads
         or decision.swaps
+        or decision.swap_records
         or decision.retemplates
         or decision.restart_pods
         or decision.reverify_pods

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kubernetes.client.rest import ApiException
 
 from weightship.api.env import ROLLOUT_UID_ENV, SEED_KEY_ENV
+from weightship.api.inference import SWAP_GROUP_PREFIX
 from weightship.api.models import ModelRollout
 from weightship.api.names import ROLLOUT_LABEL, SEEDING_KEY_LABEL
 from weightship.core.seedtoken import KEY_BYTES, mint, parse_key
@@ -41,14 +42,14 @@ def seed_key_secret_name(rollout_name: str) -> str:
 
 def swap_group(pod: str) -> str:
     """The token group of a swap of one pod: a token opens that pod's swap only."""
-    return f"swap/{pod}"
+    return f"{SWAP_GROUP_PREFIX}{pod}"
 
 
 def swap_token(
     kube: Kube, namespace: str, rollout: str, rollout_uid: str, digest: str, pod: str
 ) -> str:
     """A token that opens ``pod``'s in-place swap to ``digest``, and lets the verifier
-    reach those weights before they passed (integrations/vllm/swap.py); signed with the
+    reach those weights before they passed (api.inference); signed with the
     rollout's seeding key, read from its Secret (raises when it cannot be read)."""
     key = parse_key(kube.secret_data(namespace, seed_key_secret_name(rollout))[KEY_FIELD])
     return mint(key, rollout_uid, digest, swap_group(pod), time.time())

@@ -19,6 +19,7 @@ from weightship.api.names import (
 )
 from weightship.controller.pods import condition, is_true
 from weightship.core.observed import (
+    SWAP_PURPOSES,
     NodeStaging,
     ObservedPod,
     PodFailure,
@@ -29,10 +30,8 @@ from weightship.core.observed import (
     ReplicaSetObservation,
 )
 from weightship.core.staging_failure import parse_failure
-from weightship.core.verification import DRAINING, IN_PROGRESS_REASONS
+from weightship.core.verification import DRAINING, IN_PROGRESS_REASONS, SWAP_REASONS
 from weightship.kube.rfc3339 import time_or_none
-
-SWAP_REASONS = frozenset({"Swapping", "SwapFailed"})  # controller/swapper.py
 
 
 def _json_annotation(annotations: dict[str, str], key: str) -> dict[str, Any]:
@@ -48,10 +47,13 @@ def _opt_str(value: object) -> str | None:
 
 
 def observed_pods(
-    raw_pods: list[dict[str, Any]], verdicts: Mapping[str, PodVerdict] | None = None
+    raw_pods: list[dict[str, Any]],
+    verdicts: Mapping[str, PodVerdict] | None = None,
+    swaps: Mapping[str, PodSwap] | None = None,
 ) -> tuple[ObservedPod, ...]:
-    """Pure: the rollout's pods as the core's decisions (seed root, gates, drains) read
-    them, with the verifier's verdicts not yet on their gates (by pod uid)."""
+    """Pure: the rollout's pods as the core's decisions (seed root, gates, drains, swaps)
+    read them, with the verifier's verdicts not yet on their gates and the swapper's
+    reports not yet on their records (both by pod uid)."""
     out = []
     for pod in raw_pods:
         meta = pod.get("metadata") or {}
@@ -81,13 +83,15 @@ def observed_pods(
                 node=(pod.get("spec") or {}).get("nodeName") or None,
                 template_hash=(meta.get("labels") or {}).get(TEMPLATE_LABEL),
                 swap=pod_swap(meta.get("annotations") or {}),
+                swap_report=(swaps or {}).get(str(meta.get("uid") or "")),
             )
         )
     return tuple(out)
 
 
 def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
-    """The swapper's record of a pod's last swap (builders.SWAP_ANNOTATION)."""
+    """The record of a pod's last swap (SWAP_ANNOTATION, as builders.swap_record writes
+    it)."""
     doc = _json_annotation(dict(annotations), SWAP_ANNOTATION)
     state, to, digest = doc.get("state"), doc.get("to"), doc.get("manifestDigest")
     if state not in ("Swapping", "Swapped", "Failed") or not isinstance(to, str) or not digest:
@@ -105,6 +109,8 @@ def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
         reason=_opt_str(doc.get("reason")),
         message=_opt_str(doc.get("message")),
         restarts=restarts if isinstance(restarts := doc.get("restarts"), int) else None,
+        purpose=purpose if (purpose := doc.get("purpose")) in SWAP_PURPOSES else None,
+        finished_at=time_or_none(doc.get("finishedAt")),
     )
 
 

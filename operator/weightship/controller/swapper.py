@@ -1,22 +1,26 @@
-"""The swapper: carries out the core's in-place swaps (core.inplace) on running pods.
+"""The swapper: follows the core's in-place swaps (core.inplace) on running pods' inference
+servers, and reports how each ended. It writes nothing to Kubernetes.
 
-For one pod it (1) closes the pod's weights-verified gate (reason Swapping), so kubelet
-marks it unready and Services and HTTPRoute backends drop it, and records the swap on the
-pod (builders.SWAP_ANNOTATION); (2) waits for the pod to be unready, and then
-ENDPOINTS_GRACE_S for routers to drop it; (3) asks the pod's
-inference server to swap (POST /weightship/v1/swap on the weightship vLLM plugin, with a
-token made from the rollout's seeding key for this pod and digest: seedtoken.join_token);
-(4) follows GET /weightship/v1/swap until the server says Swapped or Failed, or the swap
-times out; (5) on success moves the pod to its new revision (revision-hash label, digest
-annotations) and leaves the gate Pending, so the verifier checks the loaded digest and the
-golden prompts as for a new pod: only that opens the gate again (when the rollout
-verifies anything, the server serves the new weights to the verifier alone until then:
-holdUntilVerified, and the verifier's POST /weightship/v1/swap/verified). On failure the pod stays
-out of traffic with the reason on it; the core decides what follows (abort, swap back,
-restart).
+The swapper is an observation source, as the verifier is: the core starts a swap
+(``Decision.swaps``) and apply records it on the pod in the same write that closes the
+pod's weights-verified gate (reason Swapping), so kubelet marks it unready and Services
+and HTTPRoute backends drop it. Then the swapper (1) waits for the pod to be unready, and
+then ENDPOINTS_GRACE_S for routers to drop it; (2) asks the pod's inference server to swap
+(POST SWAP_PATH, ``api.inference``: the contract's SwapRequest, with a token made from the
+rollout's seeding key for this pod and digest: seedtoken.join_token); (3) follows GET
+SWAP_PATH until the server says Swapped or Failed, or the swap times out; (4) keeps its
+report (``pending``) until the rollout's next reconcile, which it wakes (``on_done``): the
+snapshot hands it to the core, which records it on the pod (core.inplace.swap_records),
+and apply writes it. On success the pod moves to its new revision with its gate Pending,
+so the verifier checks the loaded digest and the golden prompts as for a new pod (when
+the rollout verifies anything, the server serves the new weights to the verifier alone
+until then: holdUntilVerified, and the verifier's POST VERIFIED_PATH). On failure the pod
+stays out of traffic with the reason on it; the core decides what follows (abort, swap
+back, restart).
 
 Everything a swap needs to go on is on the pod: a restarted operator finds the record
-(state Swapping) and follows the server's swap again (`resume`). Swaps run on a bounded
+(state Swapping) and follows the server's swap again (``resume``); a report lost with it
+is made again. A report is dropped once the pod's record shows it. Swaps run on a bounded
 pool; the in-flight set only de-duplicates.
 """
 
@@ -28,36 +32,33 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import urllib3
 
-from weightship.api.models import ModelRollout
-from weightship.api.names import (
-    DIGEST_ANNOTATION,
-    FAILED_PROMPT_ANNOTATION,
-    LOADED_ANNOTATION,
-    MODEL_REVISION_ANNOTATION,
-    RESTARTS_ANNOTATION,
-    REVISION_LABEL,
-    SWAP_ANNOTATION,
-    VERIFIED_GATE,
+from weightship.api.inference import (
+    AUTHORIZATION_HEADER,
+    SWAP_PATH,
+    FailureReason,
+    SwapAnswer,
+    SwapRequest,
+    SwapState,
+    bearer,
 )
+from weightship.api.models import ModelRollout
 from weightship.controller import metrics
 from weightship.controller.kube import Kube
-from weightship.controller.pods import condition, is_true
+from weightship.controller.pods import is_true
 from weightship.controller.seedkey import swap_token
+from weightship.controller.snapshot import pod_swap
 from weightship.core.decision import SwapPod
+from weightship.core.observed import PodSwap, SwapPhase
 from weightship.core.pod_gates import verifies
-from weightship.core.verification import PENDING
 
 log = logging.getLogger(__name__)
 
-SWAP_PATH = "/weightship/v1/swap"
-SWAPPING = "Swapping"
-SWAP_FAILED = "SwapFailed"
 DEFAULT_WORKERS = 4
 POLL_S = 0.25
 UNREADY_WAIT_S = 10.0  # for kubelet to mark the pod unready once its gate is False
@@ -68,10 +69,7 @@ ENDPOINTS_GRACE_S = 2.0
 REQUEST_TIMEOUT_S = 10.0
 NOT_STAGED_WAIT_S = 30.0
 MAX_ANSWER_BYTES = 64 * 1024
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+REPORT_TTL = timedelta(minutes=10)  # a report reaches its pod in a reconcile or two
 
 
 @dataclass(frozen=True)
@@ -82,16 +80,23 @@ class SwapJob:
     pod: str
     uid: str
     base_url: str
-    swap: SwapPod
-    from_revision_hash: str | None
+    record: PodSwap
+    """The swap as the pod records it while it runs (state Swapping)."""
     drain_timeout_s: int
     swap_timeout_s: int
-    started_at: str
     resume: bool = False
-    restarts: int = 0
     # The verifier checks the swapped weights: the server serves them to nobody else
     # until it says they passed (holdUntilVerified).
     hold_until_verified: bool = False
+
+    def request(self) -> SwapRequest:
+        return SwapRequest(
+            manifest_digest=self.record.manifest_digest,
+            revision=self.record.revision,
+            drain_timeout_s=self.drain_timeout_s,
+            swap_timeout_s=self.swap_timeout_s,
+            hold_until_verified=self.hold_until_verified,
+        )
 
 
 class SwapFailure(Exception):
@@ -100,29 +105,14 @@ class SwapFailure(Exception):
         self.reason, self.message = reason, message
 
 
-def swap_record(job: SwapJob, state: str, **extra: Any) -> str:
-    doc: dict[str, Any] = {
-        "state": state,
-        "to": job.swap.to_revision_hash,
-        "from": job.from_revision_hash,
-        "manifestDigest": job.swap.manifest_digest,
-        "revision": job.swap.revision,
-        "purpose": job.swap.purpose,
-        "startedAt": job.started_at,
-        "restarts": job.restarts,
-    }
-    doc.update({k: v for k, v in extra.items() if v is not None})
-    return json.dumps(doc, sort_keys=True)
+@dataclass(frozen=True)
+class _Report:
+    swap: PodSwap
+    at: datetime
 
 
-def gate(status: str, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "type": VERIFIED_GATE,
-        "status": status,
-        "reason": reason,
-        "message": message[:1024],
-        "lastTransitionTime": _now(),
-    }
+def _ended(record: PodSwap, state: SwapPhase, **changes: Any) -> PodSwap:
+    return replace(record, state=state, finished_at=datetime.now(UTC), **changes)
 
 
 class Swapper:
@@ -134,54 +124,63 @@ class Swapper:
         on_done: Callable[[str, str], None] = lambda namespace, name: None,
         endpoints_grace_s: float = ENDPOINTS_GRACE_S,
     ) -> None:
-        self.kube = kube
+        self.kube = kube  # reads only: the pod's readiness, the rollout's seeding key
         self.endpoints_grace_s = endpoints_grace_s
         self.on_done = on_done  # requeue the rollout when a swap ends
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swap")
         self.http = urllib3.PoolManager(maxsize=workers, retries=False)
         self.lock = threading.Lock()
         self.in_flight: dict[tuple[str, str], str] = {}  # rollout -> the pod it swaps now
+        self.reports: dict[str, _Report] = {}
+        """How swaps ended, not yet on their pods' records, by pod uid (one per pod)."""
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def pending(self, pods: list[dict[str, Any]]) -> dict[str, PodSwap]:
+        """The reports waiting for these pods' records, by pod uid."""
+        with self.lock:
+            return {
+                uid: self.reports[uid].swap for pod in pods if (uid := _uid(pod)) in self.reports
+            }
+
     def submit(
         self, rollout: ModelRollout, swaps: Iterable[SwapPod], pods: list[dict[str, Any]]
     ) -> None:
+        """Follow the swaps the core just started (apply recorded them on their pods)."""
         by_name = {p["metadata"]["name"]: p for p in pods}
         for swap in swaps:
             pod = by_name.get(swap.pod)
             if pod is not None:
-                self._start(self._job(rollout, pod, swap, _now(), resume=False))
+                self._start(self._job(rollout, pod, swap.record(), resume=False))
 
     def resume(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> bool:
-        """Follow swaps a pod records as running that no worker here follows (the operator
-        restarted mid-swap). True while any swap of this rollout runs."""
+        """Drop the reports the pods' records show; follow swaps a pod records as running
+        that no worker here follows, and no report ended (the operator restarted
+        mid-swap). True while any swap of this rollout runs."""
         running = False
+        now = datetime.now(UTC)
+        with self.lock:
+            for uid in [u for u, r in self.reports.items() if now - r.at > REPORT_TTL]:
+                del self.reports[uid]  # its pod went before its record was written
         for pod in pods:
-            record = _record(pod)
-            if record.get("state") != SWAPPING:
-                continue
-            running = True
-            swap = SwapPod(
-                pod["metadata"]["name"],
-                str(record.get("to") or ""),
-                str(record.get("manifestDigest") or ""),
-                str(record.get("revision") or ""),
-                record.get("purpose") or "repair",
-            )
-            started = str(record.get("startedAt") or _now())
-            self._start(self._job(rollout, pod, swap, started, resume=True))
+            record = pod_swap((pod.get("metadata") or {}).get("annotations") or {})
+            uid = _uid(pod)
+            with self.lock:
+                report = self.reports.get(uid)
+                if report is not None and (
+                    record is None
+                    or not record.same_swap(report.swap)
+                    or record.state == report.swap.state
+                ):
+                    del self.reports[uid]  # shown, or its swap is no longer recorded
+            if record is not None and record.state == "Swapping":
+                running = True
+                self._start(self._job(rollout, pod, record, resume=True))
         return running
 
     def _job(
-        self,
-        rollout: ModelRollout,
-        pod: dict[str, Any],
-        swap: SwapPod,
-        started_at: str,
-        *,
-        resume: bool,
+        self, rollout: ModelRollout, pod: dict[str, Any], record: PodSwap, *, resume: bool
     ) -> SwapJob:
         meta = pod["metadata"]
         validation = rollout.spec.validation
@@ -192,45 +191,48 @@ class Swapper:
             rollout=rollout.metadata.name,
             rollout_uid=rollout.metadata.uid or "",
             pod=meta["name"],
-            uid=str(meta.get("uid") or meta["name"]),
+            uid=_uid(pod),
             base_url=f"http://{ip}:{validation.endpoint.port}",
-            swap=swap,
-            from_revision_hash=(meta.get("labels") or {}).get(REVISION_LABEL),
+            record=record,
             drain_timeout_s=in_place.drain_timeout_seconds,
             swap_timeout_s=in_place.swap_timeout_seconds,
-            started_at=started_at,
             resume=resume,
             hold_until_verified=verifies(validation),
-            restarts=sum(
-                int(c.get("restartCount") or 0)
-                for c in (pod.get("status") or {}).get("containerStatuses") or []
-            ),
         )
 
     def _start(self, job: SwapJob) -> None:
-        """One swap per rollout at a time (the core asks for one; a decision made before
-        the running swap's first write must not start a second)."""
+        """One swap per rollout at a time (the core asks for one; a decision made on a
+        view without the running swap's record must not start a second). A swap that
+        ended is not followed again while its report waits for the pod's record."""
         key = (job.namespace, job.rollout)
         with self.lock:
             if key in self.in_flight:
                 return
+            report = self.reports.get(job.uid)
+            if report is not None and job.resume and report.swap.same_swap(job.record):
+                return
+            if not job.resume:
+                self.reports.pop(job.uid, None)  # of an earlier swap: this one supersedes it
             self.in_flight[key] = job.pod
         self.pool.submit(self._run, job)
 
     def _run(self, job: SwapJob) -> None:
         started = time.monotonic()
+        report: PodSwap | None = None
         try:
             if not job.resume:
-                self._leave_traffic(job)
-            answer = self._swap(job)
-            self._swapped(job, answer)
+                self._await_unready(job)
+            state = self._swap(job)
+            report = _ended(
+                job.record, "Swapped", seconds=state.seconds, paused_seconds=state.paused_seconds
+            )
             metrics.SWAPS.labels(job.namespace, "Swapped", "").inc()
             metrics.SWAP_SECONDS.observe(time.monotonic() - started)
             log.info(
                 "pod %s/%s swapped to %s in %.2f s",
                 job.namespace,
                 job.pod,
-                job.swap.revision,
+                job.record.revision,
                 time.monotonic() - started,
             )
         except SwapFailure as failure:
@@ -239,31 +241,29 @@ class Swapper:
                 "pod %s/%s: swap to %s failed: %s",
                 job.namespace,
                 job.pod,
-                job.swap.revision,
+                job.record.revision,
                 failure,
             )
-            self._failed(job, failure)
+            report = _ended(job.record, "Failed", reason=failure.reason, message=failure.message)
         except Exception:
             log.exception(
                 "swapping pod %s/%s failed; the next reconcile retries", job.namespace, job.pod
             )
         finally:
             with self.lock:
+                if report is not None:
+                    self.reports[job.uid] = _Report(report, datetime.now(UTC))
                 self.in_flight.pop((job.namespace, job.rollout), None)
             self.on_done(job.namespace, job.rollout)
 
-    def _leave_traffic(self, job: SwapJob) -> None:
-        self.kube.patch_pod_condition(
-            job.namespace,
-            job.pod,
-            gate("False", SWAPPING, f"out of traffic: swapping to {job.swap.revision} in place"),
-            {SWAP_ANNOTATION: swap_record(job, SWAPPING)},
-        )
+    def _await_unready(self, job: SwapJob) -> None:
+        """The gate closed with the swap's record: kubelet marks the pod unready, then the
+        routers drop it."""
         deadline = time.monotonic() + UNREADY_WAIT_S
         while time.monotonic() < deadline:
             pod = self.kube.pod(job.namespace, job.pod)
             if pod is None:
-                raise SwapFailure("PodGone", "the pod was deleted")
+                raise SwapFailure(FailureReason.POD_GONE, "the pod was deleted")
             if not is_true(pod, "Ready"):
                 time.sleep(self.endpoints_grace_s)
                 return
@@ -282,15 +282,16 @@ class Swapper:
                 job.namespace,
                 job.rollout,
                 job.rollout_uid,
-                job.swap.manifest_digest,
+                job.record.manifest_digest,
                 job.pod,
             )
         except Exception as e:
             raise SwapFailure(
-                "NoSwapKey", f"cannot read the rollout's seeding key: {type(e).__name__}"
+                FailureReason.NO_SWAP_KEY,
+                f"cannot read the rollout's seeding key: {type(e).__name__}",
             ) from None
 
-    def _swap(self, job: SwapJob) -> dict[str, Any]:
+    def _swap(self, job: SwapJob) -> SwapState:
         """The swap, asked for again while the server finds the target not staged yet
         (the node agent links a model into the rollout's view right after staging it)."""
         deadline = time.monotonic() + NOT_STAGED_WAIT_S
@@ -298,53 +299,52 @@ class Swapper:
             try:
                 return self._swap_once(job)
             except SwapFailure as failure:
-                if failure.reason != "NotStaged" or time.monotonic() >= deadline:
+                if failure.reason != FailureReason.NOT_STAGED or time.monotonic() >= deadline:
                     raise
             time.sleep(1.0)
 
-    def _swap_once(self, job: SwapJob) -> dict[str, Any]:
-        body = {
-            "manifestDigest": job.swap.manifest_digest,
-            "revision": job.swap.revision,
-            "drainTimeoutSeconds": job.drain_timeout_s,
-            "swapTimeoutSeconds": job.swap_timeout_s,
-            "holdUntilVerified": job.hold_until_verified,
-        }
-        status, answer = self._request(
-            "POST", job, body, {"Authorization": f"Bearer {self._token(job)}"}
+    def _swap_once(self, job: SwapJob) -> SwapState:
+        digest = job.record.manifest_digest
+        status, doc = self._request(
+            "POST",
+            job,
+            job.request().to_json(),
+            {AUTHORIZATION_HEADER: bearer(self._token(job))},
         )
-        if status == 200 and answer.get("accepted"):
+        answer = SwapAnswer.from_json(doc)
+        if status == 200 and answer.accepted:
             # Already loaded and verified (the pod holds them: a swap back after a refused
             # swap, or a request resent after an operator restart): nothing paused.
-            return {"state": "Swapped", "manifestDigest": job.swap.manifest_digest}
+            return SwapState("Swapped", manifest_digest=digest)
         if status in (401, 403):
-            raise SwapFailure("Unauthorized", str(answer.get("message") or f"HTTP {status}"))
+            raise SwapFailure(FailureReason.UNAUTHORIZED, answer.message or f"HTTP {status}")
         if status in (404, 501):
-            message = answer.get("message") or "the server has no in-place swap"
-            raise SwapFailure("NotSupported", f"POST {SWAP_PATH}: HTTP {status}: {message}")
+            message = answer.message or "the server has no in-place swap"
+            raise SwapFailure(
+                FailureReason.NOT_SUPPORTED, f"POST {SWAP_PATH}: HTTP {status}: {message}"
+            )
         if status in (400, 413):
-            raise SwapFailure("Refused", str(answer.get("message") or f"HTTP {status}"))
+            raise SwapFailure(FailureReason.REFUSED, answer.message or f"HTTP {status}")
         if status not in (202, 409):
-            raise SwapFailure("EngineError", f"POST {SWAP_PATH}: HTTP {status}")
+            raise SwapFailure(FailureReason.ENGINE_ERROR, f"POST {SWAP_PATH}: HTTP {status}")
         deadline = time.monotonic() + job.drain_timeout_s + job.swap_timeout_s
         while True:
-            nested = answer.get("swap")
-            doc: dict[str, Any] = nested if isinstance(nested, dict) else answer
-            if doc.get("manifestDigest") == job.swap.manifest_digest:
-                if doc.get("state") == "Swapped":
-                    return doc
-                if doc.get("state") == "Failed":
-                    raise SwapFailure(
-                        str(doc.get("reason") or "Failed"), str(doc.get("message") or "")
-                    )
+            # The POST's answer names the swap; a GET answers its state document.
+            state = answer.swap if answer.swap is not None else SwapState.from_json(doc)
+            if state.manifest_digest == digest:
+                if state.state == "Swapped":
+                    return state
+                if state.state == "Failed":
+                    raise SwapFailure(state.reason or state.state, state.message or "")
             if time.monotonic() >= deadline:
                 limit = job.drain_timeout_s + job.swap_timeout_s
-                raise SwapFailure("SwapTimeout", f"not swapped within {limit} s")
+                raise SwapFailure(FailureReason.SWAP_TIMEOUT, f"not swapped within {limit} s")
             time.sleep(POLL_S)
             try:
-                status, answer = self._request("GET", job, None, {})
+                status, doc = self._request("GET", job, None, {})
             except SwapFailure:
                 continue  # the server restarts or is busy: keep following until the deadline
+            answer = SwapAnswer.from_json(doc)
 
     def _request(
         self, method: str, job: SwapJob, body: dict[str, Any] | None, headers: dict[str, str]
@@ -362,7 +362,7 @@ class Swapper:
             response.release_conn()
         except urllib3.exceptions.HTTPError as e:
             raise SwapFailure(
-                "EngineUnreachable", f"{method} {SWAP_PATH}: {type(e).__name__}"
+                FailureReason.ENGINE_UNREACHABLE, f"{method} {SWAP_PATH}: {type(e).__name__}"
             ) from None
         try:
             doc = json.loads(data) if data and len(data) <= MAX_ANSWER_BYTES else {}
@@ -370,66 +370,7 @@ class Swapper:
             doc = {}
         return response.status, doc if isinstance(doc, dict) else {}
 
-    def _swapped(self, job: SwapJob, doc: dict[str, Any]) -> None:
-        """The pod holds the new weights: move it to their revision, gate Pending (the
-        verifier's turn), and record how long the swap took."""
-        record = swap_record(
-            job,
-            "Swapped",
-            finishedAt=_now(),
-            seconds=_number(doc.get("seconds")),
-            pausedSeconds=_number(doc.get("pausedSeconds")),
-        )
-        self.kube.patch_pod_condition(
-            job.namespace,
-            job.pod,
-            gate("False", PENDING, f"swapped to {job.swap.revision} in place; verifying"),
-            {
-                SWAP_ANNOTATION: record,
-                DIGEST_ANNOTATION: job.swap.manifest_digest,
-                MODEL_REVISION_ANNOTATION: job.swap.revision,
-                LOADED_ANNOTATION: None,
-                FAILED_PROMPT_ANNOTATION: None,
-                RESTARTS_ANNOTATION: None,
-            },
-            labels={REVISION_LABEL: job.swap.to_revision_hash},
-        )
 
-    def _failed(self, job: SwapJob, failure: SwapFailure) -> None:
-        self.kube.patch_pod_condition(
-            job.namespace,
-            job.pod,
-            gate(
-                "False",
-                SWAP_FAILED,
-                f"swap to {job.swap.revision} failed ({failure.reason}): {failure.message}",
-            ),
-            {
-                SWAP_ANNOTATION: swap_record(
-                    job,
-                    "Failed",
-                    finishedAt=_now(),
-                    reason=failure.reason,
-                    message=failure.message[:500],
-                )
-            },
-        )
-
-
-def _record(pod: dict[str, Any]) -> dict[str, Any]:
-    try:
-        doc = json.loads(
-            ((pod.get("metadata") or {}).get("annotations") or {}).get(SWAP_ANNOTATION) or "{}"
-        )
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) else None
-
-
-def swapping(pod: dict[str, Any]) -> bool:
-    gate_ = condition(pod, VERIFIED_GATE)
-    return gate_ is not None and gate_.get("reason") == SWAPPING
+def _uid(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or meta.get("name") or "")

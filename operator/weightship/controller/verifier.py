@@ -27,6 +27,17 @@ import urllib3
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from weightship.api.env import MODEL_DIR_ENV
+from weightship.api.inference import (
+    AUTHORIZATION_HEADER,
+    LOADED_PATH,
+    VERIFIED_PATH,
+    VERIFY_HEADER,
+    FailureReason,
+    LoadReport,
+    bearer,
+    report_from_termination,
+    verified_request,
+)
 from weightship.api.models import ModelRollout
 from weightship.api.names import (
     DIGEST_ANNOTATION,
@@ -55,7 +66,6 @@ from weightship.core.verification import (
     IN_PROGRESS_REASONS,
     PENDING,
     GateVerdict,
-    LoadReport,
     PromptOutcome,
     StagedEvidence,
     VerifyMode,
@@ -63,16 +73,11 @@ from weightship.core.verification import (
     judge_prompt,
     load_verdict,
     prompts_verdict,
-    report_from_termination,
     staged_verdict,
 )
 
 log = logging.getLogger(__name__)
 
-LOADED_PATH = "/weightship/v1/loaded"
-# The in-place swap's verification (integrations/vllm/swap.py: HTTP only, no import).
-VERIFIED_PATH = "/weightship/v1/swap/verified"
-VERIFY_HEADER = "X-Weightship-Verify"
 DEFAULT_WORKERS = 8
 VERDICT_TTL = timedelta(minutes=10)  # a verdict reaches its gate in a reconcile or two
 PROMPT_ATTEMPTS = 4
@@ -386,9 +391,9 @@ class Verifier:
             self._request(
                 "POST",
                 check.base_url + VERIFIED_PATH,
-                {"manifestDigest": check.want_digest},
+                verified_request(check.want_digest),
                 check.timeout_s,
-                {"Authorization": f"Bearer {check.swap_token}"},
+                {AUTHORIZATION_HEADER: bearer(check.swap_token or "")},
             )
         except NotFound:
             return None  # a server without the route serves what it loaded anyway
@@ -478,7 +483,7 @@ class Verifier:
                 if refused is not None:  # the server exited, saying why (vLLM does)
                     return refused, GateVerdict(
                         "False",
-                        refused.reason or "LoadFailed",
+                        refused.reason or FailureReason.LOAD_FAILED,
                         refused.message or "the server refused its weights",
                         mode="loaded",
                     )
@@ -528,7 +533,7 @@ class Verifier:
     def _complete(self, check: _Check, prompt: GoldenPrompt) -> str:
         body = completion_request(prompt, chat=check.chat, model=check.model)
         url = check.base_url + check.path
-        signed = {VERIFY_HEADER: f"Bearer {check.swap_token}"} if check.swap_token else {}
+        signed = {VERIFY_HEADER: bearer(check.swap_token)} if check.swap_token else {}
         answer = self._request("POST", url, body, check.timeout_s, signed)
         try:
             choice = answer["choices"][0]

@@ -28,7 +28,12 @@ from weightship.api.status import ModelRolloutStatus
 from weightship.core import canary, drain, inplace, prefetch, projection, scaling, workload
 from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
-from weightship.core.decision import Decision, ReplicaSetAction, RetemplateReplicaSet, SwapPod
+from weightship.core.decision import (
+    Decision,
+    ReplicaSetAction,
+    RetemplateReplicaSet,
+    SwapPod,
+)
 from weightship.core.desired import desired_revision, mark_invalid, spec_template
 from weightship.core.gates import DEFAULT_GATES, GateSet
 from weightship.core.observed import Observed, ReplicaSetObservation
@@ -95,6 +100,8 @@ def _decision(ctx: RolloutContext) -> Decision:
         reverify = inplace.reverifications(ctx, home)
     else:
         replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
+    # A swap that ended is recorded whatever the spec says now; one starts only above.
+    swap_records = inplace.swap_records(ctx, swaps)
     drains = drain.Drains(replica_sets) if ctx.invalid else drain.drained(ctx, replica_sets)
     if not ctx.invalid and inplace.enabled(ctx):
         ctx.status.in_place = inplace.in_place_status(ctx, home or _template_home(ctx))
@@ -111,6 +118,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         pin_digests=scaling.pins(ctx),
         workloads=workloads,
         swaps=swaps,
+        swap_records=swap_records,
         retemplates=retemplates,
         restart_pods=restarts,
         reverify_pods=reverify,

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from weightship.api.spec import NotificationEvent
 from weightship.api.status import ModelRolloutStatus
+from weightship.core.observed import PodSwap, SwapPurpose
 from weightship.core.patch import merge_patch
 
 ReplicaSetRole = Literal["stable", "canary", "retiring", "obsolete"]
@@ -62,19 +63,35 @@ class CreateReplicaSet:
 ReplicaSetAction = ScaleAction | CreateReplicaSet
 
 
-SwapPurpose = Literal["canary", "promote", "rollback", "repair"]
-
-
 @dataclass(frozen=True)
 class SwapPod:
-    """Swap a running pod's weights in place to another revision (the swapper drives the
-    pod's inference server: out of traffic, drain, verified load, verify again)."""
+    """Swap a running pod's weights in place to another revision: apply takes it out of
+    traffic and records the swap (``RecordSwap``), then the swapper drives the pod's
+    inference server (drain, verified load) and reports how it ended."""
 
     pod: str
     to_revision_hash: str
     manifest_digest: str
     revision: str
     purpose: SwapPurpose
+    from_revision_hash: str | None = None
+    """The revision the pod holds now (its revision-hash label)."""
+    restarts: int = 0
+    """The pod's container restarts as the swap starts."""
+    started_at: datetime | None = None
+
+    def record(self) -> PodSwap:
+        """The pod's swap record while it runs."""
+        return PodSwap(
+            to_revision_hash=self.to_revision_hash,
+            manifest_digest=self.manifest_digest,
+            revision=self.revision,
+            state="Swapping",
+            from_revision_hash=self.from_revision_hash,
+            started_at=self.started_at,
+            restarts=self.restarts,
+            purpose=self.purpose,
+        )
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,19 @@ class SetGate:
     message: str
     at: datetime
     annotations: tuple[tuple[str, str | None], ...] = ()
+
+
+@dataclass(frozen=True)
+class RecordSwap:
+    """Write a pod's in-place swap record with its weights-verified gate, in one write:
+    Swapping as the swap starts (the gate closed: the pod leaves traffic), then how it
+    ended, as the swapper reported it. Once Swapped, the pod moves to the new revision
+    (its revision-hash label, digest and revision annotations; its verification notes
+    cleared), the gate Pending for the verifier."""
+
+    pod: str
+    swap: PodSwap
+    gate: SetGate
 
 
 @dataclass(frozen=True)
@@ -173,8 +203,7 @@ class Decision:
     be built again, from its template (apply logs these)."""
     node_labels: tuple[NodeLabel, ...] = ()
     pod_gates: tuple[SetGate, ...] = ()
-    """Weights-verified gates to set: apply is the only writer of the condition (the
-    swapper's Swapping aside, core.inplace)."""
+    """Weights-verified gates to set (apply is the only writer of the condition)."""
     events: tuple[Event, ...] = ()
     notifications: tuple[Notification, ...] = ()
     traffic: TrafficWeights | None = None
@@ -183,7 +212,11 @@ class Decision:
     workloads: tuple[ScaleWorkload, ...] = ()
     """Deployments named by spec.workloadRef to scale down, or given back (core.workload)."""
     swaps: tuple[SwapPod, ...] = ()
-    """In-place weight swaps to start (core.inplace); at most one per rollout at a time."""
+    """In-place weight swaps to start (core.inplace); at most one per rollout at a time.
+    Apply records each (``swap_records``) before the swapper starts it."""
+    swap_records: tuple[RecordSwap, ...] = ()
+    """Swap records to write with their gates: the swaps starting, and those the swapper
+    reported ended (core.inplace)."""
     retemplates: tuple[RetemplateReplicaSet, ...] = ()
     reverify_pods: tuple[str, ...] = ()
     """Pods whose swap was refused before any weight changed: they hold what they held,

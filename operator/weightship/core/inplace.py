@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from weightship.api.inference import FailureReason
 from weightship.api.status import (
     MAX_SWAP_PODS,
     InPlaceStatus,
@@ -21,20 +22,29 @@ from weightship.api.status import (
     UpdateMode,
 )
 from weightship.core.context import RolloutContext
-from weightship.core.decision import RetemplateReplicaSet, ScaleAction, SwapPod, SwapPurpose
+from weightship.core.decision import (
+    RecordSwap,
+    RetemplateReplicaSet,
+    ScaleAction,
+    SetGate,
+    SwapPod,
+)
 from weightship.core.desired import spec_template
-from weightship.core.observed import ObservedPod, ReplicaSetObservation
+from weightship.core.observed import ObservedPod, PodSwap, ReplicaSetObservation, SwapPurpose
+from weightship.core.verification import PENDING, SWAP_FAILED, SWAPPING
 
 INTACT_REASONS = frozenset(
     {
-        "ChecksumMismatch",
-        "NotStaged",
-        "ManifestMismatch",
-        "ConfigChanged",
-        "Unauthorized",
-        "NoSwapKey",
-        "NotSupported",
-        "Refused",
+        FailureReason.CHECKSUM_MISMATCH,
+        FailureReason.NOT_STAGED,
+        FailureReason.MANIFEST_MISMATCH,
+        FailureReason.CONFIG_CHANGED,
+        FailureReason.ENGINE_SLEEPING,
+        FailureReason.DRAIN_TIMEOUT,
+        FailureReason.UNAUTHORIZED,
+        FailureReason.NO_SWAP_KEY,
+        FailureReason.NOT_SUPPORTED,
+        FailureReason.REFUSED,
     }
 )
 """Swap failures found before any weight changed: the pod still holds what it had."""
@@ -133,8 +143,18 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
     on_canary = [p for p in members if p.revision_hash == canary_hash]
 
     def to(pod: ObservedPod, revision: RevisionStatus, purpose: SwapPurpose) -> list[SwapPod]:
-        digest = revision.manifest_digest or ""
-        return [SwapPod(pod.name, revision.pod_template_hash, digest, revision.revision, purpose)]
+        return [
+            SwapPod(
+                pod.name,
+                revision.pod_template_hash,
+                revision.manifest_digest or "",
+                revision.revision,
+                purpose,
+                from_revision_hash=pod.revision_hash,
+                restarts=pod.restarts,
+                started_at=ctx.now,
+            )
+        ]
 
     for pod in members:  # a failed swap: back to what the pod should hold
         swap = pod.swap
@@ -159,6 +179,46 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
         for pod in _serving_order(on_canary, None):
             return to(pod, stable, "rollback")
     return []
+
+
+def swap_records(ctx: RolloutContext, starting: Iterable[SwapPod]) -> tuple[RecordSwap, ...]:
+    """What apply writes on the pods of in-place swaps: each swap starting (its record
+    Swapping, the gate closed so the pod leaves traffic before the swapper asks its server
+    to drain), then each swap the swapper reported ended, as it ended."""
+    starts = (
+        RecordSwap(
+            swap.pod,
+            swap.record(),
+            SetGate(
+                swap.pod,
+                "False",
+                SWAPPING,
+                f"out of traffic: swapping to {swap.revision} in place",
+                ctx.now,
+            ),
+        )
+        for swap in starting
+    )
+    ends = (
+        RecordSwap(pod.name, report, _ended_gate(pod.name, report, ctx))
+        for pod in sorted(ctx.observed.pods, key=_name)
+        if (report := pod.swap_report) is not None
+        and report.state != "Swapping"
+        and pod.swap is not None
+        and pod.swap.state == "Swapping"
+        and pod.swap.same_swap(report)
+    )
+    return (*starts, *ends)
+
+
+def _ended_gate(pod: str, report: PodSwap, ctx: RolloutContext) -> SetGate:
+    at = report.finished_at or ctx.now
+    if report.state == "Swapped":
+        # The verifier's turn: checked as a new pod is before it takes traffic.
+        message = f"swapped to {report.revision} in place; verifying"
+        return SetGate(pod, "False", PENDING, message, at)
+    message = f"swap to {report.revision} failed ({report.reason}): {report.message or ''}"
+    return SetGate(pod, "False", SWAP_FAILED, message, at)
 
 
 def _restarted_since_swap(pod: ObservedPod) -> bool:
@@ -198,7 +258,7 @@ def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[s
         if p.swap is not None
         and p.swap.reason in INTACT_REASONS
         and p.revision_hash == p.swap.to_revision_hash
-        and p.gate_reason == "SwapFailed"
+        and p.gate_reason == SWAP_FAILED
     )
 
 

@@ -34,11 +34,14 @@ class PodLoad:
 
 
 SwapPhase = Literal["Swapping", "Swapped", "Failed"]
+SwapPurpose = Literal["canary", "promote", "rollback", "repair"]
+SWAP_PURPOSES = ("canary", "promote", "rollback", "repair")
 
 
 @dataclass(frozen=True)
 class PodSwap:
-    """A pod's last in-place swap, as the swapper recorded it on the pod."""
+    """A pod's last in-place swap, as its record on the pod says (written by apply: the
+    core starts a swap, the swapper reports how it ended)."""
 
     to_revision_hash: str
     manifest_digest: str
@@ -53,6 +56,21 @@ class PodSwap:
     restarts: int | None = None
     """The pod's container restarts when the swap began: a restart since then loaded the
     weights the pod was created with, not the swapped ones."""
+    purpose: SwapPurpose | None = None
+    finished_at: datetime | None = None
+
+    def same_swap(self, other: PodSwap) -> bool:
+        """The same swap (its target and start; the record keeps whole seconds), whatever
+        state each says it is in."""
+        return (
+            self.to_revision_hash == other.to_revision_hash
+            and self.manifest_digest == other.manifest_digest
+            and _second(self.started_at) == _second(other.started_at)
+        )
+
+
+def _second(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp())
 
 
 @dataclass(frozen=True)
@@ -173,6 +191,9 @@ class ObservedPod:
     """The message of its weights-verified gate, whatever its status."""
     verdict: PodVerdict | None = None
     """The verifier's latest verdict, when it is not on the gate yet."""
+    swap_report: PodSwap | None = None
+    """The swapper's report of how the pod's swap ended, when its record does not say so
+    yet (the swapper is an observation source, like the verifier)."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 
 from weightship.api.spec import ModelRolloutSpec, ValidationSpec
-from weightship.core.decision import SetGate
+from weightship.core.decision import DrainPod, SetGate
 from weightship.core.observed import ObservedPod, PodVerdict
-from weightship.core.verification import DRAINING
+from weightship.core.verification import DRAINING, PENDING
 
 NOTHING_TO_VERIFY = "NothingToVerify"
 
@@ -31,6 +31,16 @@ def pod_gates(
     if not verifies(spec.validation):
         return tuple(_trivial(pods, now))
     return tuple(_verdicts(pods))
+
+
+def draining(drain: DrainPod) -> SetGate:
+    """The gate closed on a pod about to be deleted (core.drain)."""
+    return SetGate(drain.pod, "False", DRAINING, drain.message, drain.at)
+
+
+def pending(pod: str, why: str, at: datetime) -> SetGate:
+    """The gate handed (back) to the verifier."""
+    return SetGate(pod, "False", PENDING, f"{why}; verifying", at)
 
 
 def _trivial(pods: Sequence[ObservedPod], now: datetime) -> Iterator[SetGate]:

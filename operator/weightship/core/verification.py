@@ -14,24 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from weightship.api.inference import FailureReason, LoadReport
 from weightship.api.spec import GoldenPrompt, GoldenPromptExpectation
-from weightship.core.loadreport import (
-    TERMINATION_KEY,
-    LoadReport,
-    LoadSource,
-    LoadState,
-    report_from_termination,
-    termination_message,
-)
-
-__all__ = [  # the load report lives apart so that servers import it without the API models
-    "TERMINATION_KEY",
-    "LoadReport",
-    "LoadSource",
-    "LoadState",
-    "report_from_termination",
-    "termination_message",
-]
 
 # How a pod's weights were checked (spec.validation.checksum, "auto" resolved per pod).
 VerifyMode = Literal["loaded", "staged", "none"]
@@ -44,6 +28,10 @@ VERIFYING = "Verifying"
 IN_PROGRESS_REASONS = frozenset({PENDING, LOADING, VERIFYING})
 # Not a verdict either: the pod is about to be deleted and left traffic first (core.drain).
 DRAINING = "Draining"
+# Nor these: an in-place swap's, whose outcome is the pod's swap record (core.inplace).
+SWAPPING = "Swapping"
+SWAP_FAILED = "SwapFailed"
+SWAP_REASONS = frozenset({SWAPPING, SWAP_FAILED})
 
 MAX_SHOWN = 200  # characters of a completion shown in a diff
 
@@ -111,7 +99,7 @@ def load_verdict(report: LoadReport, want_digest: str, checksum: bool) -> GateVe
     if report.state == "Loading":
         return GateVerdict("False", LOADING, report.message or "the server is loading weights")
     if report.state == "Failed":
-        reason = report.reason or "LoadFailed"
+        reason = report.reason or FailureReason.LOAD_FAILED
         return GateVerdict("False", reason, report.message or "the server failed to load weights")
     if checksum and report.manifest_digest != want_digest:
         return GateVerdict(
@@ -146,7 +134,7 @@ def staged_verdict(evidence: StagedEvidence, want_digest: str) -> GateVerdict | 
         problem = ("CacheNotReadOnly", "the pod does not mount the node cache read-only")
     elif not evidence.node_staged:
         problem = (
-            "NotStaged",
+            FailureReason.NOT_STAGED,
             f"node {evidence.node or '?'} does not report {want_digest} staged and verified",
         )
     elif not evidence.serves_model_dir:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from weightship.api.inference import FailureReason
 from weightship.httpserver import QuietHandler, Server
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 from weightship.seeding.root import SeedRoot, refusal
@@ -29,9 +30,11 @@ def handle_join(root: SeedRoot | None, body: bytes) -> tuple[int, dict[str, Any]
         digest, backend = doc.get("digest"), str(doc.get("backend", "auto"))
         token = doc.get("token")
     except (ValueError, KeyError, TypeError) as exc:
-        return _answered(refusal("BadRequest", f"join body: {exc}"[:200], 400))
+        return _answered(refusal(FailureReason.BAD_REQUEST, f"join body: {exc}"[:200], 400))
     if not all(isinstance(v, str | None) for v in (group, digest, token)) or group is None:
-        return _answered(refusal("BadRequest", "group, digest and token must be strings", 400))
+        return _answered(
+            refusal(FailureReason.BAD_REQUEST, "group, digest and token must be strings", 400)
+        )
     return _answered(
         root.join(group, world_size, member, digest=digest, backend=backend, token=token)
     )

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-Reason = Literal["RootUnavailable", "Timeout", "RootDied", "ChecksumMismatch", "NoTensorChecksums"]
+from weightship.api.inference import FailureReason
+
+# The two the inference-server contract names too: what reaches a pod's load report.
+Reason = (
+    Literal["RootUnavailable", "Timeout", "RootDied"]
+    | Literal[FailureReason.CHECKSUM_MISMATCH, FailureReason.NO_TENSOR_CHECKSUMS]
+)
 
 
 class SeedingError(RuntimeError):
@@ -22,4 +28,4 @@ class SeedingError(RuntimeError):
     @property
     def fall_back(self) -> bool:
         """True when loading from the node cache is the right next step."""
-        return self.reason != "ChecksumMismatch"
+        return self.reason != FailureReason.CHECKSUM_MISMATCH

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from weightship.api.inference import FailureReason
 from weightship.seeding import transport
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, new_arena, tensor_at
 from weightship.seeding.errors import SeedingError
@@ -115,9 +116,9 @@ def receive(
         pg = _new_group(answer, store, rank, size, device, deadline)
         verifier, transfer_seconds = _receive_verified(pg, plan, entries, device, faults, deadline)
         if verifier.bad:
-            _report(ctl, rank, member, "ChecksumMismatch", time.monotonic() - t0)
+            _report(ctl, rank, member, FailureReason.CHECKSUM_MISMATCH, time.monotonic() - t0)
             raise SeedingError(
-                "ChecksumMismatch",
+                FailureReason.CHECKSUM_MISMATCH,
                 f"{len(verifier.bad)} of {len(entries)} tensors differ from the manifest, "
                 f"first {verifier.bad[0]!r}; refusing to serve them",
             )
@@ -165,7 +166,9 @@ def _verifiable_entries(manifest: Manifest) -> Sequence[TensorEntry]:
     try:
         plan_for(manifest, DEFAULT_BUCKET_BYTES)
     except ValueError as exc:  # a dtype torch cannot hold, sizes that contradict shapes
-        raise SeedingError("NoTensorChecksums", f"the tensors cannot be verified: {exc}") from exc
+        raise SeedingError(
+            FailureReason.NO_TENSOR_CHECKSUMS, f"the tensors cannot be verified: {exc}"
+        ) from exc
     return entries
 
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from weightship.api.inference import FailureReason
 from weightship.core.seedtoken import check_token
 from weightship.seeding import transport
 from weightship.seeding.buckets import DEFAULT_BUCKET_BYTES, region_views
@@ -189,7 +190,7 @@ class SeedRoot:
         false means "load from your node cache".
         """
         if not GROUP_ID.fullmatch(group_id):
-            return refusal("BadRequest", f"invalid group id {group_id!r}", 400)
+            return refusal(FailureReason.BAD_REQUEST, f"invalid group id {group_id!r}", 400)
         refused = check_token(
             self._key, self.rollout_uid, self.digest, group_id, token, time.time()
         )
@@ -197,7 +198,7 @@ class SeedRoot:
             return refusal(refused.reason, refused.message, refused.status)
         if not 2 <= world_size <= MAX_WORLD_SIZE or not 0 < len(member) <= MAX_MEMBER_CHARS:
             return refusal(
-                "BadRequest",
+                FailureReason.BAD_REQUEST,
                 f"worldSize must be 2 to {MAX_WORLD_SIZE}, member 1 to {MAX_MEMBER_CHARS} chars",
                 400,
             )

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from weightship.api.inference import FailureReason
 from weightship.loader.load import TORCH_DTYPES
 from weightship.seeding.buckets import BucketPlan, FileSpan, TensorSpec, plan_files
 from weightship.seeding.errors import SeedingError
@@ -18,7 +19,9 @@ def tensor_entries(manifest: Manifest) -> Sequence[TensorEntry]:
     """The manifest's tensors (each has a checksum); ``NoTensorChecksums`` when it lists
     none, as a manifest written before tensors were listed does."""
     if not manifest.tensors:
-        raise SeedingError("NoTensorChecksums", "the manifest lists no tensors to verify")
+        raise SeedingError(
+            FailureReason.NO_TENSOR_CHECKSUMS, "the manifest lists no tensors to verify"
+        )
     return manifest.tensors
 
 

@@ -21,11 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from weightship.api.env import CACHE_DIR_ENV, MANIFEST_DIGEST_ENV, MODEL_REVISION_ENV
-from weightship.core.loadreport import termination_message
-from weightship.integrations.vllm.settings import DEFAULT_TERMINATION_LOG, TERMINATION_LOG_ENV
-from weightship.integrations.vllm.stamp import Weights
-from weightship.integrations.vllm.swap import SwapAuth
+from weightship.api.env import CACHE_DIR_ENV, TERMINATION_LOG_ENV
+from weightship.api.inference import DEFAULT_TERMINATION_LOG, termination_message
+from weightship.integrations.serving import SwapAuth, Weights
 
 from .adapter import Adapter
 from .client import SGLangClient
@@ -55,20 +53,18 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--ready-timeout", type=float, default=1800.0, help="seconds SGLang may take to start"
     )
     parser.add_argument(
+        "--abort-on-drain-timeout",
+        action="store_true",
+        help="cut the requests still running when a swap's drain timeout passes (SGLang "
+        "aborts them) and swap; by default they finish and that swap is refused",
+    )
+    parser.add_argument(
         "--request-deadline",
         type=float,
         default=REQUEST_DEADLINE_S,
         help="seconds one request (held through a swap, then generated) may take",
     )
     return parser.parse_args(args), command
-
-
-def initial_weights(env: os._Environ[str] | dict[str, str]) -> Weights:
-    """What the pod started with (WEIGHTSHIP_MODEL_REVISION, WEIGHTSHIP_MANIFEST_DIGEST)."""
-    return Weights(
-        env.get(MODEL_REVISION_ENV) or "unknown",
-        env.get(MANIFEST_DIGEST_ENV) or None,
-    )
 
 
 def upstream_of(url: str) -> tuple[str, int]:
@@ -90,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         client=SGLangClient(args.sglang_url, admin_key=env.get(ADMIN_KEY_ENV) or None),
         auth=SwapAuth.from_env(env),
         cache_dir=Path(cache) if cache else None,
-        start=initial_weights(env),
+        start=Weights.from_env(env),
+        abort_on_drain_timeout=args.abort_on_drain_timeout,
     )
     server = serve(
         adapter, args.host, args.port, upstream, request_deadline_s=args.request_deadline

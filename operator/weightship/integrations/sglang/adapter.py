@@ -1,8 +1,8 @@
 """The weightship interface for an SGLang server: what it loaded, and in-place swaps.
 
-    GET  /weightship/v1/loaded   a LoadReport (core.loadreport) of what SGLang serves
-    POST /weightship/v1/swap     swap to a staged revision (the vLLM plugin's request,
-                                 token and answers: integrations.vllm.swap)
+    GET  /weightship/v1/loaded   a LoadReport (api.inference) of what SGLang serves
+    POST /weightship/v1/swap     swap to a staged revision (the contract's request, token
+                                 and answers: api.inference, integrations.serving)
     GET  /weightship/v1/swap     the latest swap's state document
     POST /weightship/v1/swap/verified   the verifier passed the swapped weights
 
@@ -12,10 +12,16 @@ A swap, one at a time:
                unchanged, and every chunk of every file matches (``verify``), before
                anything is paused
     drain      the gate closes (new requests wait); in-flight requests finish, up to the
-               drain timeout
-    seal       requests still in flight are cut; SGLang's pause_generation(mode=abort)
+               drain timeout. None is ever aborted by default: requests still running
+               then refuse the swap (DrainTimeout), before anything changed, and are
+               answered by the old weights. With ``abort_on_drain_timeout``
+               (``--abort-on-drain-timeout``) they are cut instead and the swap goes on
+    seal       requests still in flight are cut (none, unless abort_on_drain_timeout);
+               SGLang's pause_generation(mode=retract, which aborts nothing and lets the
+               cache be flushed; abort with the flag)
     update     update_weights_from_disk(model_path=<the verified folder>,
-               weight_version=<revision>, flush_cache=True, abort_all_requests=True)
+               weight_version=<revision>, flush_cache=True, abort_all_requests=False;
+               True with the flag)
     readback   model_info: weight_version is the revision and model_path the folder;
                weights_checker: a checksum of what SGLang now holds, compared with what it
                said the last time this digest was loaded here (and it must have changed)
@@ -38,31 +44,33 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from weightship.core.loadreport import LoadReport, LoadSource
-from weightship.integrations.vllm.stamp import Weights
-from weightship.integrations.vllm.swap import (
-    CONFIG_CHANGED,
-    ENGINE_ERROR,
-    MIXED_WEIGHTS,
-    NOT_STAGED,
-    SWAP_TIMEOUT,
+from weightship.api.inference import (
+    FailureReason,
+    LoadReport,
+    LoadSource,
+    SwapAnswer,
+    SwapRequest,
+    parse_verified,
+)
+from weightship.integrations.serving import (
+    Answer,
+    Parsed,
     StepTimes,
     SwapAuth,
-    SwapRequest,
-    SwapRequestError,
     SwapTracker,
+    Weights,
+    accepted,
+    already_loaded,
+    busy,
     config_changes,
-    parse_verified,
-    refusal_doc,
     verified_answer,
 )
 
 from .client import NOT_FLUSHED_TEXT, ModelInfo, SGLangClient, SGLangError, WeightsChecksum
 from .gate import Gate
 from .verify import (
-    LOAD_ERROR,
     VerifiedModel,
     VerifyFailure,
     same_folder,
@@ -71,11 +79,6 @@ from .verify import (
 )
 
 log = logging.getLogger("weightship.sglang")
-Parsed = TypeVar("Parsed", SwapRequest, str)  # what a swap route's body says
-
-# SGLang's answer does not say what we asked: another version or folder, or a checksum
-# that contradicts an earlier one.
-READBACK_MISMATCH = "ReadbackMismatch"
 # Beyond the swap's own bounds: what requests may wait at the closed gate for.
 HOLD_GRACE_S = 30.0
 # Calls that are no load: pause, resume, model_info, flush.
@@ -114,6 +117,9 @@ class Adapter:
     cache_dir: Path | None
     start: Weights
     verify: Verify = field(default=verify_staged)
+    # Requests still running at the drain timeout are cut (and SGLang aborts its own)
+    # rather than refusing the swap: SGLang's own default, and never this adapter's.
+    abort_on_drain_timeout: bool = False
     gate: Gate = field(init=False)
     tracker: SwapTracker = field(default_factory=SwapTracker)
     # The state /weightship/v1/loaded answers from (before the live readback).
@@ -136,7 +142,9 @@ class Adapter:
         digest = self.start.manifest_digest
         if not digest:
             self.failure = LoadReport(
-                "Failed", reason=NOT_STAGED, message="WEIGHTSHIP_MANIFEST_DIGEST is not set"
+                "Failed",
+                reason=FailureReason.NOT_STAGED,
+                message="WEIGHTSHIP_MANIFEST_DIGEST is not set",
             )
             return None
         try:
@@ -161,7 +169,7 @@ class Adapter:
                     self.failure = LoadReport(
                         "Failed",
                         manifest_digest=model.digest,
-                        reason=ENGINE_ERROR,
+                        reason=FailureReason.ENGINE_ERROR,
                         message=f"SGLang did not come up within {timeout:.0f} s: {exc}",
                     )
                     return False
@@ -169,7 +177,10 @@ class Adapter:
         problem = readback_problem(info, model, self.start.revision)
         if problem is not None:
             self.failure = LoadReport(
-                "Failed", manifest_digest=model.digest, reason=READBACK_MISMATCH, message=problem
+                "Failed",
+                manifest_digest=model.digest,
+                reason=FailureReason.READBACK_MISMATCH,
+                message=problem,
             )
             return False
         checksum, note = self._checksum()
@@ -216,7 +227,7 @@ class Adapter:
             return LoadReport(
                 "Failed",
                 manifest_digest=held.model.digest,
-                reason=READBACK_MISMATCH,
+                reason=FailureReason.READBACK_MISMATCH,
                 message=problem,
             ).to_json() | {"mode": MODE}
         return loaded_report(held, info).to_json() | details(held, info)
@@ -227,29 +238,8 @@ class Adapter:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _authorized(
-        self, authorization: str | None, body: bytes | None, parse: Callable[[bytes], Parsed]
-    ) -> Parsed | tuple[int, dict[str, Any]]:
-        """The body, parsed, once the token opens this pod's swap to its digest; else the
-        answer."""
-        refusal = self.auth.missing(authorization)
-        if refusal is not None:
-            return refusal.status, refusal_doc(refusal)
-        if body is None:
-            return 400, {"accepted": False, "reason": "BadRequest", "message": "no body"}
-        try:
-            parsed = parse(body)
-        except SwapRequestError as exc:
-            return exc.status, {"accepted": False, "reason": "BadRequest", "message": str(exc)}
-        refusal = self.auth.check(authorization, parsed, time.time())
-        if refusal is not None:
-            return refusal.status, refusal_doc(refusal)
-        return parsed
-
-    def post_verified(
-        self, authorization: str | None, body: bytes | None
-    ) -> tuple[int, dict[str, Any]]:
-        """POST /weightship/v1/swap/verified (integrations.vllm.swap)."""
+    def post_verified(self, authorization: str | None, body: bytes | None) -> Answer:
+        """POST /weightship/v1/swap/verified (api.inference)."""
         digest = self._authorized(authorization, body, parse_verified)
         if isinstance(digest, tuple):
             return digest
@@ -258,47 +248,38 @@ class Adapter:
             log.info("swapped weights %s verified: serving every request", digest)
         return verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest)
 
+    def _authorized(
+        self, authorization: str | None, body: bytes | None, parse: Callable[[bytes], Parsed]
+    ) -> Parsed | Answer:
+        return self.auth.authorize(authorization, body, parse, time.time())
+
     def is_verifier(self, header: str | None) -> bool:
         return self.auth.opens_verification(header, self.gate.weights.manifest_digest, time.time())
 
-    def post_swap(
-        self, authorization: str | None, body: bytes | None
-    ) -> tuple[int, dict[str, Any]]:
+    def post_swap(self, authorization: str | None, body: bytes | None) -> Answer:
         swap = self._authorized(authorization, body, SwapRequest.parse)
         if isinstance(swap, tuple):
             return swap
         with self._lock:
             if self.running:
-                return 409, {
-                    "accepted": False,
-                    "reason": "SwapInProgress",
-                    "message": "a swap is already running: GET this path for its state",
-                    "swap": self.tracker.current.to_json(),
-                }
+                return busy(self.tracker.current)
             held = self.held
             if held is None:
-                return 503, {
-                    "accepted": False,
-                    "reason": "NotReady",
-                    "message": "SGLang is not serving verified weights yet",
-                }
+                message = "SGLang is not serving verified weights yet"
+                return 503, SwapAnswer(False, FailureReason.NOT_READY, message)
             if (
                 self.mixed is None
                 and self.failure is None
                 and held.model.digest == swap.manifest_digest
             ):
-                return 200, {
-                    "accepted": True,
-                    "message": f"{swap.manifest_digest} is already loaded and verified",
-                    "swap": self.tracker.current.to_json(),
-                }
+                return already_loaded(swap.manifest_digest, self.tracker.current)
             state = self.tracker.begin(swap, held.model.digest)
             self._thread = threading.Thread(
                 target=self._run, args=(swap, held), name="sglang-swap", daemon=True
             )
             self._thread.start()
         log.info("swap to %s (%s) accepted", swap.manifest_digest, swap.revision)
-        return 202, {"accepted": True, "swap": state.to_json()}
+        return accepted(state)
 
     def swap_document(self) -> dict[str, Any]:
         return self.tracker.current.to_json()
@@ -317,7 +298,9 @@ class Adapter:
             model = self._precheck(request.manifest_digest, old)
         except Exception as exc:  # nothing was paused: the old weights serve on
             failure = (
-                exc if isinstance(exc, VerifyFailure) else VerifyFailure(LOAD_ERROR, _text(exc))
+                exc
+                if isinstance(exc, VerifyFailure)
+                else VerifyFailure(FailureReason.LOAD_ERROR, _text(exc))
             )
             self.tracker.failed(failure.reason, failure.message, paused_seconds=0.0)
             log.warning("swap to %s refused: %s", request.manifest_digest, failure.message)
@@ -326,35 +309,41 @@ class Adapter:
         hold = request.drain_timeout_s + request.swap_timeout_s + HOLD_GRACE_S
         self.gate.close(hold)
         closed = time.monotonic()
+        if not self.gate.wait_idle(request.drain_timeout_s) and not self.abort_on_drain_timeout:
+            self._undrained(request, old, closed)
+            return
         changing = False
+        abort = self.abort_on_drain_timeout
         try:
-            self.gate.wait_idle(request.drain_timeout_s)
             steps.done("drain")
             self.tracker.loading(time.monotonic() - closed)
             deadline = time.monotonic() + request.swap_timeout_s
             cut = self.gate.seal()
             if cut:
                 log.info("drain timeout: %d requests cut", cut)
-            self.client.pause("abort", _left(deadline, CONTROL_TIMEOUT_S))
+            self.client.pause("abort" if abort else "retract", _left(deadline, CONTROL_TIMEOUT_S))
             steps.done("pause")
             changing = True
             update_started = time.monotonic()
             result = self.client.update_weights_from_disk(
-                str(model.files), request.revision, _left(deadline)
+                str(model.files), request.revision, _left(deadline), abort_all_requests=abort
             )
             if not result.success:
                 if NOT_FLUSHED_TEXT not in result.message:
-                    raise StepFailed(ENGINE_ERROR, f"update_weights_from_disk: {result.message}")
+                    raise StepFailed(
+                        FailureReason.ENGINE_ERROR, f"update_weights_from_disk: {result.message}"
+                    )
                 if not self.client.flush_cache(_left(deadline, CONTROL_TIMEOUT_S)):
                     raise StepFailed(
-                        ENGINE_ERROR, f"the radix cache could not be flushed: {result.message}"
+                        FailureReason.ENGINE_ERROR,
+                        f"the radix cache could not be flushed: {result.message}",
                     )
             update_seconds = time.monotonic() - update_started
             steps.done("update")
             info = self.client.model_info(_left(deadline, CONTROL_TIMEOUT_S))
             problem = readback_problem(info, model, request.revision)
             if problem is not None:
-                raise StepFailed(READBACK_MISMATCH, problem)
+                raise StepFailed(FailureReason.READBACK_MISMATCH, problem)
             checksum, note = self._checksum(_left(deadline, CHECKSUM_TIMEOUT_S))
             if checksum is not None:
                 self._check_checksum(checksum, model, old)
@@ -393,7 +382,7 @@ class Adapter:
         changes = config_changes(old.model.manifest, manifest)
         if changes:
             raise VerifyFailure(
-                CONFIG_CHANGED,
+                FailureReason.CONFIG_CHANGED,
                 f"{digest} cannot be swapped in: {'; '.join(changes[:5])} (SGLang read those "
                 "at startup; roll it out by replacing pods)",
             )
@@ -403,7 +392,7 @@ class Adapter:
         known = self.checksums.get(model.digest)
         if known is not None and known != checksum.engine:
             raise StepFailed(
-                READBACK_MISMATCH,
+                FailureReason.READBACK_MISMATCH,
                 f"SGLang's weights checksum is {checksum.engine[:16]}…, but {model.digest} "
                 f"gave {known[:16]}… when it was loaded here before",
             )
@@ -413,7 +402,7 @@ class Adapter:
             and tensor_files(model) != tensor_files(old.model)
         ):
             raise StepFailed(
-                READBACK_MISMATCH,
+                FailureReason.READBACK_MISMATCH,
                 "SGLang's weights checksum did not change although the weight files did: "
                 "it still holds the old weights",
             )
@@ -429,24 +418,26 @@ class Adapter:
         if isinstance(exc, StepFailed):
             reason, message = exc.reason, exc.message
         elif isinstance(exc, SGLangError) and exc.status == 0 and "timed out" in str(exc):
-            reason, message = SWAP_TIMEOUT, str(exc)
+            reason, message = FailureReason.SWAP_TIMEOUT, str(exc)
         elif isinstance(exc, TimeoutError):
-            reason, message = SWAP_TIMEOUT, str(exc) or "the swap timed out"
+            reason, message = FailureReason.SWAP_TIMEOUT, str(exc) or "the swap timed out"
         else:
-            reason, message = ENGINE_ERROR, _text(exc)
+            reason, message = FailureReason.ENGINE_ERROR, _text(exc)
         if changing:
             # The weights may be anything between the two revisions: nothing serves.
             message = f"{message} (the weights may be mixed: generation stays paused)"
             self.mixed = message
-            self.gate.refuse(MIXED_WEIGHTS, message)
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, message)
             self.failure = LoadReport(
                 "Failed",
                 manifest_digest=request.manifest_digest,
-                reason=MIXED_WEIGHTS,
+                reason=FailureReason.MIXED_WEIGHTS,
                 message=message,
             )
             self.tracker.failed(
-                MIXED_WEIGHTS, f"{reason}: {message}", paused_seconds=time.monotonic() - closed
+                FailureReason.MIXED_WEIGHTS,
+                f"{reason}: {message}",
+                paused_seconds=time.monotonic() - closed,
             )
             log.error("swap to %s left mixed weights: %s", request.manifest_digest, message)
             return
@@ -454,16 +445,16 @@ class Adapter:
             self.client.resume(CONTROL_TIMEOUT_S)
         except SGLangError as again:
             message = f"{message}; then SGLang did not resume: {again}"
-            self.gate.refuse(ENGINE_ERROR, message)
+            self.gate.refuse(FailureReason.ENGINE_ERROR, message)
             self.failure = LoadReport(
-                "Failed", manifest_digest=old.model.digest, reason=ENGINE_ERROR, message=message
+                "Failed",
+                manifest_digest=old.model.digest,
+                reason=FailureReason.ENGINE_ERROR,
+                message=message,
             )
             self.tracker.failed(reason, message, paused_seconds=None)
             return
-        if self.mixed is not None:
-            self.gate.refuse(MIXED_WEIGHTS, self.mixed)
-        else:
-            self.gate.open(Weights(old.revision, old.model.digest))
+        self._reopen(old)
         self.tracker.failed(reason, message, paused_seconds=time.monotonic() - closed)
         log.warning(
             "swap to %s failed, still serving %s: %s",
@@ -471,6 +462,28 @@ class Adapter:
             old.model.digest,
             message,
         )
+
+    def _undrained(self, request: SwapRequest, old: Held, closed: float) -> None:
+        """Requests still ran at the drain timeout: the swap is refused, nothing paused or
+        aborted; they finish on the old weights, which serve on."""
+        message = (
+            f"{self.gate.in_flight} request(s) still ran after the drain timeout "
+            f"({request.drain_timeout_s} s): nothing was aborted or changed (the adapter "
+            "cuts them only with --abort-on-drain-timeout)"
+        )
+        self._reopen(old)
+        self.tracker.failed(
+            FailureReason.DRAIN_TIMEOUT, message, paused_seconds=time.monotonic() - closed
+        )
+        log.warning("swap to %s refused: %s", request.manifest_digest, message)
+
+    def _reopen(self, old: Held) -> None:
+        """After a failed swap that changed nothing: the old weights serve again (unless an
+        earlier swap left them mixed)."""
+        if self.mixed is not None:
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, self.mixed)
+        else:
+            self.gate.open(Weights(old.revision, old.model.digest))
 
 
 def _text(exc: BaseException) -> str:

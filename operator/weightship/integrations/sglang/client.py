@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from weightship.api.inference import AUTHORIZATION_HEADER, bearer
+
 MAX_ANSWER_BYTES = 1024 * 1024
 # weights_checker answers a checksum per tensor per rank: larger for large models.
 MAX_CHECKSUM_BYTES = 64 * 1024 * 1024
@@ -96,7 +98,7 @@ class SGLangClient:
         when SGLang does not answer within ``timeout``."""
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
-            headers["Authorization"] = f"Bearer {self.admin_key}"
+            headers[AUTHORIZATION_HEADER] = bearer(self.admin_key)
         request = urllib.request.Request(  # noqa: S310 (http: checked by the caller)
             self.base_url + path,
             data=json.dumps(body).encode() if body is not None else None,
@@ -131,13 +133,19 @@ class SGLangClient:
             raise SGLangError(status, f"continue_generation: HTTP {status}: {_brief(answer)}")
 
     def update_weights_from_disk(
-        self, model_path: str, weight_version: str, timeout: float, load_format: str | None = None
+        self,
+        model_path: str,
+        weight_version: str,
+        timeout: float,
+        load_format: str | None = None,
+        *,
+        abort_all_requests: bool = False,
     ) -> UpdateResult:
         body: dict[str, Any] = {
             "model_path": model_path,
             "weight_version": weight_version,
             "flush_cache": True,
-            "abort_all_requests": True,
+            "abort_all_requests": abort_all_requests,
         }
         if load_format:
             body["load_format"] = load_format

@@ -20,11 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from weightship.integrations.vllm.stamp import Weights
-
-GateMode = Literal["open", "closed", "verifying", "refusing"]
+from weightship.api.inference import FailureReason
+from weightship.integrations.serving import GateMode, Refused, Weights
 
 
 @dataclass(eq=False)
@@ -40,13 +38,6 @@ class Ticket:
         self._on_cut = action
         if self.cut:
             action()
-
-
-@dataclass(frozen=True)
-class Refused:
-    status: int
-    reason: str
-    message: str
 
 
 class Gate:
@@ -80,7 +71,9 @@ class Gate:
                 if remaining <= 0 and self.mode == "verifying":
                     return Refused(503, "Verifying", "the new weights are being verified")
                 if remaining <= 0:
-                    return Refused(503, "SwapInProgress", "the weights are being swapped")
+                    return Refused(
+                        503, FailureReason.SWAP_IN_PROGRESS, "the weights are being swapped"
+                    )
                 self._cond.wait(remaining)
             if self.mode == "refusing":
                 return self.refusal or Refused(503, "Refusing", "the weights are not known good")

@@ -20,21 +20,24 @@ import socket
 import urllib.parse
 from typing import Any
 
-from weightship.httpserver import QuietHandler, Server
-from weightship.integrations.vllm.stamp import DIGEST_HEADER, REVISION_HEADER, Weights
-from weightship.integrations.vllm.swap import (
+from weightship.api.inference import (
+    AUTHORIZATION_HEADER,
+    DIGEST_HEADER,
+    LOADED_PATH,
     MAX_SWAP_BODY,
+    REVISION_HEADER,
     SWAP_PATH,
     VERIFIED_PATH,
     VERIFY_HEADER,
+    FailureReason,
 )
+from weightship.httpserver import QuietHandler, Server
+from weightship.integrations.serving import Refused, Weights
 
 from .adapter import Adapter
-from .gate import Refused
 
 log = logging.getLogger("weightship.sglang")
 
-LOADED_PATH = "/weightship/v1/loaded"
 # Forwarded to SGLang and admitted through the gate (they run the model).
 GATED = frozenset(
     {
@@ -106,14 +109,14 @@ def make_handler(adapter: Adapter, upstream: tuple[str, int]) -> type[QuietHandl
                 body = self.read_body(MAX_SWAP_BODY)
                 if body is None:
                     return  # refused (400/413) by read_body
-                status, doc = adapter.post_swap(self.headers.get("Authorization"), body)
-                self._answer(status, doc)
+                status, answer = adapter.post_swap(self.headers.get(AUTHORIZATION_HEADER), body)
+                self._answer(status, answer.to_json())
             elif path == VERIFIED_PATH and method == "POST":
                 body = self.read_body(MAX_SWAP_BODY)
                 if body is None:
                     return
-                status, doc = adapter.post_verified(self.headers.get("Authorization"), body)
-                self._answer(status, doc)
+                status, answer = adapter.post_verified(self.headers.get(AUTHORIZATION_HEADER), body)
+                self._answer(status, answer.to_json())
             elif (method, path) in FORWARDED:
                 self._forward(method, gated=(method, path) in GATED)
             else:
@@ -205,7 +208,7 @@ def make_handler(adapter: Adapter, upstream: tuple[str, int]) -> type[QuietHandl
             self.send_response(response.status, response.reason)
             for name, value in response.getheaders():
                 low = name.lower()
-                if low in HOP_BY_HOP or low in (REVISION_HEADER.decode(), DIGEST_HEADER.decode()):
+                if low in HOP_BY_HOP or low in (REVISION_HEADER.lower(), DIGEST_HEADER.lower()):
                     continue
                 self.send_header(name, value)
             self._stamp(weights)
@@ -235,7 +238,7 @@ def _shut(conn: http.client.HTTPConnection) -> None:
 
 def _cut_doc() -> dict[str, str]:
     return {
-        "reason": "WeightsChanged",
+        "reason": FailureReason.WEIGHTS_CHANGED,
         "message": "the weights were swapped while this request ran: send it again",
     }
 

@@ -15,11 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightship.integrations.vllm.swap import CHECKSUM_MISMATCH, MANIFEST_MISMATCH, NOT_STAGED
+from weightship.api.inference import FailureReason
 from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
-
-LOAD_ERROR = "LoadError"
 
 
 class VerifyFailure(Exception):
@@ -48,19 +46,19 @@ def staged_manifest(cache_dir: Path | None, digest: str) -> tuple[Path, Manifest
     from weightship.loader.load import locate_staged
 
     if cache_dir is None:
-        raise VerifyFailure(NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set")
+        raise VerifyFailure(FailureReason.NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set")
     files = locate_staged(cache_dir, digest)
     if files is None:
-        raise VerifyFailure(NOT_STAGED, f"{digest} is not staged in {cache_dir}")
+        raise VerifyFailure(FailureReason.NOT_STAGED, f"{digest} is not staged in {cache_dir}")
     try:
         manifest = Manifest.parse((files.parent / MANIFEST_FILE).read_bytes())
     except (OSError, ManifestError) as exc:
         raise VerifyFailure(
-            MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"
+            FailureReason.MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"
         ) from None
     if manifest.digest != digest:
         raise VerifyFailure(
-            MANIFEST_MISMATCH, f"the manifest staged as {digest} is {manifest.digest}"
+            FailureReason.MANIFEST_MISMATCH, f"the manifest staged as {digest} is {manifest.digest}"
         )
     return files, manifest
 
@@ -79,7 +77,7 @@ def verify_staged(cache_dir: Path | None, digest: str, *, workers: int = 4) -> V
     )
     if extra:
         raise VerifyFailure(
-            CHECKSUM_MISMATCH,
+            FailureReason.CHECKSUM_MISMATCH,
             f"{files} holds files its manifest does not list: {', '.join(extra[:5])}",
         )
     total = 0
@@ -89,9 +87,9 @@ def verify_staged(cache_dir: Path | None, digest: str, *, workers: int = 4) -> V
                 files, manifest, expected_digest=digest, paths=[entry.path], workers=workers
             )
         except WeightsVerificationError as exc:
-            raise VerifyFailure(CHECKSUM_MISMATCH, str(exc)) from None
+            raise VerifyFailure(FailureReason.CHECKSUM_MISMATCH, str(exc)) from None
         except LoaderError as exc:
-            raise VerifyFailure(LOAD_ERROR, str(exc)) from None
+            raise VerifyFailure(FailureReason.LOAD_ERROR, str(exc)) from None
         total += loaded.bytes
         del loaded
     return VerifiedModel(

@@ -24,39 +24,48 @@ import urllib.request
 from argparse import Namespace
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import State
 
+from weightship.api.inference import (
+    LOADED_PATH,
+    MAX_SWAP_BODY,
+    SWAP_PATH,
+    VERIFIED_PATH,
+    FailureReason,
+    SwapAnswer,
+    SwapRequest,
+    SwapRequestError,
+    parse_verified,
+)
+from weightship.integrations.serving import (
+    Answer,
+    Parsed,
+    SwapAuth,
+    SwapTracker,
+    Weights,
+    accepted,
+    already_loaded,
+    bad_request,
+    busy,
+    refused,
+    verified_answer,
+)
 from weightship.seeding.endpoints import handle_join, handle_status
 from weightship.seeding.protocol import JOIN_PATH, STATUS_PATH
 
 from .reports import merge, read_rank_reports
 from .roots import SEED_PORT_FILE
 from .settings import RUN_DIR_ENV, PluginSettings
-from .stamp import StampMiddleware, Weights, WeightsGate
-from .swap import (
-    MAX_SWAP_BODY,
-    NOT_SWAPPABLE,
-    SWAP_PATH,
-    VERIFIED_PATH,
-    SwapAuth,
-    SwapRequest,
-    SwapRequestError,
-    SwapTracker,
-    not_swappable,
-    parse_verified,
-    refusal_doc,
-    verified_answer,
-)
+from .stamp import StampMiddleware, WeightsGate
+from .swap import not_swappable
 from .swapdriver import SwapDriver
 
 log = logging.getLogger("vllm.weightship")
-Parsed = TypeVar("Parsed", SwapRequest, str)  # what a swap route's body says
 
-LOADED_PATH = "/weightship/v1/loaded"
 MAX_JOIN_BYTES = 64 * 1024
 FORWARD_TIMEOUT_S = 30.0
 
@@ -98,7 +107,7 @@ async def join(request: Request) -> JSONResponse:
     async for piece in request.stream():
         body += piece
         if len(body) > MAX_JOIN_BYTES:
-            return JSONResponse({"accepted": False, "reason": "BadRequest"}, 413)
+            return JSONResponse({"accepted": False, "reason": FailureReason.BAD_REQUEST}, 413)
     status, doc = await asyncio.to_thread(forward, run_dir(), "POST", JOIN_PATH, body)
     return JSONResponse(doc, status)
 
@@ -146,16 +155,13 @@ class SwapService:
         authorization = request.headers.get("authorization")
         refusal = self.auth.missing(authorization)
         if refusal is not None:
-            return JSONResponse(refusal_doc(refusal), refusal.status)
+            return respond(refused(refusal))
         try:
-            parsed = parse(await read_bounded(request, MAX_SWAP_BODY))
+            body = await read_bounded(request, MAX_SWAP_BODY)
         except SwapRequestError as exc:
-            doc = {"accepted": False, "reason": "BadRequest", "message": str(exc)}
-            return JSONResponse(doc, exc.status)
-        refusal = self.auth.check(authorization, parsed, time.time())
-        if refusal is not None:
-            return JSONResponse(refusal_doc(refusal), refusal.status)
-        return parsed
+            return respond(bad_request(exc))
+        parsed = self.auth.authorize(authorization, body, parse, time.time())
+        return respond(parsed) if isinstance(parsed, tuple) else parsed
 
     async def post(self, request: Request) -> JSONResponse:
         swap = await self._authorized(request, SwapRequest.parse)
@@ -163,26 +169,20 @@ class SwapService:
             return swap
         driver = self.driver
         if driver is None:
-            doc = {"accepted": False, "reason": NOT_SWAPPABLE, "message": self.unswappable}
-            return JSONResponse(doc, 501)
+            return respond((501, SwapAnswer(False, FailureReason.NOT_SWAPPABLE, self.unswappable)))
         if driver.running():
-            return self._busy()
+            return respond(busy(self.tracker.current))
         if (
             driver.mixed is None
             and self.gate.weights.manifest_digest == swap.manifest_digest
             and await asyncio.to_thread(driver.loaded_digest) == swap.manifest_digest
         ):
-            doc = {
-                "accepted": True,
-                "message": f"{swap.manifest_digest} is already loaded and verified",
-                "swap": self.tracker.current.to_json(),
-            }
-            return JSONResponse(doc, 200)
+            return respond(already_loaded(swap.manifest_digest, self.tracker.current))
         if driver.running():  # another POST started one while this one read the reports
-            return self._busy()
+            return respond(busy(self.tracker.current))
         state = driver.start(swap)  # no await since the check: nothing else ran between
         log.info("swap to %s (%s) accepted", swap.manifest_digest, swap.revision)
-        return JSONResponse({"accepted": True, "swap": state.to_json()}, 202)
+        return respond(accepted(state))
 
     async def verified(self, request: Request) -> JSONResponse:
         """POST /weightship/v1/swap/verified: the verifier passed these weights (with the
@@ -194,20 +194,10 @@ class SwapService:
         opened = self.gate.verified(digest)
         if opened:
             log.info("swapped weights %s verified: serving every request", digest)
-        status, doc = verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest)
-        return JSONResponse(doc, status)
+        return respond(verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest))
 
     def is_verifier(self, header: str | None) -> bool:
         return self.auth.opens_verification(header, self.gate.weights.manifest_digest, time.time())
-
-    def _busy(self) -> JSONResponse:
-        doc = {
-            "accepted": False,
-            "reason": "SwapInProgress",
-            "message": "a swap is already running: GET this path for its state",
-            "swap": self.tracker.current.to_json(),
-        }
-        return JSONResponse(doc, 409)
 
     def loaded(self) -> dict[str, Any]:
         """GET /weightship/v1/loaded. While a swap runs the ranks change their reports one
@@ -235,6 +225,11 @@ class SwapService:
         if self.driver is None:
             doc["notSwappable"] = self.unswappable
         return JSONResponse(doc)
+
+
+def respond(answer: Answer) -> JSONResponse:
+    status, doc = answer
+    return JSONResponse(doc.to_json(), status)
 
 
 async def read_bounded(request: Request, limit: int) -> bytes:

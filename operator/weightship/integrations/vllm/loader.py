@@ -22,7 +22,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from weightship.api.env import MODEL_REVISION_ENV
-from weightship.core.loadreport import LoadReport, termination_message
+from weightship.api.inference import LoadReport, termination_message
 
 from . import roots
 from .reports import RankReport, write_rank_report

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import FailureReason, LoadReport
 
 REPORT_GLOB = "rank-*.json"
 MAX_REPORT_BYTES = 64 * 1024
@@ -70,7 +70,7 @@ def merge(reports: Sequence[RankReport]) -> LoadReport:
         return LoadReport(
             state="Failed",
             manifest_digest=failed.report.manifest_digest,
-            reason=failed.report.reason or "LoadFailed",
+            reason=failed.report.reason or FailureReason.LOAD_FAILED,
             message=_named(failed),
         )
     worlds = {r.world_size for r in reports}
@@ -89,7 +89,7 @@ def merge(reports: Sequence[RankReport]) -> LoadReport:
     if len(digests) != 1:
         return LoadReport(
             state="Failed",
-            reason="RanksDisagree",
+            reason=FailureReason.RANKS_DISAGREE,
             message=f"ranks loaded different weights: {sorted(map(str, digests))}",
         )
     lead = loaded[0]

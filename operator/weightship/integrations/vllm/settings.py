@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightship.api.env import CACHE_DIR_ENV, MANIFEST_DIGEST_ENV
+from weightship.api.env import CACHE_DIR_ENV, MANIFEST_DIGEST_ENV, TERMINATION_LOG_ENV
+from weightship.api.inference import DEFAULT_TERMINATION_LOG
 from weightship.seeding.config import RootSettings, SeedConfig
 
 RUN_DIR_ENV = "WEIGHTSHIP_VLLM_RUN_DIR"
@@ -17,8 +18,6 @@ RUN_DIR_ENV = "WEIGHTSHIP_VLLM_RUN_DIR"
 # restarted server never reads reports of an earlier run.
 RUN_OWNER_ENV = "WEIGHTSHIP_VLLM_RUN_OWNER"
 SEED_ROOT_ENV = "WEIGHTSHIP_VLLM_SEED_ROOT"
-TERMINATION_LOG_ENV = "WEIGHTSHIP_TERMINATION_LOG"
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 EXTRA_KEYS = frozenset({"cache_dir", "manifest_digest", "seed_root"})
 
 

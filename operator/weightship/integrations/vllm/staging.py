@@ -32,22 +32,14 @@ from typing import Any
 
 import torch
 
-from weightship.core.loadreport import LoadReport
+from weightship.api.inference import FailureReason, LoadReport
+from weightship.integrations.serving import config_changes
 from weightship.weightformat.manifest import Manifest
 
 from . import roots
 from .reports import RankReport, write_rank_report
 from .settings import PluginSettings
-from .swap import (
-    CONFIG_CHANGED,
-    ENGINE_ERROR,
-    MIXED_WEIGHTS,
-    NOT_SWAPPABLE,
-    SWAP_TIMEOUT,
-    RankOutcome,
-    config_changes,
-    write_outcome,
-)
+from .swap import RankOutcome, write_outcome
 from .weights import LoadFailure, checked_tensors, read_verified, staged_model
 
 log = logging.getLogger("vllm.weightship")
@@ -164,7 +156,9 @@ class SwapSession:
             outcome = self._step(op, swap_id, info, settings, model, model_config)
         except Exception as exc:  # anything unforeseen: a failed step, not a dead worker
             log.exception("rank %d: swap step %s failed", self.rank, op)
-            outcome = RankOutcome(swap_id, op, self.rank, False, ENGINE_ERROR, str(exc)[:500])
+            outcome = RankOutcome(
+                swap_id, op, self.rank, False, FailureReason.ENGINE_ERROR, str(exc)[:500]
+            )
             settings = None
         outcome = RankOutcome(
             outcome.swap_id,
@@ -213,7 +207,7 @@ class SwapSession:
             return ok()
         staged = self._staged
         if staged is None or staged.swap_id != swap_id:
-            return fail(ENGINE_ERROR, f"{op}: nothing staged for swap {swap_id}")
+            return fail(FailureReason.ENGINE_ERROR, f"{op}: nothing staged for swap {swap_id}")
         if op == "apply":
             try:
                 self._apply(staged, model, model_config, settings)
@@ -222,15 +216,15 @@ class SwapSession:
                 log.exception("rank %d: applying %s failed", self.rank, digest)
                 message = f"applying {digest} failed after parameters changed: {exc}"
                 self._report_failed(settings, digest, f"rank {self.rank}: {message}")
-                return fail(MIXED_WEIGHTS, message)
+                return fail(FailureReason.MIXED_WEIGHTS, message)
             return ok()
         if op == "commit":
             if not staged.applied:
-                return fail(ENGINE_ERROR, "commit before apply")
+                return fail(FailureReason.ENGINE_ERROR, "commit before apply")
             self._commit(staged, settings)
             self._staged = None
             return ok()
-        return fail(ENGINE_ERROR, f"unknown step {op!r}")
+        return fail(FailureReason.ENGINE_ERROR, f"unknown step {op!r}")
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -242,7 +236,7 @@ class SwapSession:
         current = loaded_manifest()
         if current is None:
             raise LoadFailure(
-                NOT_SWAPPABLE,
+                FailureReason.NOT_SWAPPABLE,
                 "this worker did not load its weights with --load-format weightship: "
                 "there is nothing to compare a swap with",
             )
@@ -250,7 +244,7 @@ class SwapSession:
         changes = config_changes(current, manifest)
         if changes:
             raise LoadFailure(
-                CONFIG_CHANGED,
+                FailureReason.CONFIG_CHANGED,
                 f"{digest} cannot be swapped in: {'; '.join(changes[:5])} "
                 "(vLLM read those at startup; roll it out by replacing pods)",
                 digest,
@@ -328,14 +322,17 @@ class SwapSession:
 
     def _report_failed(self, settings: PluginSettings, digest: str, message: str) -> None:
         report = LoadReport(
-            state="Failed", manifest_digest=digest or None, reason=MIXED_WEIGHTS, message=message
+            state="Failed",
+            manifest_digest=digest or None,
+            reason=FailureReason.MIXED_WEIGHTS,
+            message=message,
         )
         write_rank_report(settings.run_dir, RankReport(self.rank, self.world, report))
 
 
 def _check_deadline(deadline: float, when: str) -> None:
     if deadline and time.time() > deadline:
-        raise LoadFailure(SWAP_TIMEOUT, f"the swap timed out {when}")
+        raise LoadFailure(FailureReason.SWAP_TIMEOUT, f"the swap timed out {when}")
 
 
 def _feed(

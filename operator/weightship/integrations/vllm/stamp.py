@@ -21,16 +21,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from weightship.api.env import MANIFEST_DIGEST_ENV, MODEL_REVISION_ENV
+from weightship.api.inference import VERIFY_HEADER, FailureReason
+from weightship.integrations.serving import (
+    DIGEST_HEADER_KEY,
+    REVISION_HEADER_KEY,
+    GateMode,
+    Refused,
+    Weights,
+)
 
-from .swap import UNKNOWN_REVISION, VERIFY_HEADER
-
-REVISION_HEADER = b"x-weightship-revision"
-DIGEST_HEADER = b"x-weightship-manifest-digest"
 # Paths that never run the model: answered at once, even during a swap (probes, metrics,
 # the plugin's own routes), stamped with the weights serving now.
 UNGATED = frozenset({"/health", "/ping", "/metrics", "/version", "/v1/models", "/load"})
@@ -46,32 +49,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
-class Weights:
-    revision: str
-    manifest_digest: str | None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Weights:
-        """What the server started with (WEIGHTSHIP_MODEL_REVISION and
-        WEIGHTSHIP_MANIFEST_DIGEST, which the operator sets on the pod)."""
-        return cls(
-            env.get(MODEL_REVISION_ENV) or UNKNOWN_REVISION,
-            env.get(MANIFEST_DIGEST_ENV) or None,
-        )
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [
-            (REVISION_HEADER, _header_value(self.revision or UNKNOWN_REVISION)),
-            (DIGEST_HEADER, _header_value(self.manifest_digest or "")),
-        ]
-
-
-def _header_value(text: str) -> bytes:
-    """Printable ASCII only: an env value with anything else cannot split a header."""
-    return "".join(c for c in text if " " <= c <= "~")[:128].encode("ascii")
-
-
-@dataclass(frozen=True)
 class Ticket:
     """An admitted request: the weights its response is stamped with, and the gate's
     epoch when it came in (a later seal makes it stale)."""
@@ -80,22 +57,12 @@ class Ticket:
     weights: Weights
 
 
-@dataclass(frozen=True)
-class Refused:
-    status: int
-    reason: str
-    message: str
-
-
-GateMode = Literal["open", "closed", "verifying", "refusing"]
-
-
 class WeightsGate:
     def __init__(self, weights: Weights, clock: Callable[[], float] = time.monotonic) -> None:
         self.weights = weights
         self.epoch = 0
         self.mode: GateMode = "open"
-        self.refusal = Refused(503, "SwapInProgress", "the weights are being swapped")
+        self.refusal = Refused(503, FailureReason.SWAP_IN_PROGRESS, "the weights are being swapped")
         self._clock = clock
         self._hold_until = 0.0
         self._opened = asyncio.Event()
@@ -127,10 +94,14 @@ class WeightsGate:
                 )
             if remaining <= 0:
                 return Refused(
-                    503, "SwapInProgress", "held for the whole of a swap that has not ended"
+                    503,
+                    FailureReason.SWAP_IN_PROGRESS,
+                    "held for the whole of a swap that has not ended",
                 )
             if self.held >= MAX_HELD:
-                return Refused(503, "SwapInProgress", "too many requests wait for a swap")
+                return Refused(
+                    503, FailureReason.SWAP_IN_PROGRESS, "too many requests wait for a swap"
+                )
             self.held += 1
             try:
                 await asyncio.wait_for(self._opened.wait(), remaining)
@@ -201,8 +172,8 @@ class WeightsGate:
 
 
 def _header(scope: Scope, name: str) -> str | None:
-    """The first value of header ``name`` (lowercase), decoded as latin-1."""
-    wanted = name.encode("ascii")
+    """The first value of header ``name``, decoded as latin-1."""
+    wanted = name.lower().encode("ascii")
     for key, value in scope.get("headers") or []:
         if bytes(key).lower() == wanted:
             return bytes(value).decode("latin-1")
@@ -214,7 +185,7 @@ def gated(path: str) -> bool:
 
 
 def _stamped(message: Message, weights: Weights) -> Message:
-    drop = {REVISION_HEADER, DIGEST_HEADER}
+    drop = {REVISION_HEADER_KEY, DIGEST_HEADER_KEY}
     headers = [(k, v) for k, v in message.get("headers") or [] if bytes(k).lower() not in drop]
     return {**message, "headers": [*headers, *weights.headers()]}
 
@@ -292,7 +263,9 @@ class StampMiddleware:
                 cut = True
                 if not started:
                     stale = Refused(
-                        503, "WeightsChanged", "the weights were swapped during this request"
+                        503,
+                        FailureReason.WEIGHTS_CHANGED,
+                        "the weights were swapped during this request",
                     )
                     for refusal in _refusal_messages(stale, gate.weights):
                         await send(refusal)

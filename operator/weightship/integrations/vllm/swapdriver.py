@@ -2,7 +2,8 @@
 ``weightship`` weight-transfer engine, and reopens the gate (asyncio; no vLLM imports: the
 engine client comes in, typed by what it is used for).
 
-    precheck   the target is staged, its manifest is its digest, config unchanged
+    precheck   the engine is awake (an update while vLLM sleeps would crash it), the
+               target is staged, its manifest is its digest, config unchanged
     drain      gate closed (new requests wait); in-flight requests finish, up to the drain
                timeout; pause_generation(mode="wait"), or "abort" once that has passed
     seal       requests still in flight are cut from now on (stamp.WeightsGate.seal)
@@ -31,29 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightship.api.inference import FailureReason, SwapRequest, SwapState
+from weightship.integrations.serving import StepTimes, SwapTracker, Weights, config_changes
 from weightship.loader.load import locate_staged
 from weightship.weightformat.cachedir import MANIFEST_FILE
 from weightship.weightformat.manifest import Manifest, ManifestError
 
 from .reports import merge, read_rank_reports
-from .stamp import Weights, WeightsGate
-from .swap import (
-    CONFIG_CHANGED,
-    ENGINE_ERROR,
-    MANIFEST_MISMATCH,
-    MIXED_WEIGHTS,
-    NOT_STAGED,
-    SWAP_TIMEOUT,
-    RankOutcome,
-    StepTimes,
-    SwapRequest,
-    SwapState,
-    SwapTracker,
-    config_changes,
-    first_failure,
-    ranked,
-    read_outcomes,
-)
+from .stamp import WeightsGate
+from .swap import RankOutcome, first_failure, ranked, read_outcomes
 
 log = logging.getLogger("vllm.weightship")
 # Beyond the swap's own timeout: what cleaning up after a timed-out step may take.
@@ -76,6 +63,8 @@ class EngineClient(Protocol):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool: ...
+
+    async def is_sleeping(self) -> bool: ...  # vLLM's sleep mode (its absence: never)
 
 
 class StepFailed(Exception):
@@ -106,6 +95,9 @@ class SwapDriver:
     # executor must never see a rank raise (see engine.py). vLLM runs the engine's calls
     # in the order they were sent, so what counts is what was sent, not what completed.
     session: bool = False
+    # A swap paused generation and no resume_generation has succeeded since (a swap that
+    # left mixed weights keeps it paused): vLLM counts the engine as sleeping then.
+    paused: bool = False
 
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -137,7 +129,9 @@ class SwapDriver:
             "deadline": deadline_epoch,
         }
 
-        precheck = await asyncio.to_thread(self._precheck, request.manifest_digest)
+        precheck = await self._asleep(deadline) or await asyncio.to_thread(
+            self._precheck, request.manifest_digest
+        )
         if precheck is not None:
             self.tracker.failed(*precheck, paused_seconds=0.0)
             log.warning("swap to %s refused: %s", request.manifest_digest, precheck[1])
@@ -168,7 +162,11 @@ class SwapDriver:
             await self._failed(exc.outcome, swap_id, request, old, closed, changing)
             return
         except Exception as exc:  # a refused step, or a timeout
-            reason = SWAP_TIMEOUT if isinstance(exc, Timeout) else ENGINE_ERROR
+            reason = (
+                FailureReason.SWAP_TIMEOUT
+                if isinstance(exc, Timeout)
+                else FailureReason.ENGINE_ERROR
+            )
             outcome = RankOutcome(swap_id, "", -1, False, reason, _text(exc))
             await self._failed(outcome, swap_id, request, old, closed, changing)
             return
@@ -190,20 +188,49 @@ class SwapDriver:
             steps,
         )
 
+    async def _asleep(self, deadline: float) -> tuple[str, str] | None:
+        """Why no swap may start while vLLM's sleep mode holds the engine (its weights
+        offloaded or dropped: a weight update then crashes it), or None when it is awake.
+        vLLM says an engine sleeps whenever its scheduler is paused too: one a swap left
+        paused is this plugin's own (nothing else reaches it: a /sleep waits at the gate
+        while a swap runs, and is refused while the weights are mixed); one paused by
+        anyone else is refused like a sleeping one."""
+        is_sleeping = getattr(self.engine, "is_sleeping", None)
+        if is_sleeping is None or self.paused:
+            return None  # an engine client without sleep mode, or paused by a swap
+        try:
+            sleeping = await self._call(is_sleeping(), deadline)
+        except Exception as exc:
+            return (
+                FailureReason.ENGINE_ERROR,
+                f"cannot tell whether the engine sleeps: {_text(exc)}",
+            )
+        if sleeping:
+            return FailureReason.ENGINE_SLEEPING, (
+                "the engine sleeps (vLLM's sleep mode) or was paused outside a swap: wake "
+                "it up (POST /wake_up) or resume it before swapping its weights"
+            )
+        return None
+
     def _precheck(self, digest: str) -> tuple[str, str] | None:
         """What the API server can tell before pausing anything (every rank checks it all
         again, against what it loaded)."""
         if self.cache_dir is None:
-            return NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set"
+            return FailureReason.NOT_STAGED, "WEIGHTSHIP_CACHE_DIR is not set"
         files = locate_staged(self.cache_dir, digest)
         if files is None:
-            return NOT_STAGED, f"{digest} is not staged in {self.cache_dir}"
+            return FailureReason.NOT_STAGED, f"{digest} is not staged in {self.cache_dir}"
         try:
             new = Manifest.parse((files.parent / MANIFEST_FILE).read_bytes())
         except (OSError, ManifestError) as exc:
-            return MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"[:500]
+            return FailureReason.MANIFEST_MISMATCH, f"cannot read the manifest of {digest}: {exc}"[
+                :500
+            ]
         if new.digest != digest:
-            return MANIFEST_MISMATCH, f"the manifest staged as {digest} is {new.digest}"
+            return (
+                FailureReason.MANIFEST_MISMATCH,
+                f"the manifest staged as {digest} is {new.digest}",
+            )
         current = self.gate.weights.manifest_digest
         at = locate_staged(self.cache_dir, current) if current else None
         if at is not None:
@@ -213,7 +240,7 @@ class SwapDriver:
                 return None  # the ranks compare with what they loaded
             changes = config_changes(old, new)
             if changes:
-                return CONFIG_CHANGED, (
+                return FailureReason.CONFIG_CHANGED, (
                     f"{digest} cannot be swapped in: {'; '.join(changes[:5])} "
                     "(vLLM read those at startup; roll it out by replacing pods)"
                 )
@@ -222,6 +249,7 @@ class SwapDriver:
     async def _drain(self, drain_s: float, deadline: float) -> None:
         end = time.monotonic() + drain_s
         await self.gate.wait_idle(drain_s)
+        self.paused = True  # sent from here on, even if its answer times out
         remaining = end - time.monotonic()
         if remaining > 0:
             try:
@@ -272,6 +300,7 @@ class SwapDriver:
         if self.gate.in_flight:  # requests admitted before the seal, queued: cut anyway
             await self._call(self.engine.pause_generation(mode="abort"), deadline)
         await self._call(self.engine.resume_generation(), deadline)
+        self.paused = False
 
     async def _failed(
         self,
@@ -284,13 +313,13 @@ class SwapDriver:
     ) -> None:
         rank = outcome.rank if outcome.rank >= 0 else None
         message = ranked(outcome) if rank is not None else (outcome.message or "")
-        reason = outcome.reason or ENGINE_ERROR
+        reason = outcome.reason or FailureReason.ENGINE_ERROR
         cleanup = time.monotonic() + CLEANUP_GRACE_S
         if changing:
             # Parameters may have changed on some rank: every rank says so, nothing serves.
             message = f"{message} (the weights are mixed: generation stays paused)"
             self.mixed = message
-            self.gate.refuse(MIXED_WEIGHTS, message)
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, message)
             try:
                 if not self.session:
                     await self._start(cleanup)
@@ -300,7 +329,10 @@ class SwapDriver:
             except Exception as exc:
                 log.error("after a failed swap, the ranks could not all be told: %s", exc)
             self.tracker.failed(
-                MIXED_WEIGHTS, message, rank=rank, paused_seconds=time.monotonic() - closed
+                FailureReason.MIXED_WEIGHTS,
+                message,
+                rank=rank,
+                paused_seconds=time.monotonic() - closed,
             )
             log.error("swap to %s left mixed weights: %s", request.manifest_digest, message)
             return
@@ -312,13 +344,15 @@ class SwapDriver:
                 await self._resume(cleanup)
         except Exception as exc:
             # The engine did not come back: nothing can be served that is known good.
-            self.gate.refuse(ENGINE_ERROR, f"the engine did not resume after a failed swap: {exc}")
+            self.gate.refuse(
+                FailureReason.ENGINE_ERROR, f"the engine did not resume after a failed swap: {exc}"
+            )
             self.tracker.failed(
                 reason, f"{message}; then: {_text(exc)}", rank=rank, paused_seconds=None
             )
             return
         if self.mixed is not None:  # what was there before this swap is mixed too
-            self.gate.refuse(MIXED_WEIGHTS, self.mixed)
+            self.gate.refuse(FailureReason.MIXED_WEIGHTS, self.mixed)
         else:
             self.gate.open(old)
         self.tracker.failed(reason, message, rank=rank, paused_seconds=time.monotonic() - closed)

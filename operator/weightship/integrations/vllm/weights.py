@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from weightship.core.loadreport import LoadSource
+from weightship.api.inference import FailureReason, LoadSource
 from weightship.loader.load import (
     LoadedModel,
     LoaderError,
@@ -60,21 +60,23 @@ def staged_model(settings: PluginSettings, digest: str | None = None) -> tuple[P
     digest = digest or settings.manifest_digest
     if settings.cache_dir is None or digest is None:
         raise LoadFailure(
-            "NotConfigured",
+            FailureReason.NOT_CONFIGURED,
             "WEIGHTSHIP_CACHE_DIR and WEIGHTSHIP_MANIFEST_DIGEST must be set "
             "(the operator sets both on the pods of a ModelRollout)",
         )
     files = locate_staged(settings.cache_dir, digest)
     if files is None:
-        raise LoadFailure("NotStaged", f"{digest} is not staged in {settings.cache_dir}", digest)
+        raise LoadFailure(
+            FailureReason.NOT_STAGED, f"{digest} is not staged in {settings.cache_dir}", digest
+        )
     path = files.parent / MANIFEST_FILE
     try:
         manifest = Manifest.parse(path.read_bytes(), source=str(path))
     except (OSError, ManifestError) as exc:
-        raise LoadFailure("LoadError", f"cannot read the manifest: {exc}") from exc
+        raise LoadFailure(FailureReason.LOAD_ERROR, f"cannot read the manifest: {exc}") from exc
     if manifest.digest != digest:
         raise LoadFailure(
-            "ManifestMismatch",
+            FailureReason.MANIFEST_MISMATCH,
             f"the manifest at {path} is {manifest.digest}, the rollout pins {digest}",
             manifest.digest,
         )
@@ -86,7 +88,7 @@ def check_model_dir(model_dir: Path, files: Path, manifest: Manifest) -> None:
     model's folder, or those files were not the manifest's."""
     if model_dir.resolve() != files.resolve():
         raise LoadFailure(
-            "ModelPathMismatch",
+            FailureReason.MODEL_PATH_MISMATCH,
             f"vLLM serves {model_dir}, but the pinned model is staged at {files}: "
             "pass $(WEIGHTSHIP_MODEL_DIR) as the model",
             manifest.digest,
@@ -105,7 +107,7 @@ def obtain(settings: PluginSettings, model_dir: Path, *, broadcast: bool = True)
         except SeedingError as exc:
             if not exc.fall_back:
                 raise LoadFailure(
-                    "BroadcastChecksumMismatch", exc.message, manifest.digest
+                    FailureReason.BROADCAST_CHECKSUM_MISMATCH, exc.message, manifest.digest
                 ) from exc
             log.warning("broadcast seeding failed (%s); loading from the node cache", exc)
         else:
@@ -139,9 +141,9 @@ def _load(files: Path, manifest: Manifest, paths: list[str] | None = None) -> Lo
     try:
         return load_model(files, manifest, expected_digest=manifest.digest, paths=paths)
     except WeightsVerificationError as exc:
-        raise LoadFailure("ChecksumMismatch", str(exc), manifest.digest) from exc
+        raise LoadFailure(FailureReason.CHECKSUM_MISMATCH, str(exc), manifest.digest) from exc
     except LoaderError as exc:
-        raise LoadFailure("LoadError", str(exc), manifest.digest) from exc
+        raise LoadFailure(FailureReason.LOAD_ERROR, str(exc), manifest.digest) from exc
 
 
 def checked_tensors(
@@ -152,21 +154,25 @@ def checked_tensors(
     entries = {t.name: t for t in manifest.tensors}
     if not entries:
         raise LoadFailure(
-            "NoTensorChecksums",
+            FailureReason.NO_TENSOR_CHECKSUMS,
             "the manifest lists no tensors: rebuild it with `weightship manifest`",
             manifest.digest,
         )
     missing = sorted(set(entries) - set(tensors))
     if missing:
-        raise LoadFailure("ChecksumMismatch", f"tensors missing: {missing[:5]}", manifest.digest)
+        raise LoadFailure(
+            FailureReason.CHECKSUM_MISMATCH, f"tensors missing: {missing[:5]}", manifest.digest
+        )
     for name, tensor in tensors.items():
         entry = entries.get(name)
         if entry is None:
-            raise LoadFailure("ChecksumMismatch", f"{name} is not in the manifest", manifest.digest)
+            raise LoadFailure(
+                FailureReason.CHECKSUM_MISMATCH, f"{name} is not in the manifest", manifest.digest
+            )
         got = checksum_tensor(tensor)
         if got != entry.checksum:
             raise LoadFailure(
-                "ChecksumMismatch",
+                FailureReason.CHECKSUM_MISMATCH,
                 f"{name}: checksum {got}, the manifest says {entry.checksum}",
                 manifest.digest,
             )
