@@ -795,7 +795,7 @@ class Fleet:
     def widen_origin(self, d: int, first_byte: float) -> None:
         """``stage``'s origin lane after one of ``d``'s origin reads ended: as many
         requests in flight as ``schedule.widened_origin_requests`` says (never fewer)."""
-        if self.s.origin_workers:
+        if self.s.origin_workers or len(self.fetchers) >= self.n:  # as stage: one each
             return
         reads = self.origin_reads[d]
         reads.append(

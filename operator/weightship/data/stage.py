@@ -272,9 +272,10 @@ def _stage(
     # The peer lane runs at most PER_OWNER fetches per owner, so the workers waiting on
     # a slow owner never hold up the chunks the others already have (lanes.py).
     other_owners = len({fetcher.owner_of(c.key) for c in others})
-    # The origin lane widens as its reads say the origin's first byte takes long beside
-    # a chunk's transfer (schedule.origin_requests), unless the caller fixed its width.
-    widens = origin_requests is None and bool(others)
+    # The origin lane widens where its reads wait for first bytes together (lanes.
+    # OriginReads), unless the caller fixed its width or every node fetches (one each).
+    few_fetch = len(fetcher.fetchers) < len(fetcher.nodes)
+    widens = origin_requests is None and bool(others) and few_fetch
     if origin_requests is None:
         origin_requests = schedule.origin_requests(len(fetcher.nodes), len(fetcher.fetchers))
     origin_workers = max(1, origin_requests if others else workers)
