@@ -168,15 +168,17 @@ class _Batch:
         self.ctx = ctx
         self.room = max_unavailable(ctx) - sum(1 for p in members if _out_of_traffic(p))
         self.swaps: list[SwapPod] = []
+        self._pods: set[str] = set()
 
     def add(self, pod: ObservedPod, revision: RevisionStatus, purpose: SwapPurpose) -> bool:
         """Start this swap if the pod is free and the bound allows it; whether it starts."""
-        if _swapping(pod) or any(s.pod == pod.name for s in self.swaps):
+        if _swapping(pod) or pod.name in self._pods:
             return False
         if pod.ready:
             if self.room <= 0:
                 return False
             self.room -= 1
+        self._pods.add(pod.name)
         self.swaps.append(
             SwapPod(
                 pod.name,
