@@ -324,6 +324,26 @@ INVALID_MANIFESTS += [
         _mutated(_set("strategy.canary.analysis.prometheus.address", "http://prom\u00a0x:9090")),
         "spec.strategy.canary.analysis.prometheus.address",
     ),
+    (
+        "in-place maxUnavailable of zero (a pod kept in traffic while it swaps: not yet)",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": 0})),
+        "spec.strategy.canary.inPlace.maxUnavailable",
+    ),
+    (
+        "in-place maxUnavailable of 0%",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": "0%"})),
+        "spec.strategy.canary.inPlace.maxUnavailable",
+    ),
+    (
+        "in-place maxUnavailable over 100%",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": "150%"})),
+        "spec.strategy.canary.inPlace.maxUnavailable",
+    ),
+    (
+        "in-place maxUnavailable string that is no percent",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": "2"})),
+        "spec.strategy.canary.inPlace.maxUnavailable",
+    ),
 ]
 
 # Pod templates a ReplicaSet create refuses, and quantities no one can mean (issue 23).

@@ -155,8 +155,14 @@ def _in_place_table(in_place: dict[str, Any]) -> Table | None:
     pods = in_place.get("pods") or []
     if not pods:
         return None
+    title = "Pods"
+    if in_place.get("maxUnavailable"):
+        title += (
+            f" ({in_place.get('swappingPods') or 0} swapping, "
+            f"at most {in_place['maxUnavailable']} out of traffic at once)"
+        )
     table = Table(
-        "pod", "revision", "arrived", "last swap", "seconds", "paused", "reason", title="Pods"
+        "pod", "revision", "arrived", "last swap", "seconds", "paused", "reason", title=title
     )
     table.title_justify = "left"
     for pod in pods:

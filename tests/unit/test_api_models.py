@@ -110,6 +110,20 @@ def test_bandwidth_limit_accepts_quantities(limit: Any) -> None:
     assert ModelRollout.model_validate(manifest).spec.prefetch.bandwidth_limit == limit
 
 
+@pytest.mark.parametrize("bound", [1, 250, "1%", "25%", "100%"])
+def test_in_place_max_unavailable_takes_a_count_or_a_percent(bound: Any) -> None:
+    manifest = copy.deepcopy(VALID_MANIFEST)
+    manifest["spec"]["strategy"]["canary"]["inPlace"] = {"maxUnavailable": bound}
+    assert (
+        ModelRollout.model_validate(manifest).spec.strategy.canary.in_place.max_unavailable == bound
+    )
+    # A Deployment's default.
+    assert (
+        ModelRollout.model_validate(VALID_MANIFEST).spec.strategy.canary.in_place.max_unavailable
+        == "25%"
+    )
+
+
 def test_control_request_is_pending_until_acknowledged() -> None:
     request = ControlRequest(requested_at="2026-01-01T00:00:00Z")
     assert request.pending

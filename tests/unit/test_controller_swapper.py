@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 from typing import Any, ClassVar
 
@@ -178,6 +179,38 @@ def test_a_report_waits_for_the_record_and_its_swap_is_not_followed_again(plugin
     written = raw_pod(report)
     assert not swapper.resume(rollout, [written])
     assert swapper.pending([written]) == {}
+
+
+class TwoAtOnce(Plugin):
+    """A swap that ends only once two swaps were asked for: a swapper that ran one at a
+    time would see the first time out."""
+
+    def do_GET(self) -> None:
+        state = "Swapped" if len(Plugin.posted) >= 2 else "Swapping"
+        self._answer(200, {"manifestDigest": DIGEST, "state": state})
+
+
+def test_the_swapper_runs_the_swaps_of_one_rollout_at_once() -> None:
+    Plugin.posted = []
+    Plugin.post_status = 202
+    rollout = make_rollout()
+    rollout.spec.strategy.canary.in_place.drain_timeout_seconds = 0
+    rollout.spec.strategy.canary.in_place.swap_timeout_seconds = 10
+    swaps = [SWAP, replace(SWAP, pod="llm-t-2")]
+    pods = [raw_pod(SWAP.record()), raw_pod(SWAP.record())]
+    pods[1]["metadata"] |= {"name": "llm-t-2", "uid": "u2"}
+    ended = threading.Semaphore(0)
+    reads = Reads()
+    swapper = Swapper(reads, on_done=lambda namespace, name: ended.release())  # type: ignore[arg-type]
+    swapper.endpoints_grace_s = 0.0
+    with Server(("127.0.0.1", 0), TwoAtOnce).start("plugin") as server:
+        rollout.spec.validation.endpoint.port = server.server_port
+        swapper.submit(rollout, swaps, pods)
+        assert ended.acquire(timeout=30) and ended.acquire(timeout=30)
+    swapper.close()
+    assert not reads.other and not swapper.in_flight
+    reports = swapper.pending(pods)
+    assert {uid: r.state for uid, r in reports.items()} == {"u1": "Swapped", "u2": "Swapped"}
 
 
 def decision_on(pod: dict[str, Any], reports: dict[str, PodSwap] | None = None) -> Decision:

@@ -13,7 +13,7 @@ import pytest
 
 from weightship.api.models import ModelRollout
 from weightship.api.names import REVISION_LABEL, SWAP_ANNOTATION, TEMPLATE_LABEL, VERIFIED_GATE
-from weightship.api.status import ControlStatus, PromoteRequest
+from weightship.api.status import AbortRequest, ControlStatus, PromoteRequest
 from weightship.controller.snapshot import observed_pods, replica_set_observations
 from weightship.core.decide import decide
 from weightship.core.decision import CreateReplicaSet, Decision, ScaleAction, SwapPod
@@ -77,7 +77,7 @@ class Cluster:
                 rs = next(r for r in self.replica_sets if r["metadata"]["name"] == action.name)
                 self._resize(action.name, action.replicas, dict(rs["metadata"]["labels"]))
         for swap in decision.swaps:
-            self._swap(swap, digest_of)
+            self.swap(swap)
         for retemplate in decision.retemplates:
             rs = next(r for r in self.replica_sets if r["metadata"]["name"] == retemplate.name)
             rs["metadata"]["labels"][REVISION_LABEL] = retemplate.revision_hash
@@ -92,7 +92,7 @@ class Cluster:
             self.created_pods += 1
             self.pods.append(_pod(f"{name}-{self.created_pods}", name, labels))
 
-    def _swap(self, swap: SwapPod, digest_of: dict[str, str]) -> None:
+    def swap(self, swap: SwapPod) -> None:
         pod = next(p for p in self.pods if p["metadata"]["name"] == swap.pod)
         record: dict[str, Any] = {
             "to": swap.to_revision_hash,
@@ -294,3 +294,164 @@ def test_a_refused_swap_back_hands_the_pod_back_to_the_verifier() -> None:
     assert not decision.restart_pods and not decision.swaps
     _gate(pod, "False", "Pending")  # handed back: not again
     assert not decide(rollout, cluster.observe(DIGEST_A), T0).reverify_pods
+
+
+# Parallel swaps within inPlace.maxUnavailable.
+
+
+def bounded(replicas: int, max_unavailable: int | str, steps: list[dict[str, Any]]) -> Any:
+    """A healthy in-place rollout of ``replicas`` pods, its model changed to v2."""
+    rollout = in_place(make_rollout(steps, replicas=replicas))
+    rollout.spec.strategy.canary.in_place.max_unavailable = max_unavailable
+    cluster = Cluster()
+    rollout = run(rollout, cluster, DIGEST_A, {}, rounds=3)
+    assert rollout.status.phase == "Healthy", rollout.status.message
+    return with_model_revision(rollout, "v2"), cluster
+
+
+def first_swaps(rollout: ModelRollout, cluster: Cluster) -> tuple[ModelRollout, Decision]:
+    """Decide (swaps not carried out) until a decision starts swaps."""
+    for i in range(6):
+        decision = decide(rollout, cluster.observe(DIGEST_B), at(i))
+        rollout = with_status(rollout, decision)
+        if decision.swaps:
+            return rollout, decision
+    raise AssertionError(f"no swap started: {rollout.status.message}")
+
+
+def record_running(cluster: Cluster, swaps: tuple[SwapPod, ...]) -> None:
+    """What apply writes as swaps start: the record Swapping, the gate closed."""
+    for swap in swaps:
+        pod = next(p for p in cluster.pods if p["metadata"]["name"] == swap.pod)
+        pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(
+            {
+                "state": "Swapping",
+                "to": swap.to_revision_hash,
+                "manifestDigest": swap.manifest_digest,
+                "revision": swap.revision,
+                "from": swap.from_revision_hash,
+            }
+        )
+        _gate(pod, "False", "Swapping")
+
+
+@pytest.mark.parametrize(
+    ("replicas", "max_unavailable", "at_once"),
+    [
+        (4, "25%", 1),
+        (4, "50%", 2),
+        (4, "100%", 4),
+        (4, 2, 2),
+        (4, 10, 4),  # more than the replicas: all of them
+        (4, "30%", 1),  # 1.2 rounds down
+        (4, "10%", 1),  # 0.4 rounds down to 0: at least 1
+        (5, "60%", 3),
+        (7, "50%", 3),  # 3.5 rounds down
+    ],
+)
+def test_a_promotion_swaps_as_many_pods_at_once_as_max_unavailable_allows(
+    replicas: int, max_unavailable: int | str, at_once: int
+) -> None:
+    rollout, cluster = bounded(replicas, max_unavailable, [{"setWeight": 100}])
+    rollout, decision = first_swaps(rollout, cluster)
+    assert len(decision.swaps) == at_once
+    assert len({s.pod for s in decision.swaps}) == at_once
+    assert {s.revision for s in decision.swaps} == {"v2"}
+    (event,) = [e for e in decision.events if e.reason == "SwapsStarted"]
+    assert f"started {at_once} swap(s)" in event.message, event.message
+    assert f"maxUnavailable {max_unavailable} of {replicas} replicas" in event.message
+    # Running, they fill the bound: nothing more starts until one ends and is verified.
+    record_running(cluster, decision.swaps)
+    following = decide(rollout, cluster.observe(DIGEST_B), at(7))
+    assert not following.swaps
+    status = following.status.in_place
+    assert status is not None and status.swapping_pods == at_once, status
+    # They end; carried out to the end, every pod swapped once and none was replaced.
+    for swap in decision.swaps:
+        cluster.swap(swap)
+    rollout = run(rollout, cluster, DIGEST_B, {}, rounds=12)
+    assert rollout.status.phase == "Healthy", rollout.status.message
+    assert sorted(p for p, _r in cluster.swapped) == sorted(cluster.holding())
+    assert cluster.created_pods == replicas
+
+
+def test_the_bound_resolves_against_spec_replicas_in_status() -> None:
+    rollout, cluster = bounded(7, "50%", [{"setWeight": 100}])
+    _rollout, decision = first_swaps(rollout, cluster)
+    assert decision.status.in_place is not None
+    assert decision.status.in_place.max_unavailable == 3
+
+
+def test_pods_already_out_of_traffic_count_against_the_bound() -> None:
+    rollout, cluster = bounded(4, "50%", [{"setWeight": 100}])
+    down = cluster.pods[3]
+    _gate(down, "False", "Pending")
+    down["status"]["conditions"][2]["status"] = "False"  # its server is not up: no candidate
+    _rollout, decision = first_swaps(rollout, cluster)
+    assert len(decision.swaps) == 1
+    assert down["metadata"]["name"] not in {s.pod for s in decision.swaps}
+
+
+def test_a_canary_step_swaps_only_its_share_however_large_the_bound() -> None:
+    rollout, cluster = bounded(4, "100%", STEPS)  # setWeight 50, pause, 100
+    rollout, decision = first_swaps(rollout, cluster)
+    assert len(decision.swaps) == 2
+    # A running swap counts as arrived: the next decision does not start another.
+    record_running(cluster, decision.swaps)
+    assert not decide(rollout, cluster.observe(DIGEST_B), at(7)).swaps
+
+
+@pytest.mark.parametrize(("max_unavailable", "back_at_once"), [(1, 1), (2, 2)])
+def test_a_pod_out_of_traffic_already_swaps_back_without_taking_a_place(
+    max_unavailable: int, back_at_once: int
+) -> None:
+    """A canary pod whose checks have not passed yet is out of traffic: it holds a place
+    already, and swapping it back takes nothing more out."""
+    rollout, cluster = bounded(4, max_unavailable, STEPS)
+    rollout = run(rollout, cluster, DIGEST_B, {}, rounds=8)
+    assert rollout.status.phase == "Paused", rollout.status.message
+    canary = rollout.status.canary_revision
+    assert canary is not None
+    on_canary = sorted(
+        p["metadata"]["name"]
+        for p in cluster.pods
+        if p["metadata"]["labels"][REVISION_LABEL] == canary.pod_template_hash
+    )
+    assert len(on_canary) == 2
+    unready = next(p for p in cluster.pods if p["metadata"]["name"] == on_canary[1])
+    _gate(unready, "False", "Pending")  # the verifier checks it again
+    rollout = aborted(rollout)
+    rollout, decision = first_swaps(rollout, cluster)
+    # The unready pod first and free; the ready one only if a place is left.
+    assert [s.pod for s in decision.swaps] == [on_canary[1], on_canary[0]][:back_at_once]
+
+
+def aborted(rollout: ModelRollout) -> ModelRollout:
+    abort = ControlStatus(abort=AbortRequest(requested_at="t1", reason="bad answers"))
+    return rollout.model_copy(
+        update={"status": rollout.status.model_copy(update={"control": abort})}
+    )
+
+
+@pytest.mark.parametrize(("max_unavailable", "at_once"), [(1, 1), ("50%", 2), ("100%", 2)])
+def test_an_abort_swaps_the_canary_pods_back_in_parallel_under_the_bound(
+    max_unavailable: int | str, at_once: int
+) -> None:
+    rollout, cluster = bounded(4, max_unavailable, STEPS)
+    rollout = run(rollout, cluster, DIGEST_B, {}, rounds=8)
+    assert rollout.status.phase == "Paused", rollout.status.message
+    stable = rollout.status.stable_revision
+    assert stable is not None
+    rollout, decision = first_swaps(aborted(rollout), cluster)
+    assert len(decision.swaps) == at_once
+    assert {(s.to_revision_hash, s.purpose) for s in decision.swaps} == {
+        (stable.pod_template_hash, "rollback")
+    }
+    # No new swap to the canary starts, and the swaps back finish the abort.
+    record_running(cluster, decision.swaps)
+    assert not decide(rollout, cluster.observe(DIGEST_B), at(7)).swaps
+    for swap in decision.swaps:
+        cluster.swap(swap)
+    rollout = run(rollout, cluster, DIGEST_B, {}, rounds=8)
+    assert set(cluster.holding().values()) == {stable.pod_template_hash}
+    assert rollout.status.phase == "Degraded", rollout.status.message

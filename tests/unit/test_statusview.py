@@ -95,7 +95,9 @@ def test_status_shows_each_pods_revision_and_last_swap_of_an_in_place_rollout() 
                 "updateReason": "only spec.model changed: running pods swap their weights",
             },
             "inPlace": {
-                "swapping": None,
+                "swapping": "llm-t-a",
+                "swappingPods": 1,
+                "maxUnavailable": 2,
                 "pods": [
                     {"pod": "llm-t-a", "revision": "v1", "arrival": "Started"},
                     {
@@ -115,6 +117,7 @@ def test_status_shows_each_pods_revision_and_last_swap_of_an_in_place_rollout() 
     console.print(render(rollout))
     text = console.export_text()
     assert "InPlace: only spec.model changed" in text
+    assert "Pods (1 swapping, at most 2 out of traffic at once)" in text
     row = next(line for line in text.splitlines() if "llm-t-b" in line)
     assert "v2" in row and "Swapped to v2" in row and "1.75" in row and "0.42" in row
     assert "Started" in next(line for line in text.splitlines() if "llm-t-a" in line)

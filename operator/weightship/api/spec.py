@@ -829,10 +829,54 @@ class TrafficRouting(ApiModel):
 UpdatePolicy = Literal["Recreate", "InPlaceIfPossible"]
 
 
+MAX_UNAVAILABLE_PATTERN = r"^(100|[1-9][0-9]?)%$"
+_MAX_UNAVAILABLE_MESSAGE = (
+    "must be a count of at least 1 or a percent from 1% to 100% of spec.replicas (0, which "
+    "would keep a swapping pod in traffic, is not supported yet)"
+)
+
+
+def _check_max_unavailable(value: int | str) -> int | str:
+    if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+        raise ValueError(_MAX_UNAVAILABLE_MESSAGE)
+    if isinstance(value, str) and not matches(MAX_UNAVAILABLE_PATTERN, value):
+        raise ValueError(_MAX_UNAVAILABLE_MESSAGE)
+    return value
+
+
+# A Deployment's maxUnavailable, less 0: a pod leaves traffic for its swap.
+MaxUnavailable = Annotated[
+    int | str,
+    AfterValidator(_check_max_unavailable),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": 4,
+            "x-kubernetes-int-or-string": True,
+            **validations(
+                cel(
+                    "type(self) == int ? self >= 1 : "
+                    f"string(self).matches(r'{MAX_UNAVAILABLE_PATTERN}')",
+                    _MAX_UNAVAILABLE_MESSAGE,
+                )
+            ),
+        }
+    ),
+]
+
+
 class InPlaceUpdate(ApiModel):
     """How a running replica takes new weights without a restart (updatePolicy
     InPlaceIfPossible): it leaves traffic, drains, swaps verified weights, and is verified
     again before it takes traffic."""
+
+    max_unavailable: MaxUnavailable = Field(
+        "25%",
+        description="How many pods may be out of traffic at once for their swaps and the "
+        "checks after them: a count, or a percent of spec.replicas rounded down (at least 1), "
+        "as a Deployment's maxUnavailable. Pods already out of traffic count against it. "
+        "At least 1.",
+    )
 
     drain_timeout_seconds: int = Field(
         30,

@@ -155,7 +155,16 @@ class InPlaceStatus(ApiModel):
     """Pods of a rollout with updatePolicy InPlaceIfPossible and their swaps."""
 
     swapping: str | None = Field(
-        None, description="The pod swapping its weights now.", max_length=MAX_NAME
+        None,
+        description="A pod swapping its weights now (the first by name).",
+        max_length=MAX_NAME,
+    )
+    swapping_pods: int = Field(0, description="Pods swapping their weights now.", ge=0)
+    max_unavailable: int | None = Field(
+        None,
+        description="Pods that may be out of traffic at once for swaps: "
+        "spec.strategy.canary.inPlace.maxUnavailable resolved against spec.replicas.",
+        ge=1,
     )
     pods: list[PodSwapStatus] = Field(
         default_factory=list,

@@ -21,7 +21,9 @@ back, restart).
 Everything a swap needs to go on is on the pod: a restarted operator finds the record
 (state Swapping) and follows the server's swap again (``resume``); a report lost with it
 is made again. A report is dropped once the pod's record shows it. Swaps run on a bounded
-pool; the in-flight set only de-duplicates.
+pool, as many at once as the core starts (it bounds them by inPlace.maxUnavailable, on a
+view that holds apply's writes); the in-flight set only de-duplicates, per pod. A swap
+waiting for a free worker waits out of traffic, counted against the bound.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from weightship.core.pod_gates import verifies
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKERS = 4
+DEFAULT_WORKERS = 16  # swaps at once, over all rollouts; each mostly waits on its server
 POLL_S = 0.25
 UNREADY_WAIT_S = 10.0  # for kubelet to mark the pod unready once its gate is False
 # Then for the pod to leave the EndpointSlices and the routers that read them, as pods
@@ -130,7 +132,7 @@ class Swapper:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swap")
         self.http = urllib3.PoolManager(maxsize=workers, retries=False)
         self.lock = threading.Lock()
-        self.in_flight: dict[tuple[str, str], str] = {}  # rollout -> the pod it swaps now
+        self.in_flight: set[tuple[str, str]] = set()  # pods (namespace, name) swapping now
         self.reports: dict[str, _Report] = {}
         """How swaps ended, not yet on their pods' records, by pod uid (one per pod)."""
 
@@ -201,10 +203,9 @@ class Swapper:
         )
 
     def _start(self, job: SwapJob) -> None:
-        """One swap per rollout at a time (the core asks for one; a decision made on a
-        view without the running swap's record must not start a second). A swap that
-        ended is not followed again while its report waits for the pod's record."""
-        key = (job.namespace, job.rollout)
+        """One swap per pod at a time. A swap that ended is not followed again while its
+        report waits for the pod's record."""
+        key = (job.namespace, job.pod)
         with self.lock:
             if key in self.in_flight:
                 return
@@ -213,7 +214,7 @@ class Swapper:
                 return
             if not job.resume:
                 self.reports.pop(job.uid, None)  # of an earlier swap: this one supersedes it
-            self.in_flight[key] = job.pod
+            self.in_flight.add(key)
         self.pool.submit(self._run, job)
 
     def _run(self, job: SwapJob) -> None:
@@ -253,7 +254,7 @@ class Swapper:
             with self.lock:
                 if report is not None:
                     self.reports[job.uid] = _Report(report, datetime.now(UTC))
-                self.in_flight.pop((job.namespace, job.rollout), None)
+                self.in_flight.discard((job.namespace, job.pod))
             self.on_done(job.namespace, job.rollout)
 
     def _await_unready(self, job: SwapJob) -> None:

@@ -30,6 +30,7 @@ from weightship.core.context import RolloutContext
 from weightship.core.control import acknowledge_control
 from weightship.core.decision import (
     Decision,
+    Event,
     ReplicaSetAction,
     RetemplateReplicaSet,
     SwapPod,
@@ -95,7 +96,11 @@ def _decision(ctx: RolloutContext) -> Decision:
         scales, rebuilt = inplace.replica_set_actions(ctx, home)
         replica_sets, not_rebuilt, retemplates = tuple(scales), (), tuple(rebuilt)
         replica_sets += scaling.obsolete_scale_downs(ctx, home)
-        swaps = tuple(inplace.swaps(ctx, home, scaling.canary_target(ctx)))
+        started = inplace.swaps(ctx, home, scaling.canary_target(ctx))
+        if started:
+            message = inplace.swaps_started(ctx, home, started)
+            ctx.events.append(Event("Normal", "SwapsStarted", message))
+        swaps = tuple(started)
         restarts = inplace.restarts(ctx, home)
         reverify = inplace.reverifications(ctx, home)
     else:

@@ -212,7 +212,7 @@ class Decision:
     workloads: tuple[ScaleWorkload, ...] = ()
     """Deployments named by spec.workloadRef to scale down, or given back (core.workload)."""
     swaps: tuple[SwapPod, ...] = ()
-    """In-place weight swaps to start (core.inplace); at most one per rollout at a time.
+    """In-place weight swaps to start (core.inplace), within inPlace.maxUnavailable.
     Apply records each (``swap_records``) before the swapper starts it."""
     swap_records: tuple[RecordSwap, ...] = ()
     """Swap records to write with their gates: the swaps starting, and those the swapper

@@ -5,8 +5,9 @@ Pods of an in-place rollout live in one ReplicaSet per pod template (selected by
 template hash, not by revision), and each pod's revision-hash label names the weights it
 holds. The observation layer counts each revision's pods as a ReplicaSet of its own
 (controller.snapshot), so the canary state machine (steps, gates, promotion, abort) runs
-unchanged; only how the wanted counts are reached differs: by swapping one running pod at
-a time from one revision to another instead of resizing ReplicaSets.
+unchanged; only how the wanted counts are reached differs: by swapping running pods from
+one revision to another, as many at once as inPlace.maxUnavailable allows, instead of
+resizing ReplicaSets.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from weightship.core.decision import (
 from weightship.core.desired import spec_template
 from weightship.core.observed import ObservedPod, PodSwap, ReplicaSetObservation, SwapPurpose
 from weightship.core.verification import PENDING, SWAP_FAILED, SWAPPING
+
+MAX_EVENT_PODS = 5  # pods named in a SwapsStarted event; the rest are counted
 
 INTACT_REASONS = frozenset(
     {
@@ -130,20 +133,53 @@ def _staged_nodes(ctx: RolloutContext) -> frozenset[str] | None:
     return frozenset(n.name for n in prefetch.nodes if n.state == "Staged")
 
 
-def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) -> list[SwapPod]:
-    """The next swap, if none is running: repairs first, then pods on a revision that is
-    neither stable nor canary, then the canary count up (or down) to ``canary_wanted``."""
-    stable = ctx.status.stable_revision
-    assert stable is not None
-    canary = ctx.status.canary_revision
-    members = _members(ctx, home)
-    if any(p.swap is not None and p.swap.state == "Swapping" for p in members):
-        return []
-    canary_hash = canary.pod_template_hash if canary is not None else None
-    on_canary = [p for p in members if p.revision_hash == canary_hash]
+def max_unavailable(ctx: RolloutContext) -> int:
+    """inPlace.maxUnavailable as a pod count: a percent of spec.replicas rounds down, as
+    Kubernetes rounds a Deployment's maxUnavailable, but to at least 1, since every swap
+    takes its pod out of traffic."""
+    bound = ctx.spec.strategy.canary.in_place.max_unavailable
+    if isinstance(bound, str):
+        bound = ctx.spec.replicas * int(bound.removesuffix("%")) // 100
+    return max(1, bound)
 
-    def to(pod: ObservedPod, revision: RevisionStatus, purpose: SwapPurpose) -> list[SwapPod]:
-        return [
+
+def _swapping(pod: ObservedPod) -> bool:
+    return pod.swap is not None and pod.swap.state == "Swapping"
+
+
+def _out_of_traffic(pod: ObservedPod) -> bool:
+    """Swapping (its gate closed with the record; kubelet may not have marked it unready
+    yet), or not ready for any other reason: each counts against maxUnavailable."""
+    return _swapping(pod) or not pod.ready
+
+
+def _holds(pod: ObservedPod) -> str | None:
+    """The revision the pod holds, or will hold once its running swap ends."""
+    if pod.swap is not None and _swapping(pod):
+        return pod.swap.to_revision_hash
+    return pod.revision_hash
+
+
+class _Batch:
+    """The swaps one decision starts, within maxUnavailable: each pod in traffic that
+    swaps takes one of the places left; a pod already out of traffic (counted) takes none."""
+
+    def __init__(self, ctx: RolloutContext, members: list[ObservedPod]) -> None:
+        self.ctx = ctx
+        self.room = max_unavailable(ctx) - sum(1 for p in members if _out_of_traffic(p))
+        self.swaps: list[SwapPod] = []
+        self._pods: set[str] = set()
+
+    def add(self, pod: ObservedPod, revision: RevisionStatus, purpose: SwapPurpose) -> bool:
+        """Start this swap if the pod is free and the bound allows it; whether it starts."""
+        if _swapping(pod) or pod.name in self._pods:
+            return False
+        if pod.ready:
+            if self.room <= 0:
+                return False
+            self.room -= 1
+        self._pods.add(pod.name)
+        self.swaps.append(
             SwapPod(
                 pod.name,
                 revision.pod_template_hash,
@@ -152,33 +188,66 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
                 purpose,
                 from_revision_hash=pod.revision_hash,
                 restarts=pod.restarts,
-                started_at=ctx.now,
+                started_at=self.ctx.now,
             )
-        ]
+        )
+        return True
+
+
+def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) -> list[SwapPod]:
+    """The swaps to start now, as many as maxUnavailable allows, pods already out of
+    traffic counted: repairs first, then pods on a revision that is neither stable nor
+    canary, then the canary count up (or down) to ``canary_wanted``. A running swap counts
+    as having arrived, so no decision overshoots the count."""
+    stable = ctx.status.stable_revision
+    assert stable is not None
+    canary = ctx.status.canary_revision
+    members = _members(ctx, home)
+    batch = _Batch(ctx, members)
+    canary_hash = canary.pod_template_hash if canary is not None else None
+    on_canary = [p for p in members if _holds(p) == canary_hash]
+    canaries = len(on_canary)
 
     for pod in members:  # a failed swap: back to what the pod should hold
         swap = pod.swap
         failed = swap is not None and swap.state == "Failed" and pod not in on_canary
         if failed and swap is not None and swap.to_revision_hash != stable.pod_template_hash:
-            return to(pod, stable, "repair")
-        if _restarted_since_swap(pod) and pod.revision_hash is not None:
+            batch.add(pod, stable, "repair")
+        elif _restarted_since_swap(pod) and pod.revision_hash is not None:
             held = stable if pod.revision_hash == stable.pod_template_hash else canary
             if held is not None and held.pod_template_hash == pod.revision_hash:
-                return to(pod, held, "repair")
-    strays = [p for p in members if p.revision_hash not in (stable.pod_template_hash, canary_hash)]
+                batch.add(pod, held, "repair")
+    strays = [p for p in members if _holds(p) not in (stable.pod_template_hash, canary_hash)]
     for pod in _serving_order(strays, None):
-        if canary is not None and len(on_canary) < canary_wanted:
-            return to(pod, canary, "canary")
-        return to(pod, stable, "rollback" if canary is None else "repair")
-    if canary is not None and len(on_canary) < canary_wanted:
-        on_stable = [p for p in members if p.revision_hash == stable.pod_template_hash]
+        if canary is not None and canaries < canary_wanted:
+            canaries += batch.add(pod, canary, "canary")
+        else:
+            batch.add(pod, stable, "rollback" if canary is None else "repair")
+    if canary is not None and canaries < canary_wanted:
+        on_stable = [p for p in members if _holds(p) == stable.pod_template_hash]
         purpose: SwapPurpose = "promote" if canary_wanted >= ctx.spec.replicas else "canary"
         for pod in _serving_order(on_stable, _staged_nodes(ctx)):
-            return to(pod, canary, purpose)
-    if len(on_canary) > canary_wanted:
-        for pod in _serving_order(on_canary, None):
-            return to(pod, stable, "rollback")
-    return []
+            if canaries >= canary_wanted:
+                break
+            canaries += batch.add(pod, canary, purpose)
+    for pod in _serving_order(on_canary, None):  # an abort swaps them back, as many at once
+        if canaries <= canary_wanted:
+            break
+        canaries -= batch.add(pod, stable, "rollback")
+    return batch.swaps
+
+
+def swaps_started(ctx: RolloutContext, home: ReplicaSetObservation, started: list[SwapPod]) -> str:
+    """The SwapsStarted event's message: how many pods swap at once, and the bound."""
+    swapping = sum(1 for p in _members(ctx, home) if _swapping(p)) + len(started)
+    names = ", ".join(f"{s.pod} to {s.revision}" for s in started[:MAX_EVENT_PODS])
+    more = f" and {len(started) - MAX_EVENT_PODS} more" if len(started) > MAX_EVENT_PODS else ""
+    bound = ctx.spec.strategy.canary.in_place.max_unavailable
+    return (
+        f"started {len(started)} swap(s) in place ({names}{more}); {swapping} pod(s) swapping "
+        f"at once, at most {max_unavailable(ctx)} out of traffic "
+        f"(maxUnavailable {bound} of {ctx.spec.replicas} replicas)"
+    )
 
 
 def swap_records(ctx: RolloutContext, starting: Iterable[SwapPod]) -> tuple[RecordSwap, ...]:
@@ -322,12 +391,11 @@ def in_place_status(
         for r in (ctx.status.stable_revision, ctx.status.canary_revision)
         if r is not None
     }
+    members = _members(ctx, home)
+    swapping = [p.name for p in members if _swapping(p)]
     pods = []
-    swapping = None
-    for pod in _members(ctx, home)[:MAX_SWAP_PODS]:
+    for pod in members[:MAX_SWAP_PODS]:
         swap = pod.swap
-        if swap is not None and swap.state == "Swapping":
-            swapping = pod.name
         arrived = swap is not None and swap.state == "Swapped"
         pods.append(
             PodSwapStatus(
@@ -345,4 +413,9 @@ def in_place_status(
                 message=(swap.message or "")[:1000] if swap and swap.message else None,
             )
         )
-    return InPlaceStatus(swapping=swapping, pods=pods)
+    return InPlaceStatus(
+        swapping=swapping[0] if swapping else None,
+        swapping_pods=len(swapping),
+        max_unavailable=max_unavailable(ctx),
+        pods=pods,
+    )
