@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from weightship.data import rendezvous, schedule, slowrelay
 from weightship.data.fetcher import FetchPolicy, PeerHealth, fetch_order
+from weightship.data.lanes import OriginReads
 from weightship.data.peer import MAX_TRANSFERS, STREAM_STALL_S, whole_upload_limit
 from weightship.data.stage import PEER_LANE_MAX, PER_OWNER
 from weightship.weightformat.build import default_piece_size
@@ -329,7 +330,7 @@ class Fleet:
         self.per_owner = self.s.per_owner or PER_OWNER
         self.origin_slots: list[int] = []
         self.origin_limit: list[int] = []  # ... as the lane grows (``widen_origin``)
-        self.origin_reads: list[list[schedule.OriginRead]] = [[] for _ in range(self.n)]
+        self.origin_reads = [OriginReads(self.clock) for _ in range(self.n)]  # stage's
         self.origin_queue: list[deque[int]] = []
         self.pending: list[dict[int, deque[tuple[int, int]]]] = []
         self.running: list[dict[int, int]] = []
@@ -794,15 +795,12 @@ class Fleet:
 
     def widen_origin(self, d: int, first_byte: float) -> None:
         """``stage``'s origin lane after one of ``d``'s origin reads ended: as many
-        requests in flight as ``schedule.widened_origin_requests`` says (never fewer)."""
+        requests in flight as its ``OriginReads`` says (never fewer)."""
         if self.s.origin_workers or len(self.fetchers) >= self.n:  # as stage: one each
             return
-        reads = self.origin_reads[d]
-        reads.append(
-            schedule.OriginRead(first_byte - self.s.origin_latency_s, first_byte, self.now)
+        want = self.origin_reads[d].read(
+            self.s.origin_latency_s, self.now - first_byte, in_flight=self.origin_limit[d]
         )
-        del reads[: -2 * schedule.ORIGIN_REQUESTS_MAX]
-        want = schedule.widened_origin_requests(self.origin_limit[d], reads)
         for _ in range(want - self.origin_limit[d]):
             self.origin_limit[d] += 1
             self.next_origin(d)

@@ -991,7 +991,7 @@ class ChunkFetcher:
         origin = self.origin
         if not (self.address and self.policy.renew_origin_connections):
             return
-        if not isinstance(origin, RenewableOrigin) or (timing := self.last_origin_read()) is None:
+        if not isinstance(origin, RenewableOrigin) or (timing := origin.last_read()) is None:
             return
         first_byte_s, transfer_s = timing
         if transfer_s >= RENEW_AFTER_ROUND_TRIPS * first_byte_s:
