@@ -201,6 +201,8 @@ def prometheus(cluster: Cluster) -> PrometheusConnect:
 def pytest_configure(config: pytest.Config) -> None:
     if not lanes.xdist_worker():  # the controller, or a run without xdist
         os.environ.setdefault(lanes.RUN_ID_ENV, uuid.uuid4().hex)
+    if timeline := os.environ.get(lanes.TIMELINE_ENV):
+        config.pluginmanager.register(lanes.Timeline(timeline), "weightship-timeline")
 
 
 @pytest.hookimpl(optionalhook=True)

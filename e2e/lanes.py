@@ -35,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,6 +139,26 @@ class LaneScheduling(LoadScopeScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         return group_of_nodeid(nodeid)
+
+
+TIMELINE_ENV = "WEIGHTSHIP_TEST_TIMELINE"
+
+
+class Timeline:
+    """Where each test's time went, per worker: with `WEIGHTSHIP_TEST_TIMELINE=PREFIX`
+    set, a worker appends `start end worker nodeid` lines (wall-clock seconds, the fixture
+    setup and teardown included) to PREFIX.<worker>, to read which lane keeps `make test`
+    long and what it waited for."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = Path(f"{prefix}.{xdist_worker() or 'main'}")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        start = time.time()
+        yield
+        with self.path.open("a") as out:
+            out.write(f"{start:.1f} {time.time():.1f} {xdist_worker() or 'main'} {item.nodeid}\n")
 
 
 def worker_count() -> int:
