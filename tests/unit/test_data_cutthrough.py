@@ -251,7 +251,7 @@ def test_a_node_that_stopped_relaying_answers_every_chunk_request_saying_so(
         t.start()
         time.sleep(0.3)  # the request is held: nothing of the chunk is here
         for _ in range(LAG_NOTICES):
-            store.relaying.parent_held(LAG_S + 1, 0.0)
+            store.relaying.parent_held(LAG_S + 1, LAG_S + 1.5)
         assert not store.relaying.relaying
         owner.receive(chunk.key, _lands_whole(_bytes(m, src, 0)))  # wakes the held request
         t.join(5)

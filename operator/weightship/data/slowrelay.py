@@ -57,8 +57,14 @@ log = logging.getLogger(__name__)
 
 def lags(held_s: float, staging_s: float) -> bool:
     """Whether a node staging for ``staging_s`` lags its relay parent, which had held the
-    chunk it asked for whole for ``held_s``."""
-    return held_s > max(LAG_S, LAG_SHARE * staging_s)
+    chunk it asked for whole for ``held_s``.
+
+    A chunk the parent held since before this node's stage began says nothing of this
+    node's link: it was not staging then, to take it as a stream. Counted, a node that
+    began its stage seconds after its parents (retrying a stage an S3 error storm failed,
+    five seconds after them; a late joiner) stopped relaying at its first chunks, and its
+    peers stood in for it at the origin: chunks fetched twice (e2e test_faults' storm)."""
+    return max(LAG_S, LAG_SHARE * staging_s) < held_s <= staging_s
 
 
 def stops_relaying(notices: Sequence[float], now: float) -> bool:
