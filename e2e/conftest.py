@@ -134,13 +134,25 @@ def cluster_share(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
-@pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+def _namespace(cluster: Cluster, request: pytest.FixtureRequest, name: str) -> Iterator[str]:
     # A module may set NAMESPACE_PREFIX so that its operator watches only its namespaces.
     prefix = getattr(request.module, "NAMESPACE_PREFIX", "")
-    name = testkit.create_namespace(cluster.api, prefix + request.node.name[:30])
-    yield name
-    testkit.delete_namespace(cluster.api, name)
+    created = testkit.create_namespace(cluster.api, prefix + name)
+    yield created
+    testkit.delete_namespace(cluster.api, created)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from _namespace(cluster, request, request.node.name[:30])
+
+
+@pytest.fixture(scope="module")
+def module_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """One namespace for the tests of a module that share what they start, with
+    ``module_agents`` and ``module_rollouts``: a vLLM replica takes 40-75 s of CI's two
+    cores to start, so its tests take over one another's replicas."""
+    yield from _namespace(cluster, request, request.module.__name__.split(".")[-1][:30])
 
 
 @pytest.fixture
@@ -176,6 +188,11 @@ def agents(cluster: Any, namespace: str, crds: None) -> Iterator[Agents]:
     yield from run_agents(cluster, namespace)
 
 
+@pytest.fixture(scope="module")
+def module_agents(cluster: Any, module_namespace: str, crds: None) -> Iterator[Agents]:
+    yield from run_agents(cluster, module_namespace)
+
+
 @pytest.fixture
 def release(cluster: Cluster, namespace: str) -> Iterator[str]:
     """The Helm chart installed in this test's namespace, watching only it (no agents)."""
@@ -191,6 +208,13 @@ def rollouts(cluster: Cluster, namespace: str, operator: OperatorProcess) -> Rol
     """The ModelRollout API in this test's namespace, with the S3 credentials Secret."""
     s3_secret(cluster.core, namespace)
     return Rollouts(cluster.api, namespace)
+
+
+@pytest.fixture(scope="module")
+def module_rollouts(cluster: Cluster, module_namespace: str, operator: OperatorProcess) -> Rollouts:
+    """``rollouts`` in the module's namespace (``module_namespace``)."""
+    s3_secret(cluster.core, module_namespace)
+    return Rollouts(cluster.api, module_namespace)
 
 
 @pytest.fixture(scope="session")

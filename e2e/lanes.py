@@ -19,8 +19,11 @@ each rule is kept:
   another on one worker.
 - **Whole-cluster changes.** test_upgrade installs the previous release's CRDs and
   test_apiserver_down stops the API server: they hold the cluster alone
-  (`cluster_share`); every other e2e module holds it shared. They run first, while the
-  other worker runs unit tests, which take no lock.
+  (`cluster_share`); every other e2e module holds it shared. They are one group
+  (`EXCLUSIVE_GROUP`), run first, one after the other on one worker, while the other
+  worker runs unit tests, which take no lock (as two groups, the worker done with the
+  first took unit tests until the other had none left, then held the second while the
+  other waited for its share: two minutes of a lane idle).
 - **Extra KWOK nodes.** test_cluster_smoke counts every node a DaemonSet lands on and
   test_scale adds nodes: one group, `KWOK_NODE_GROUP`.
 - Every other module is a group of its own, so that its module-scoped fixtures (an
@@ -47,17 +50,18 @@ from weightship_dev.nodes import NODE_KIND_LABEL
 
 VLLM_GROUP = "vllm"
 KWOK_NODE_GROUP = "kwok-nodes"
+EXCLUSIVE_GROUP = "exclusive"
 VLLM_MODULES = frozenset({"test_vllm", "test_inplace"})
 KWOK_NODE_MODULES = frozenset({"test_cluster_smoke", "test_scale"})
 EXCLUSIVE_MODULES = frozenset({"test_upgrade", "test_apiserver_down"})
 
-# The order groups are handed out in, longest first but test_upgrade (it holds the cluster
-# alone while the other worker runs unit tests); a module not named here goes last.
-# Durations: serial, or in two lanes, on 2 cores (2026-12-04).
+# The order groups are handed out in, longest first but the modules that hold the cluster
+# alone (EXCLUSIVE_GROUP, while the other worker runs unit tests); a module not named here
+# goes last. Durations: in two lanes, on 2 cores (2026-12-07, WEIGHTSHIP_TEST_TIMELINE).
 ORDER = (
-    "test_upgrade",  # 80-98 s
-    "unit",  # 113 s in all
-    "test_apiserver_down",  # about 150 s, the cluster alone (while unit runs, ideally)
+    "test_upgrade",  # 113 s with the cluster's start, then
+    "test_apiserver_down",  # 116 s: both the cluster alone (EXCLUSIVE_GROUP)
+    "unit",  # 210 s of one lane in all
     "test_vllm",  # 280-370 s, with test_inplace (VLLM_GROUP)
     "test_inplace",  # 185 s
     "test_faults",  # 145-160 s
@@ -105,6 +109,8 @@ def group_of_module(module: str, *, e2e: bool) -> str:
     (servers, built models) are made once, on one worker."""
     if not e2e:
         return f"unit-{module}"
+    if module in EXCLUSIVE_MODULES:
+        return EXCLUSIVE_GROUP
     if module in VLLM_MODULES:
         return VLLM_GROUP
     if module in KWOK_NODE_MODULES:

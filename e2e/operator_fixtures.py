@@ -158,6 +158,11 @@ class Rollouts:
             )
         )
 
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, ROLLOUT_PLURAL, name
+        )
+
     def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
         """Merge ``spec`` into the rollout's spec (a key set to None is removed)."""
         self.custom.patch_namespaced_custom_object(

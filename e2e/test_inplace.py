@@ -4,14 +4,16 @@ the weightship plugin (out of traffic, drain, verified load on every rank, verif
 canaries and rolls back without one pod restart, while a client sends steady load through
 the Service to its ready endpoints the whole time.
 
-One module, one pair of vLLM pods for every act (a vLLM replica starts in ~76 s here; a
-swap takes seconds): v1 starts; v2 swaps in through 50 % and 100 %; the subtly bad v3 is
-swapped into one canary, fails its golden prompt and is swapped back; v4's origin is
-corrupt, so the agents refuse it and no pod swaps; v5's staged bytes rot after the agents
-verified them, so the swap finds them bad and nothing of v5 is ever served. Under the
-load: 0 failed requests, each answer stamped with a revision that was stable or canary.
-A second test starts three vLLM pods with inPlace.maxUnavailable 2: two swap at once
-while the third serves the load.
+One namespace, one agent fleet and one rollout of vLLM pods for the module (a vLLM
+replica starts in 40-75 s here; a swap takes seconds). A tensor-parallel pod first, on a
+rollout of its own, gone when its test ends. Then the fleet: v1 starts on two pods; v2
+swaps in through 50 % and 100 %; the subtly bad v3 is swapped into one canary, fails its
+golden prompt and is swapped back; v4's origin is corrupt, so the agents refuse it and
+no pod swaps; v5's staged bytes rot after the agents verified them, so the swap finds
+them bad and nothing of v5 is ever served. Under the load: 0 failed requests, each answer
+stamped with a revision that was stable or canary. The last test scales the same rollout
+to three pods with inPlace.maxUnavailable 2 (one vLLM start, not three): two swap to v6
+at once while the third serves the load.
 Run under `flock /work/coord/heavy.lock` next to other heavy work on a 2-core machine."""
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,6 +61,7 @@ def models(cluster: Any) -> Iterator[dict[str, str]]:
             ("v3", "subtly-bad", 0),
             ("v4", "good", 2),
             ("v5", "good", 3),
+            ("v6", "good", 4),
         ],
     )
     # v4's origin rots after its manifest was written: the agents refuse it.
@@ -73,37 +75,70 @@ def models(cluster: Any) -> Iterator[dict[str, str]]:
     s3.delete_bucket(Bucket=bucket)
 
 
-def in_place_rollout(cluster: Any, uri: str) -> dict[str, Any]:
+def in_place_rollout(cluster: Any, uri: str, name: str = "llm") -> dict[str, Any]:
     body = rollout_body(
-        "llm", uri, "v1", [{"setWeight": 50}, {"pause": {}}], cluster.s3_endpoint, REPLICAS
+        name, uri, "v1", [{"setWeight": 50}, {"pause": {}}], cluster.s3_endpoint, REPLICAS
     )
     spec = body["spec"]
-    spec["template"] = deploy.pod_template("llm", node_selector=PROCESS_NODES, in_place=True)
+    spec["template"] = deploy.pod_template(name, node_selector=PROCESS_NODES, in_place=True)
     spec["validation"] = deploy.validation()
     spec["prefetch"] = {"enabled": True, "nodeSelector": PROCESS, "minStagedPercent": 100}
     spec["seeding"] = {"broadcast": False}
     spec["strategy"]["canary"]["updatePolicy"] = "InPlaceIfPossible"
     spec["strategy"]["canary"]["inPlace"] = {"drainTimeoutSeconds": 10, "swapTimeoutSeconds": 120}
-    spec["notifications"] = {
-        "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack", "Promoted"]}
-    }
     return body
 
 
-def rollout_pods(cluster: Any, namespace: str) -> list[Any]:
+@pytest.fixture(scope="module")
+def fleet(
+    cluster: Any, module_agents: Agents, module_rollouts: Rollouts, models: dict[str, str]
+) -> Rollouts:
+    """The module's rollout "llm" Healthy on v1, its two vLLM pods ready, and the Service
+    over them."""
+    rollouts, ns = module_rollouts, module_rollouts.namespace
+    app_service(cluster.core, ns, "llm", deploy.PORT)
+    rollouts.create(in_place_rollout(cluster, models["v1"]))
+    rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+    ready_pods(cluster, ns, REPLICAS, "v1", VLLM_START_S)
+    return rollouts
+
+
+def rollout_pods(cluster: Any, namespace: str, name: str = "llm") -> list[Any]:
     return list(
-        cluster.core.list_namespaced_pod(namespace, label_selector=f"{ROLLOUT_LABEL}=llm").items
+        cluster.core.list_namespaced_pod(namespace, label_selector=f"{ROLLOUT_LABEL}={name}").items
     )
 
 
-def identity(cluster: Any, namespace: str) -> dict[str, tuple[str, int]]:
+def ready_pods(cluster: Any, namespace: str, count: int, what: str, timeout: float) -> None:
+    testkit.wait_until(
+        lambda: len([p for p in rollout_pods(cluster, namespace) if _ready(p)]) == count,
+        timeout=timeout,
+        what=f"{count} pods ready on {what}",
+    )
+
+
+def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
+    """Steady chat requests to the ready endpoints of the Service over the fleet."""
+    return ServiceLoad(
+        cluster.api,
+        namespace,
+        "llm",
+        deploy.PORT,
+        deploy.CHAT_PATH,
+        deploy.chat_request(max_tokens=8),
+        rate=4.0,
+        timeout_s=30.0,
+    )
+
+
+def identity(cluster: Any, namespace: str, name: str = "llm") -> dict[str, tuple[str, int]]:
     """Each pod's uid and container restarts: an in-place rollout changes neither."""
     return {
         p.metadata.name: (
             p.metadata.uid,
             sum(c.restart_count for c in p.status.container_statuses or []),
         )
-        for p in rollout_pods(cluster, namespace)
+        for p in rollout_pods(cluster, namespace, name)
     }
 
 
@@ -132,36 +167,87 @@ def rot_staged(cluster: Any, digest: str) -> None:
             f.write(bytes(b ^ 0xFF for b in data[middle : middle + 4]))
 
 
-def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str], tmp_path: Path
+def test_tensor_parallel_pod_is_gated_on_every_rank_and_swaps_on_every_rank(
+    cluster: Any, module_agents: Agents, module_rollouts: Rollouts, models: dict[str, str]
 ) -> None:
-    ns = rollouts.namespace
-    app_service(cluster.core, ns, "llm", deploy.PORT)
+    """A TP=2 vLLM pod (two worker ranks over gloo): the gate needs both ranks' loaded
+    digest, a swap runs on both ranks, and a damaged read on rank 1 fails the swap naming
+    that rank, without a restart. Its rollout goes when it ends, before the fleet starts."""
+    rollouts, ns, name = module_rollouts, module_rollouts.namespace, "tp"
+    body = in_place_rollout(cluster, models["v1"], name)
+    spec = body["spec"]
+    spec["replicas"] = 1
+    spec["strategy"]["canary"]["steps"] = [{"setWeight": 100}]
+    container = spec["template"]["spec"]["containers"][0]
+    container["args"] += ["--tensor-parallel-size", "2"]
+    # Test-only fault injection of the plugin, read at each swap from the pod's scratch.
+    container["env"].append({"name": "WEIGHTSHIP_VLLM_SWAP_FAULT", "value": "@/tmp/fault"})
+    rollouts.create(body)
+    v1 = rollouts.healthy_on(name, "v1", timeout=VLLM_START_S)["status"]
+    (pod,) = rollout_pods(cluster, ns, name)
+    report = loaded(pod)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
+    assert {r["manifestDigest"] for r in report["ranks"]} == {
+        v1["stableRevision"]["manifestDigest"]
+    }
+    assert gate(pod).status == "True"
+    started = identity(cluster, ns, name)
+
+    rollouts.set_model(name, models["v2"], "v2")
+    v2 = rollouts.healthy_on(name, "v2", timeout=SWAP_S)["status"]
+    (pod,) = rollout_pods(cluster, ns, name)
+    report = loaded(pod)
+    assert len(report["ranks"]) == 2 and {r["manifestDigest"] for r in report["ranks"]} == {
+        v2["stableRevision"]["manifestDigest"]
+    }, report
+    assert {r["source"] for r in report["ranks"]} == {"swap"}, report
+    assert identity(cluster, ns, name) == started
+
+    scratch = cluster.paths.root / "nodes" / pod.spec.node_name / "pods" / pod.metadata.uid
+    (scratch / "volumes" / "scratch" / "fault").write_text("damage-rank=1")
+    rollouts.set_model(name, models["v3"], "v3")
+    status = rollouts.wait(
+        name,
+        "the TP swap refused on rank 1",
+        lambda s: (
+            s.get("phase") == "Degraded"
+            and (s.get("canaryRevision") or {}).get("revision") == "v3"
+            and (s.get("replicas") or {}).get("ready") == 1
+        ),
+        timeout=SWAP_S,
+    )["status"]
+    assert status["abort"]["reason"] == "SwapFailed", status["abort"]
+    assert "rank 1" in status["abort"]["message"], status["abort"]
+    (pod,) = rollout_pods(cluster, ns, name)
+    assert {r["manifestDigest"] for r in loaded(pod)["ranks"]} == {
+        v2["stableRevision"]["manifestDigest"]
+    }
+    assert identity(cluster, ns, name) == started
+    rollouts.delete(name)
+    testkit.wait_until(
+        lambda: not rollout_pods(cluster, ns, name), timeout=120, what="the TP pod gone"
+    )
+
+
+def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
+    cluster: Any, module_agents: Agents, fleet: Rollouts, models: dict[str, str]
+) -> None:
+    rollouts, ns, agents = fleet, fleet.namespace, module_agents
     with SlackReceiver(host=BRIDGE_IP) as slack:
         cluster.core.create_namespaced_secret(
             ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
         )
-        rollouts.create(in_place_rollout(cluster, models["v1"]))
-        v1 = rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)["status"]
-        assert v1["stableRevision"]["templateHash"]
-        testkit.wait_until(
-            lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == REPLICAS,
-            timeout=VLLM_START_S,
-            what="both v1 pods ready",
+        events = ["RolledBack", "Promoted"]
+        rollouts.patch_spec(
+            "llm",
+            {"notifications": {"slack": {"webhookSecretRef": {"name": "slack"}, "events": events}}},
         )
+        v1 = rollouts.healthy_on("llm", "v1")["status"]
+        assert v1["stableRevision"]["templateHash"]
         started = identity(cluster, ns)
         assert len(started) == REPLICAS
 
-        load = ServiceLoad(
-            cluster.api,
-            ns,
-            "llm",
-            deploy.PORT,
-            deploy.CHAT_PATH,
-            deploy.chat_request(max_tokens=8),
-            rate=4.0,
-            timeout_s=30.0,
-        )
+        load = chat_load(cluster, ns)
         timeline = RevisionTimeline(cluster.api, ns, "llm")
         with timeline, load:
             # v2: one pod swapped at setWeight 50, then the pause; the promotion swaps
@@ -176,11 +262,7 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
             assert identity(cluster, ns) == started
             user_actions.promote(cluster.api, ns, "llm")
             v2 = rollouts.healthy_on("llm", "v2", timeout=SWAP_S)["status"]
-            testkit.wait_until(
-                lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == REPLICAS,
-                timeout=SWAP_S,
-                what="both pods ready on v2",
-            )
+            ready_pods(cluster, ns, REPLICAS, "v2", SWAP_S)
             assert identity(cluster, ns) == started, "an in-place update restarted a pod"
             assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
             pods = {p["pod"]: p for p in v2["inPlace"]["pods"]}
@@ -284,6 +366,7 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
             assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
             assert identity(cluster, ns) == started, "a failed swap restarted a pod"
         answers = load.stop()
+    rollouts.patch_spec("llm", {"notifications": None})
 
     failed = [a for a in answers if not a.ok]
     print(
@@ -301,59 +384,49 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
 
 
 def test_three_vllm_pods_swap_two_at_once_within_max_unavailable_under_load(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+    cluster: Any, fleet: Rollouts, models: dict[str, str]
 ) -> None:
-    """inPlace.maxUnavailable 2 of 3 replicas: v2 at setWeight 100 swaps two pods at once
-    (the SwapsStarted Event says so), then the third, while the one left serves the load."""
-    ns, replicas = rollouts.namespace, 3
-    app_service(cluster.core, ns, "llm", deploy.PORT)
-    body = in_place_rollout(cluster, models["v1"])
-    body["spec"]["replicas"] = replicas
-    body["spec"]["strategy"]["canary"]["steps"] = [{"setWeight": 100}]
-    body["spec"]["strategy"]["canary"]["inPlace"]["maxUnavailable"] = 2
-    del body["spec"]["notifications"]
-    rollouts.create(body)
-    rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
-    testkit.wait_until(
-        lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == replicas,
-        timeout=VLLM_START_S,
-        what="three v1 pods ready",
-    )
-    started = identity(cluster, ns)
-    load = ServiceLoad(
-        cluster.api,
-        ns,
+    """The fleet scaled to three replicas with inPlace.maxUnavailable 2: v6 at setWeight
+    100 swaps two pods at once (the SwapsStarted Event says so), then the third, while the
+    one left serves the load. The scale-up's pod starts on the stable revision."""
+    rollouts, ns, replicas = fleet, fleet.namespace, 3
+    stable = rollouts.get("llm")["status"]["stableRevision"]["revision"]
+    rollouts.patch_spec(
         "llm",
-        deploy.PORT,
-        deploy.CHAT_PATH,
-        deploy.chat_request(max_tokens=8),
-        rate=4.0,
-        timeout_s=30.0,
+        {
+            "replicas": replicas,
+            "strategy": {
+                "canary": {"steps": [{"setWeight": 100}], "inPlace": {"maxUnavailable": 2}}
+            },
+        },
     )
-    with load:
-        rollouts.set_model("llm", models["v2"], "v2")
-        v2 = rollouts.healthy_on("llm", "v2", timeout=SWAP_S)["status"]
-        testkit.wait_until(
-            lambda: len([p for p in rollout_pods(cluster, ns) if _ready(p)]) == replicas,
-            timeout=SWAP_S,
-            what="three pods ready on v2",
-        )
+    ready_pods(cluster, ns, replicas, stable, VLLM_START_S)
+    started = identity(cluster, ns)
+    assert len(started) == replicas
+    with chat_load(cluster, ns) as load:
+        rollouts.set_model("llm", models["v6"], "v6")
+        v6 = rollouts.healthy_on("llm", "v6", timeout=SWAP_S)["status"]
+        ready_pods(cluster, ns, replicas, "v6", SWAP_S)
         answers = load.stop()
     assert identity(cluster, ns) == started, "an in-place update restarted a pod"
-    assert set(holding(cluster, ns).values()) == {v2["stableRevision"]["podTemplateHash"]}
-    assert v2["inPlace"]["maxUnavailable"] == 2, v2["inPlace"]
+    assert set(holding(cluster, ns).values()) == {v6["stableRevision"]["podTemplateHash"]}
+    assert v6["inPlace"]["maxUnavailable"] == 2, v6["inPlace"]
 
     def batches() -> list[str] | None:  # Events are posted off the reconcile: may land late
-        found = [e.message for e in rollouts.events("llm") if e.reason == "SwapsStarted"]
+        found = [
+            e.message
+            for e in rollouts.events("llm")
+            if e.reason == "SwapsStarted" and " to v6" in e.message
+        ]
         started = sum(int(m.split("started ")[1].split(" ")[0]) for m in found)
         return found if started >= replicas else None
 
-    swaps = testkit.wait_until(batches, timeout=60, what="SwapsStarted for every pod")
+    swaps = testkit.wait_until(batches, timeout=60, what="SwapsStarted to v6 for every pod")
     assert any("started 2 swap(s)" in m and "2 pod(s) swapping at once" in m for m in swaps), swaps
     failed = [a for a in answers if not a.ok]
     print(f"two at once under load: {len(answers)} requests, {len(failed)} failed; {swaps}")
     assert len(answers) > 10 and not failed, failed[:5]
-    assert {a.revision for a in answers} <= {"v1", "v2"}
+    assert {a.revision for a in answers} <= {stable, "v6"}
 
 
 def send_when_swapped(
@@ -396,62 +469,3 @@ def loaded(pod: Any) -> dict[str, Any]:
         f"http://{pod.status.pod_ip}:{deploy.PORT}/weightship/v1/loaded", timeout=10
     ) as answer:
         return dict(json.loads(answer.read()))
-
-
-def test_tensor_parallel_pod_is_gated_on_every_rank_and_swaps_on_every_rank(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
-) -> None:
-    """A TP=2 vLLM pod (two worker ranks over gloo): the gate needs both ranks' loaded
-    digest, a swap runs on both ranks, and a damaged read on rank 1 fails the swap naming
-    that rank, without a restart."""
-    ns = rollouts.namespace
-    body = in_place_rollout(cluster, models["v1"])
-    spec = body["spec"]
-    spec["replicas"] = 1
-    spec["strategy"]["canary"]["steps"] = [{"setWeight": 100}]
-    spec.pop("notifications")
-    container = spec["template"]["spec"]["containers"][0]
-    container["args"] += ["--tensor-parallel-size", "2"]
-    # Test-only fault injection of the plugin, read at each swap from the pod's scratch.
-    container["env"].append({"name": "WEIGHTSHIP_VLLM_SWAP_FAULT", "value": "@/tmp/fault"})
-    rollouts.create(body)
-    v1 = rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)["status"]
-    (pod,) = rollout_pods(cluster, ns)
-    report = loaded(pod)
-    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
-    assert {r["manifestDigest"] for r in report["ranks"]} == {
-        v1["stableRevision"]["manifestDigest"]
-    }
-    assert gate(pod).status == "True"
-    started = identity(cluster, ns)
-
-    rollouts.set_model("llm", models["v2"], "v2")
-    v2 = rollouts.healthy_on("llm", "v2", timeout=SWAP_S)["status"]
-    (pod,) = rollout_pods(cluster, ns)
-    report = loaded(pod)
-    assert len(report["ranks"]) == 2 and {r["manifestDigest"] for r in report["ranks"]} == {
-        v2["stableRevision"]["manifestDigest"]
-    }, report
-    assert {r["source"] for r in report["ranks"]} == {"swap"}, report
-    assert identity(cluster, ns) == started
-
-    scratch = cluster.paths.root / "nodes" / pod.spec.node_name / "pods" / pod.metadata.uid
-    (scratch / "volumes" / "scratch" / "fault").write_text("damage-rank=1")
-    rollouts.set_model("llm", models["v3"], "v3")
-    status = rollouts.wait(
-        "llm",
-        "the TP swap refused on rank 1",
-        lambda s: (
-            s.get("phase") == "Degraded"
-            and (s.get("canaryRevision") or {}).get("revision") == "v3"
-            and (s.get("replicas") or {}).get("ready") == 1
-        ),
-        timeout=SWAP_S,
-    )["status"]
-    assert status["abort"]["reason"] == "SwapFailed", status["abort"]
-    assert "rank 1" in status["abort"]["message"], status["abort"]
-    (pod,) = rollout_pods(cluster, ns)
-    assert {r["manifestDigest"] for r in loaded(pod)["ranks"]} == {
-        v2["stableRevision"]["manifestDigest"]
-    }
-    assert identity(cluster, ns) == started

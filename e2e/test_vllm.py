@@ -6,7 +6,11 @@ plugin (`--load-format weightship`), the operator's verifier reads the plugin's
 At most two vLLM pods run at a time (about 3.3 GiB each, 2 cores): every rollout has one
 replica, and the scale-up goes to two once the old revision is gone. A client sends steady
 chat load through a Service while revisions are promoted and rolled back: no request may
-fail (issue 23: a pod leaves the endpoints and drains before it is deleted)."""
+fail (issue 23: a pod leaves the endpoints and drains before it is deleted).
+
+The module's tests share one namespace, one agent fleet and one rollout stable on v1 (a
+vLLM start costs 40-75 s of CI's two cores): the bad revisions run first and leave v1
+stable on one replica, where the promotion starts."""
 
 from __future__ import annotations
 
@@ -48,6 +52,27 @@ def models(cluster: Any) -> Iterator[dict[str, str]]:
     s3.delete_bucket(Bucket=bucket)
 
 
+@pytest.fixture(scope="module")
+def fleet(
+    cluster: Any, module_agents: Agents, module_rollouts: Rollouts, models: dict[str, str]
+) -> Rollouts:
+    """The module's rollout "llm", Healthy on v1 with one vLLM replica, and the Service
+    over its pods."""
+    rollouts = module_rollouts
+    rollouts.create(vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}]))
+    rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+    app_service(cluster.core, rollouts.namespace, "llm", deploy.PORT)
+    return rollouts
+
+
+def stable_v1_on_one_replica(rollouts: Rollouts) -> None:
+    """Where each test starts. The tests run in file order; only the last moves the stable
+    revision on."""
+    spec, status = (rollouts.get("llm").get(key) or {} for key in ("spec", "status"))
+    assert (status.get("stableRevision") or {}).get("revision") == "v1", status
+    assert spec["replicas"] == 1, spec
+
+
 def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, Any]]) -> Any:
     body = rollout_body("llm", uri, revision, steps, cluster.s3_endpoint, replicas=1)
     body["spec"]["template"] = deploy.pod_template("llm", node_selector=PROCESS_NODES)
@@ -58,9 +83,8 @@ def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, An
 
 
 def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
-    """A Service over the rollout's pods and a client sending chat requests to its ready
-    endpoints (call ``start``)."""
-    app_service(cluster.core, namespace, "llm", deploy.PORT)
+    """A client sending chat requests to the ready endpoints of the Service over the
+    rollout's pods (call ``start``)."""
     return ServiceLoad(
         cluster.api,
         namespace,
@@ -97,60 +121,6 @@ def is_ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
-def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
-) -> None:
-    ns = rollouts.namespace
-    rollouts.create(vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}]))
-    rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
-    load = chat_load(cluster, ns)
-    load.start()
-    rollouts.set_model("llm", models["v2"], "v2")
-    status = rollouts.healthy_on("llm", "v2", timeout=VLLM_START_S)["status"]
-    assert status["history"][-1]["outcome"] == "Promoted"
-    digest = status["stableRevision"]["manifestDigest"]
-    stable_hash = status["stableRevision"]["podTemplateHash"]
-    (pod,) = pods_of(cluster, ns, stable_hash)
-    condition = gate(pod)
-    assert condition.status == "True" and condition.reason == "Verified", condition
-    # The verifier read the plugin's report: vLLM loaded and verified v2's digest.
-    assert (
-        "checksum loaded" in condition.message and f"digest {digest} verified" in condition.message
-    )
-    assert "loaded from the node cache" in condition.message
-    assert "1/1 golden prompts passed" in condition.message
-    for node in cluster.process_nodes:
-        assert agents.entry(node, digest).get("state") == "Staged"
-
-    # The old revision's pod goes, then the scale-up: its new replica takes the weights by
-    # broadcast from the verified vLLM replica.
-    testkit.wait_until(
-        lambda: len(cluster.core.list_namespaced_pod(ns, label_selector="app=llm").items) == 1,
-        timeout=120,
-        what="v1's pod gone",
-    )
-    no_request_lost(load, "v1 -> v2, the v1 pod replaced")
-    rollouts.patch_spec("llm", {"replicas": 2})
-    status = rollouts.wait(
-        "llm",
-        "two verified v2 replicas",
-        lambda s: (
-            (s.get("verification") or {}).get("verified") == 2
-            and len((s.get("verification") or {}).get("loads") or []) == 2
-        ),
-        timeout=VLLM_START_S,
-    )["status"]
-    loads = {load["pod"]: load for load in status["verification"]["loads"]}
-    assert loads[pod.metadata.name]["source"] == "cache", loads
-    (seeded,) = [load for name, load in loads.items() if name != pod.metadata.name]
-    assert seeded["source"] == "broadcast" and seeded["seededFrom"] == pod.metadata.name, loads
-    assert all(load["mode"] == "loaded" for load in loads.values()), loads
-    new_pod = next(
-        p for p in pods_of(cluster, ns, stable_hash) if p.metadata.name != pod.metadata.name
-    )
-    assert f"seeded by {pod.metadata.name}" in gate(new_pod).message
-
-
 def corrupt_staged(cluster: Any, digest: str) -> list[Path]:
     """Bit rot in every node's cache after its agent verified the model: a few bytes of
     the weights flip, the header stays valid, so only a checksum can tell."""
@@ -170,19 +140,22 @@ def corrupt_staged(cluster: Any, digest: str) -> list[Path]:
 
 
 def test_bad_and_corrupt_revisions_never_serve_through_vllm(
-    cluster: Any, agents: Agents, rollouts: Rollouts, models: dict[str, str]
+    cluster: Any, module_agents: Agents, fleet: Rollouts, models: dict[str, str]
 ) -> None:
-    ns = rollouts.namespace
+    rollouts, ns = fleet, fleet.namespace
+    stable_v1_on_one_replica(rollouts)
     with SlackReceiver(host=BRIDGE_IP) as slack:
         cluster.core.create_namespaced_secret(
             ns, {"metadata": {"name": "slack"}, "stringData": {"url": slack.url}}
         )
-        body = vllm_rollout(cluster, models["v1"], "v1", [{"setWeight": 100}])
-        body["spec"]["notifications"] = {
-            "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}
-        }
-        rollouts.create(body)
-        rollouts.healthy_on("llm", "v1", timeout=VLLM_START_S)
+        rollouts.patch_spec(
+            "llm",
+            {
+                "notifications": {
+                    "slack": {"webhookSecretRef": {"name": "slack"}, "events": ["RolledBack"]}
+                }
+            },
+        )
         load = chat_load(cluster, ns)
         load.start()
 
@@ -222,7 +195,7 @@ def test_bad_and_corrupt_revisions_never_serve_through_vllm(
         timeout=120,
     )["status"]
     digest = status["canaryRevision"]["manifestDigest"]
-    agents.wait_staged(digest)
+    module_agents.wait_staged(digest)
     corrupt_staged(cluster, digest)
     user_actions.promote(cluster.api, ns, "llm")
     seen_ready: set[str] = set()
@@ -249,3 +222,57 @@ def test_bad_and_corrupt_revisions_never_serve_through_vllm(
         what="the aborted v4 canary gone",
     )
     no_request_lost(load, "v3 and v4 rolled back, their canaries removed")
+    rollouts.patch_spec("llm", {"notifications": None})
+
+
+def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
+    cluster: Any, module_agents: Agents, fleet: Rollouts, models: dict[str, str]
+) -> None:
+    rollouts, ns = fleet, fleet.namespace
+    stable_v1_on_one_replica(rollouts)
+    load = chat_load(cluster, ns)
+    load.start()
+    rollouts.set_model("llm", models["v2"], "v2", steps=[{"setWeight": 100}])
+    status = rollouts.healthy_on("llm", "v2", timeout=VLLM_START_S)["status"]
+    assert status["history"][-1]["outcome"] == "Promoted"
+    digest = status["stableRevision"]["manifestDigest"]
+    stable_hash = status["stableRevision"]["podTemplateHash"]
+    (pod,) = pods_of(cluster, ns, stable_hash)
+    condition = gate(pod)
+    assert condition.status == "True" and condition.reason == "Verified", condition
+    # The verifier read the plugin's report: vLLM loaded and verified v2's digest.
+    assert (
+        "checksum loaded" in condition.message and f"digest {digest} verified" in condition.message
+    )
+    assert "loaded from the node cache" in condition.message
+    assert "1/1 golden prompts passed" in condition.message
+    for node in cluster.process_nodes:
+        assert module_agents.entry(node, digest).get("state") == "Staged"
+
+    # The old revision's pod goes, then the scale-up: its new replica takes the weights by
+    # broadcast from the verified vLLM replica.
+    testkit.wait_until(
+        lambda: len(cluster.core.list_namespaced_pod(ns, label_selector="app=llm").items) == 1,
+        timeout=120,
+        what="v1's pod gone",
+    )
+    no_request_lost(load, "v1 -> v2, the v1 pod replaced")
+    rollouts.patch_spec("llm", {"replicas": 2})
+    status = rollouts.wait(
+        "llm",
+        "two verified v2 replicas",
+        lambda s: (
+            (s.get("verification") or {}).get("verified") == 2
+            and len((s.get("verification") or {}).get("loads") or []) == 2
+        ),
+        timeout=VLLM_START_S,
+    )["status"]
+    loads = {load["pod"]: load for load in status["verification"]["loads"]}
+    assert loads[pod.metadata.name]["source"] == "cache", loads
+    (seeded,) = [load for name, load in loads.items() if name != pod.metadata.name]
+    assert seeded["source"] == "broadcast" and seeded["seededFrom"] == pod.metadata.name, loads
+    assert all(load["mode"] == "loaded" for load in loads.values()), loads
+    new_pod = next(
+        p for p in pods_of(cluster, ns, stable_hash) if p.metadata.name != pod.metadata.name
+    )
+    assert f"seeded by {pod.metadata.name}" in gate(new_pod).message
