@@ -62,8 +62,8 @@ ORDER = (
     "test_upgrade",  # 113 s with the cluster's start, then
     "test_apiserver_down",  # 116 s: both the cluster alone (EXCLUSIVE_GROUP)
     "unit",  # 210 s of one lane in all
-    "test_vllm",  # 285 s, with test_inplace (VLLM_GROUP); both 2 lanes, one module alone
-    "test_inplace",  # 205 s
+    "test_vllm",  # 285 s beside test_faults, with test_inplace (VLLM_GROUP)
+    "test_inplace",  # 205 s beside test_agent
     "test_faults",  # 145-160 s
     "test_agent",  # 115-185 s
     "test_seeding",  # 115-125 s
