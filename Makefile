@@ -55,10 +55,13 @@ lock: venv
 deps:
 	bash hack/deps.sh all >/dev/null
 
+# mypy's cache outside the clone, keyed by mypy's pin: a fresh clone's lint takes 1 s, not
+# 17 (mypy checks each cached module against its source).
+MYPY_CACHE := $(HOME)/.cache/weightship/mypy-$(shell awk -F'==' '/^mypy==/ {split($$2, v, " "); print v[1]; exit}' requirements/dev.txt)
 lint: venv
 	$(BIN)/ruff check operator devtools tests e2e bench argocd
 	$(BIN)/ruff format --check operator devtools tests e2e bench argocd
-	$(BIN)/mypy
+	$(BIN)/mypy --cache-dir $(MYPY_CACHE)
 
 unit: venv
 	$(BIN)/pytest tests -q
