@@ -73,7 +73,7 @@ from weightship_dev import cluster as local_cluster  # noqa: E402
 from weightship_dev import demo, testkit  # noqa: E402
 from weightship_dev.install import apply_crds  # noqa: E402
 from weightship_dev.layout import ClusterPaths  # noqa: E402
-from weightship_dev.loadgen import Answer, RevisionTimeline, ServiceLoad, app_service  # noqa: E402
+from weightship_dev.loadgen import Answer, RevisionTimeline, app_service, chat_load  # noqa: E402
 from weightship_dev.operatorproc import OperatorProcess  # noqa: E402
 from weightship_testing.tinyvllm import deploy  # noqa: E402
 from weightship_testing.tinyvllm.build import CHAT_ANSWER  # noqa: E402
@@ -106,19 +106,6 @@ def rollout(name: str, mode: str, uri: str, endpoint: str) -> dict[str, Any]:
     if mode == "inplace":
         canary["inPlace"] = {"drainTimeoutSeconds": 10, "swapTimeoutSeconds": 120}
     return body
-
-
-def chat_load(cluster: Cluster, namespace: str, name: str, rate: float) -> ServiceLoad:
-    return ServiceLoad(
-        cluster.api,
-        namespace,
-        name,
-        deploy.PORT,
-        deploy.CHAT_PATH,
-        deploy.chat_request(max_tokens=8),
-        rate=rate,
-        timeout_s=30.0,
-    )
 
 
 def ready(pod: Any) -> bool:
@@ -262,7 +249,7 @@ def run_mode(
             f"{mode}: v1 Healthy, {REPLICAS} pods Ready after {start_seconds:.1f} s; load "
             f"average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
         )
-        load = chat_load(cluster, ns, name, rate)
+        load = chat_load(cluster.api, ns, name, max_tokens=8, rate=rate, timeout_s=30.0)
         timeline = RevisionTimeline(cluster.api, ns, name)
         changes: list[Change] = []
         with watch, timeline, load:

@@ -157,14 +157,15 @@ class Timeline:
     long and what it waited for."""
 
     def __init__(self, prefix: str) -> None:
-        self.path = Path(f"{prefix}.{xdist_worker() or 'main'}")
+        self.worker = xdist_worker() or "main"
+        self.path = Path(f"{prefix}.{self.worker}")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
         start = time.time()
         yield
         with self.path.open("a") as out:
-            out.write(f"{start:.1f} {time.time():.1f} {xdist_worker() or 'main'} {item.nodeid}\n")
+            out.write(f"{start:.1f} {time.time():.1f} {self.worker} {item.nodeid}\n")
 
 
 def worker_count() -> int:

@@ -35,7 +35,7 @@ from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL, VERIFIED_GATE
 from weightship.weightformat.manifest import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
-from weightship_dev.loadgen import RevisionTimeline, ServiceLoad, app_service
+from weightship_dev.loadgen import RevisionTimeline, ServiceLoad, app_service, chat_load
 from weightship_dev.slackreceiver import SlackReceiver
 from weightship_testing.tinyvllm import deploy
 from weightship_testing.tinyvllm.build import CHAT_ANSWER, publish_versions
@@ -117,18 +117,9 @@ def ready_pods(cluster: Any, namespace: str, count: int, what: str, timeout: flo
     )
 
 
-def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
+def fleet_load(cluster: Any, namespace: str) -> ServiceLoad:
     """Steady chat requests to the ready endpoints of the Service over the fleet."""
-    return ServiceLoad(
-        cluster.api,
-        namespace,
-        "llm",
-        deploy.PORT,
-        deploy.CHAT_PATH,
-        deploy.chat_request(max_tokens=8),
-        rate=4.0,
-        timeout_s=30.0,
-    )
+    return chat_load(cluster.api, namespace, "llm", max_tokens=8, rate=4.0, timeout_s=30.0)
 
 
 def identity(cluster: Any, namespace: str, name: str = "llm") -> dict[str, tuple[str, int]]:
@@ -247,7 +238,7 @@ def test_vllm_weights_swap_in_place_canaried_gated_and_rolled_back_under_load(
         started = identity(cluster, ns)
         assert len(started) == REPLICAS
 
-        load = chat_load(cluster, ns)
+        load = fleet_load(cluster, ns)
         timeline = RevisionTimeline(cluster.api, ns, "llm")
         with timeline, load:
             # v2: one pod swapped at setWeight 50, then the pause; the promotion swaps
@@ -403,7 +394,7 @@ def test_three_vllm_pods_swap_two_at_once_within_max_unavailable_under_load(
     ready_pods(cluster, ns, replicas, stable, VLLM_START_S)
     started = identity(cluster, ns)
     assert len(started) == replicas
-    with chat_load(cluster, ns) as load:
+    with fleet_load(cluster, ns) as load:
         rollouts.set_model("llm", models["v6"], "v6")
         v6 = rollouts.healthy_on("llm", "v6", timeout=SWAP_S)["status"]
         ready_pods(cluster, ns, replicas, "v6", SWAP_S)

@@ -27,7 +27,7 @@ from weightship.api.names import REVISION_LABEL, VERIFIED_GATE
 from weightship.weightformat.manifest import digest_hex
 from weightship_dev import testkit
 from weightship_dev.layout import BRIDGE_IP
-from weightship_dev.loadgen import ServiceLoad, app_service
+from weightship_dev.loadgen import ServiceLoad, app_service, chat_load
 from weightship_dev.slackreceiver import SlackReceiver
 from weightship_testing.tinyvllm import deploy
 from weightship_testing.tinyvllm.build import publish_versions
@@ -82,19 +82,8 @@ def vllm_rollout(cluster: Any, uri: str, revision: str, steps: list[dict[str, An
     return body
 
 
-def chat_load(cluster: Any, namespace: str) -> ServiceLoad:
-    """A client sending chat requests to the ready endpoints of the Service over the
-    rollout's pods (call ``start``)."""
-    return ServiceLoad(
-        cluster.api,
-        namespace,
-        "llm",
-        deploy.PORT,
-        deploy.CHAT_PATH,
-        deploy.chat_request(max_tokens=4),
-        rate=LOAD_RATE,
-        timeout_s=60.0,
-    )
+def vllm_chat_load(cluster: Any, namespace: str) -> ServiceLoad:
+    return chat_load(cluster.api, namespace, "llm", max_tokens=4, rate=LOAD_RATE, timeout_s=60.0)
 
 
 def no_request_lost(load: ServiceLoad, what: str) -> None:
@@ -156,7 +145,7 @@ def test_bad_and_corrupt_revisions_never_serve_through_vllm(
                 }
             },
         )
-        load = chat_load(cluster, ns)
+        load = vllm_chat_load(cluster, ns)
         load.start()
 
         # v3: right checksums, a wrong answer through vLLM's chat API.
@@ -230,7 +219,7 @@ def test_vllm_rollout_is_verified_promoted_and_seeds_its_scale_up(
 ) -> None:
     rollouts, ns = fleet, fleet.namespace
     stable_v1_on_one_replica(rollouts)
-    load = chat_load(cluster, ns)
+    load = vllm_chat_load(cluster, ns)
     load.start()
     rollouts.set_model("llm", models["v2"], "v2", steps=[{"setWeight": 100}])
     status = rollouts.healthy_on("llm", "v2", timeout=VLLM_START_S)["status"]

@@ -45,6 +45,33 @@ def app_service(core: client.CoreV1Api, namespace: str, app: str, port: int) -> 
     )
 
 
+def chat_load(
+    api: client.ApiClient,
+    namespace: str,
+    app: str,
+    *,
+    max_tokens: int,
+    rate: float,
+    timeout_s: float,
+) -> ServiceLoad:
+    """Greedy chat requests to the ready endpoints of the Service ``app`` over real vLLM
+    pods (``weightship_testing.tinyvllm.deploy``), ``rate`` a second: use it as a context
+    manager, or call ``start``."""
+    # Here, not at the top: tinyvllm imports torch (1.4 s), which other loads do not need.
+    from weightship_testing.tinyvllm import deploy
+
+    return ServiceLoad(
+        api,
+        namespace,
+        app,
+        deploy.PORT,
+        deploy.CHAT_PATH,
+        deploy.chat_request(max_tokens=max_tokens),
+        rate=rate,
+        timeout_s=timeout_s,
+    )
+
+
 class IdleBoundedPool(urllib3.HTTPConnectionPool):
     """A connection pool that closes a connection idle for longer than ``idle_limit_s``
     before reusing it (urllib3 reconnects it), instead of racing the server's close."""
