@@ -205,6 +205,11 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
             *(["--keep-origin-connections"] if mode == "p2p-keep-origin" else []),
             # The schedule before 2026-12-06: every node an origin fetcher, relays in a ring.
             *(["--relay-fanout", "1", "--origin-fetchers", "100000"] if mode == "p2p-ring" else []),
+            *(
+                ["--relay-fanout", mode.removeprefix(FANOUT_MODE)]
+                if mode.startswith(FANOUT_MODE)
+                else []
+            ),
             *args.node_args.split(),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p2p-no-split (a slow whole transfer is never split across two peers), "
         "p2p-keep-origin (one origin connection per node for the whole stage), "
         "p2p-ring (every node fetches from the origin, relays in a ring: the schedule "
-        "before 2026-12-06), origin-only",
+        "before 2026-12-06), p2p-fanout-K (relay trees with K children per node), origin-only",
     )
     p.add_argument(
         "--node-args", default="", help="more fleet_node.py flags for every node (exploring)"
@@ -424,6 +429,9 @@ def link_use(
     return shares
 
 
+FANOUT_MODE = "p2p-fanout-"  # then K: relay trees with K children per node (exploring)
+
+
 def summary(run: dict[str, Any], size: int, rate: float) -> dict[str, Any]:
     return {
         "mode": run["mode"],
@@ -441,7 +449,9 @@ def report(r: dict[str, Any]) -> None:
         f"{r['chunk_mib']} MiB chunks, {r['workers']} workers\n"
     )
     rows = [["bound S/B", f"{bound:.1f}", "", "1.00", "", "", "", ""]]
+    fanouts = tuple(m for m in r if m.startswith(FANOUT_MODE))
     for mode, mult in (
+        *((m, 1) for m in fanouts),
         ("p2p", 1),
         ("p2p-no-claims", 1),
         ("p2p-unpaced", 1),
@@ -485,6 +495,7 @@ def report(r: dict[str, Any]) -> None:
         "p2p-no-split",
         "p2p-keep-origin",
         "p2p-ring",
+        *fanouts,
     )
     for mode in (*p2p_modes, *ablations):
         if mode not in r:
