@@ -211,6 +211,7 @@ def run_fleet(mode: str, args: argparse.Namespace, manifest_file: Path, endpoint
                 else []
             ),
             *args.node_args.split(),
+            *(args.b_node_args.split() if mode == B_MODE else []),
         ]
         with open(RUN_DIR / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -302,10 +303,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "p2p-no-split (a slow whole transfer is never split across two peers), "
         "p2p-keep-origin (one origin connection per node for the whole stage), "
         "p2p-ring (every node fetches from the origin, relays in a ring: the schedule "
-        "before 2026-12-06), p2p-fanout-K (relay trees with K children per node), origin-only",
+        "before 2026-12-06), p2p-fanout-K (relay trees with K children per node), "
+        "p2p-b (p2p with --b-node-args), origin-only",
     )
     p.add_argument(
         "--node-args", default="", help="more fleet_node.py flags for every node (exploring)"
+    )
+    p.add_argument(
+        "--b-node-args",
+        default="",
+        help=f"fleet_node.py flags for mode {B_MODE} only: p2p with them, for an A/B",
     )
     p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, in turn")
     p.add_argument(
@@ -430,6 +437,7 @@ def link_use(
 
 
 FANOUT_MODE = "p2p-fanout-"  # then K: relay trees with K children per node (exploring)
+B_MODE = "p2p-b"  # p2p with --b-node-args (exploring)
 
 
 def summary(run: dict[str, Any], size: int, rate: float) -> dict[str, Any]:
@@ -449,7 +457,7 @@ def report(r: dict[str, Any]) -> None:
         f"{r['chunk_mib']} MiB chunks, {r['workers']} workers\n"
     )
     rows = [["bound S/B", f"{bound:.1f}", "", "1.00", "", "", "", ""]]
-    fanouts = tuple(m for m in r if m.startswith(FANOUT_MODE))
+    fanouts = tuple(m for m in r if m.startswith(FANOUT_MODE) or m == B_MODE)
     for mode, mult in (
         *((m, 1) for m in fanouts),
         ("p2p", 1),

@@ -97,9 +97,11 @@ def policy(args: argparse.Namespace) -> FetchPolicy | None:
         or args.keep_origin_connections
         or args.relay_fanout is not None
         or args.origin_fetchers is not None
+        or args.poll_interval_s is not None
     ):
         return None
     return FetchPolicy(
+        **({"poll_interval_s": args.poll_interval_s} if args.poll_interval_s is not None else {}),
         **({"split_after_s": None} if args.no_split else {}),
         **({"relay_fanout": args.relay_fanout} if args.relay_fanout is not None else {}),
         **({"origin_fetchers": args.origin_fetchers} if args.origin_fetchers is not None else {}),
@@ -269,6 +271,9 @@ def main() -> None:
     p.add_argument("--no-claims", action="store_true", help="no tail claims (the baseline)")
     p.add_argument(
         "--per-owner", type=int, default=PER_OWNER, help="peer fetches per owner (0: FIFO lane)"
+    )
+    p.add_argument(
+        "--poll-interval-s", type=float, help="between rounds of asks nobody held (FetchPolicy)"
     )
     p.add_argument("--no-pacing", action="store_true", help="peer intake not paced")
     p.add_argument("--pace", action="store_true", help="peer intake paced, whatever the manifest")
