@@ -57,6 +57,7 @@ MAX_REVISION = 63
 # Bounds of spec.strategy.canary.inPlace (api.spec.InPlaceUpdate).
 DRAIN_BOUNDS = (0, 3600)
 SWAP_BOUNDS = (10, 3600)
+HOLD_BOUNDS = (1, 3600)
 DEFAULT_DRAIN_S = 30
 DEFAULT_SWAP_S = 300
 
@@ -95,6 +96,7 @@ class FailureReason(StrEnum):
     BAD_REQUEST = "BadRequest"
     NOT_VERIFYING = "NotVerifying"  # VERIFIED_PATH for weights the gate does not hold
     WEIGHTS_CHANGED = "WeightsChanged"  # a request cut by a swap: send it again
+    HOLD_TIMEOUT = "HoldTimeout"  # a request held at a swap's gate for maxHoldSeconds
     # The operator's, for a swap whose server gave no reason of its own.
     UNAUTHORIZED = "Unauthorized"  # the server refused the token
     NOT_SUPPORTED = "NotSupported"  # the server has no in-place swap
@@ -120,6 +122,7 @@ _SWAP_FIELDS = {
     "drain_timeout_s": "drainTimeoutSeconds",
     "swap_timeout_s": "swapTimeoutSeconds",
     "hold_until_verified": "holdUntilVerified",
+    "max_hold_s": "maxHoldSeconds",
 }
 
 
@@ -133,9 +136,15 @@ class SwapRequest:
     drain_timeout_s: int = DEFAULT_DRAIN_S
     swap_timeout_s: int = DEFAULT_SWAP_S
     hold_until_verified: bool = False
+    # The longest one request waits at the server's gate while this swap (and the checks
+    # after it) runs; None: the swap's own bounds only (a server of an older contract).
+    max_hold_s: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {wire: getattr(self, name) for name, wire in _SWAP_FIELDS.items()}
+        doc = {wire: getattr(self, name) for name, wire in _SWAP_FIELDS.items()}
+        if self.max_hold_s is None:
+            del doc["maxHoldSeconds"]
+        return doc
 
     @classmethod
     def parse(cls, body: bytes) -> SwapRequest:
@@ -163,6 +172,9 @@ class SwapRequest:
             _seconds(doc, "drainTimeoutSeconds", DEFAULT_DRAIN_S, DRAIN_BOUNDS),
             _seconds(doc, "swapTimeoutSeconds", DEFAULT_SWAP_S, SWAP_BOUNDS),
             hold,
+            None
+            if doc.get("maxHoldSeconds") is None
+            else _seconds(doc, "maxHoldSeconds", 0, HOLD_BOUNDS),
         )
 
 
@@ -323,9 +335,14 @@ class SwapAnswer:
     message: str | None = None
     swap: SwapState | None = None  # the swap started, running or done
     gate: str | None = None  # VERIFIED_PATH: the gate's mode now
+    # VERIFIED_PATH: how long the gate last held requests, from its closing for a swap to
+    # its opening to every request (through the checks, and a swap back if they failed).
+    held_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"accepted": self.accepted}
+        if self.held_seconds is not None:
+            doc["heldSeconds"] = round(self.held_seconds, 4)
         if self.reason is not None:
             doc["reason"] = self.reason
         if self.message is not None:
@@ -345,6 +362,7 @@ class SwapAnswer:
             message=_opt_str(doc.get("message")),
             swap=SwapState.from_json(swap) if isinstance(swap, dict) else None,
             gate=_opt_str(doc.get("gate")),
+            held_seconds=_number(doc.get("heldSeconds")),
         )
 
 

@@ -87,7 +87,7 @@ Quantity = Annotated[
             "x-kubernetes-int-or-string": True,
             **validations(
                 cel(
-                    "type(self) == int ? self >= 1 : "
+                    "type(self) == int ? self >= 0 : "
                     "quantity(string(self)).compareTo(quantity('1')) >= 0",
                     _QUANTITY_MESSAGE,
                 )
@@ -829,22 +829,23 @@ class TrafficRouting(ApiModel):
 UpdatePolicy = Literal["Recreate", "InPlaceIfPossible"]
 
 
-MAX_UNAVAILABLE_PATTERN = r"^(100|[1-9][0-9]?)%$"
+MAX_UNAVAILABLE_PATTERN = r"^(100|[1-9]?[0-9])%$"
 _MAX_UNAVAILABLE_MESSAGE = (
-    "must be a count of at least 1 or a percent from 1% to 100% of spec.replicas (0, which "
-    "would keep a swapping pod in traffic, is not supported yet)"
+    "must be a count of at least 0 or a percent from 0% to 100% of spec.replicas (0: every "
+    "swap keeps its pod in traffic, its server holding requests)"
 )
 
 
 def _check_max_unavailable(value: int | str) -> int | str:
-    if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
         raise ValueError(_MAX_UNAVAILABLE_MESSAGE)
     if isinstance(value, str) and not matches(MAX_UNAVAILABLE_PATTERN, value):
         raise ValueError(_MAX_UNAVAILABLE_MESSAGE)
     return value
 
 
-# A Deployment's maxUnavailable, less 0: a pod leaves traffic for its swap.
+# A Deployment's maxUnavailable: how many pods may leave traffic for their swaps (0: none
+# does; each swaps in traffic, its server holding requests).
 MaxUnavailable = Annotated[
     int | str,
     AfterValidator(_check_max_unavailable),
@@ -855,7 +856,7 @@ MaxUnavailable = Annotated[
             "x-kubernetes-int-or-string": True,
             **validations(
                 cel(
-                    "type(self) == int ? self >= 1 : "
+                    "type(self) == int ? self >= 0 : "
                     f"string(self).matches(r'{MAX_UNAVAILABLE_PATTERN}')",
                     _MAX_UNAVAILABLE_MESSAGE,
                 )
@@ -867,15 +868,25 @@ MaxUnavailable = Annotated[
 
 class InPlaceUpdate(ApiModel):
     """How a running replica takes new weights without a restart (updatePolicy
-    InPlaceIfPossible): it leaves traffic, drains, swaps verified weights, and is verified
-    again before it takes traffic."""
+    InPlaceIfPossible): it leaves traffic (or, where that would leave too few serving, its
+    server holds requests), drains, swaps verified weights, and is verified again before
+    it serves."""
 
     max_unavailable: MaxUnavailable = Field(
         "25%",
         description="How many pods may be out of traffic at once for their swaps and the "
-        "checks after them: a count, or a percent of spec.replicas rounded down (at least 1), "
-        "as a Deployment's maxUnavailable. Pods already out of traffic count against it. "
-        "At least 1.",
+        "checks after them: a count, or a percent of spec.replicas rounded down (a percent "
+        "above 0% to at least 1), as a Deployment's maxUnavailable. Pods already out of "
+        "traffic count against it. A pod whose leaving would break the bound (0) or leave no "
+        "pod serving (one replica) swaps in traffic instead, one at a time: it stays in the "
+        "Service and its server holds requests until verified weights answer them.",
+    )
+    max_hold_seconds: int = Field(
+        60,
+        description="Longest a request waits at a swapping pod's server (through the swap "
+        "and the checks after it) before it is answered 503 (reason HoldTimeout) instead.",
+        ge=1,
+        le=3600,
     )
 
     drain_timeout_seconds: int = Field(

@@ -145,6 +145,19 @@ class PodSwapStatus(ApiModel):
     paused_seconds: float | None = Field(
         None, description="How long the engine was paused in the last swap.", ge=0
     )
+    in_traffic: bool | None = Field(
+        None,
+        description="The last swap kept the pod in traffic (it was the last serving pod, or "
+        "inPlace.maxUnavailable is 0): its server held client requests through the swap and "
+        "the checks.",
+    )
+    held_seconds: float | None = Field(
+        None,
+        description="For a swap in traffic: how long its server held client requests, from "
+        "the swap's start until the verified weights (or, after failed checks, the old ones "
+        "swapped back) served them, as the server measured it.",
+        ge=0,
+    )
     reason: str | None = Field(
         None, description="Why the last swap failed.", max_length=MAX_SHORT_TEXT
     )
@@ -163,8 +176,9 @@ class InPlaceStatus(ApiModel):
     max_unavailable: int | None = Field(
         None,
         description="Pods that may be out of traffic at once for swaps: "
-        "spec.strategy.canary.inPlace.maxUnavailable resolved against spec.replicas.",
-        ge=1,
+        "spec.strategy.canary.inPlace.maxUnavailable resolved against spec.replicas (0: "
+        "every swap keeps its pod in traffic).",
+        ge=0,
     )
     pods: list[PodSwapStatus] = Field(
         default_factory=list,

@@ -204,6 +204,8 @@ def swap_record(swap: PodSwap) -> str:
         "startedAt": _rfc3339(swap.started_at) if swap.started_at else None,
         "restarts": swap.restarts,
     }
+    if swap.in_traffic:
+        doc["inTraffic"] = True
     ended = {
         "finishedAt": _rfc3339(swap.finished_at) if swap.finished_at else None,
         "seconds": swap.seconds,

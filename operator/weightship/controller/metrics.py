@@ -73,6 +73,12 @@ SWAP_SECONDS = Histogram(
     "One in-place swap of one pod, from leaving traffic to swapped (verification after)",
     buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
+SWAP_HELD_SECONDS = Histogram(
+    "weightship_pod_swap_held_seconds",
+    "One in-place swap in traffic: how long the pod's server held client requests, from the "
+    "swap's start until verified weights answered them (as the server measured it)",
+    buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
 
 
 def record_rollout(

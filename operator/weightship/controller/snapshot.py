@@ -30,7 +30,7 @@ from weightship.core.observed import (
     ReplicaSetObservation,
 )
 from weightship.core.staging_failure import parse_failure
-from weightship.core.verification import DRAINING, IN_PROGRESS_REASONS, SWAP_REASONS
+from weightship.core.verification import gate_passed, verdict_reason
 from weightship.kube.rfc3339 import time_or_none
 
 
@@ -60,6 +60,8 @@ def observed_pods(
         status = pod.get("status") or {}
         containers = ((pod.get("spec") or {}).get("containers")) or []
         gate = condition(pod, VERIFIED_GATE) or {}
+        passed = gate_passed(gate.get("status"), gate.get("reason"))
+        held = _json_annotation(meta.get("annotations") or {}, LOADED_ANNOTATION).get("heldSeconds")
         out.append(
             ObservedPod(
                 name=meta["name"],
@@ -71,8 +73,9 @@ def observed_pods(
                 deleting=bool(meta.get("deletionTimestamp")),
                 ready=is_true(pod, "Ready"),
                 containers_ready=is_true(pod, "ContainersReady"),
-                weights_verified=is_true(pod, VERIFIED_GATE),
-                gate_reason=None if is_true(pod, VERIFIED_GATE) else _opt_str(gate.get("reason")),
+                weights_verified=passed,
+                gate_open=is_true(pod, VERIFIED_GATE),
+                gate_reason=None if passed else _opt_str(gate.get("reason")),
                 gate_since=time_or_none(gate.get("lastTransitionTime")),
                 gate_message=_opt_str(gate.get("message")),
                 verdict=(verdicts or {}).get(str(meta.get("uid") or "")),
@@ -83,6 +86,7 @@ def observed_pods(
                 node=(pod.get("spec") or {}).get("nodeName") or None,
                 template_hash=(meta.get("labels") or {}).get(TEMPLATE_LABEL),
                 swap=pod_swap(meta.get("annotations") or {}),
+                held_seconds=float(held) if isinstance(held, int | float) else None,
                 swap_report=(swaps or {}).get(str(meta.get("uid") or "")),
             )
         )
@@ -111,6 +115,7 @@ def pod_swap(annotations: Mapping[str, str]) -> PodSwap | None:
         restarts=restarts if isinstance(restarts := doc.get("restarts"), int) else None,
         purpose=purpose if (purpose := doc.get("purpose")) in SWAP_PURPOSES else None,
         finished_at=time_or_none(doc.get("finishedAt")),
+        in_traffic=doc.get("inTraffic") is True,
     )
 
 
@@ -173,13 +178,9 @@ def _observation(
     for pod in members:
         gate = condition(pod, VERIFIED_GATE)
         notes = pod["metadata"].get("annotations") or {}
-        if (
-            gate
-            and gate.get("status") == "False"
-            and gate.get("reason") not in IN_PROGRESS_REASONS
-            and gate.get("reason") not in SWAP_REASONS  # a swap's outcome is its record's
-            and gate.get("reason") != DRAINING  # leaving before a scale-down: no verdict
-        ):
+        # A verdict against the weights, the gate open or not (a pod swapping in traffic
+        # keeps it open); a swap's outcome is its record's, a drain is no verdict.
+        if gate and verdict_reason(gate.get("status"), gate.get("reason")):
             prompt = _json_annotation(notes, FAILED_PROMPT_ANNOTATION)
             failed.append(
                 PodFailure(
@@ -216,7 +217,11 @@ def _observation(
             or is_true(p, "ContainersReady")
             for p in members
         ),
-        verified=sum(is_true(p, VERIFIED_GATE) for p in members),
+        verified=sum(
+            gate_passed(g.get("status"), g.get("reason"))
+            for p in members
+            if (g := condition(p, VERIFIED_GATE)) is not None
+        ),
         failed=tuple(failed),
         loads=tuple(sorted(loads, key=lambda load: load.pod)),
         containers=_container_names(members),

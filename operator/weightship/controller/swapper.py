@@ -18,6 +18,11 @@ until then: holdUntilVerified, and the verifier's POST VERIFIED_PATH). On failur
 stays out of traffic with the reason on it; the core decides what follows (abort, swap
 back, restart).
 
+A swap the core keeps **in traffic** (the record's inTraffic: the last serving pod, or
+maxUnavailable 0) skips step (1): the pod's gate stays open, and its server holds the
+requests it gets (each at most inPlace.maxHoldSeconds) through the swap and the checks,
+until the verifier tells it the new weights passed, or a swap back brings the old ones.
+
 Everything a swap needs to go on is on the pod: a restarted operator finds the record
 (state Swapping) and follows the server's swap again (``resume``); a report lost with it
 is made again. A report is dropped once the pod's record shows it. Swaps run on a bounded
@@ -90,6 +95,7 @@ class SwapJob:
     # The verifier checks the swapped weights: the server serves them to nobody else
     # until it says they passed (holdUntilVerified).
     hold_until_verified: bool = False
+    max_hold_s: int | None = None  # the longest one request waits at the server's gate
 
     def request(self) -> SwapRequest:
         return SwapRequest(
@@ -98,6 +104,7 @@ class SwapJob:
             drain_timeout_s=self.drain_timeout_s,
             swap_timeout_s=self.swap_timeout_s,
             hold_until_verified=self.hold_until_verified,
+            max_hold_s=self.max_hold_s,
         )
 
 
@@ -200,6 +207,7 @@ class Swapper:
             swap_timeout_s=in_place.swap_timeout_seconds,
             resume=resume,
             hold_until_verified=verifies(validation),
+            max_hold_s=in_place.max_hold_seconds,
         )
 
     def _start(self, job: SwapJob) -> None:
@@ -221,7 +229,7 @@ class Swapper:
         started = time.monotonic()
         report: PodSwap | None = None
         try:
-            if not job.resume:
+            if not job.resume and not job.record.in_traffic:
                 self._await_unready(job)
             state = self._swap(job)
             report = _ended(

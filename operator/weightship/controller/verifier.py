@@ -34,6 +34,7 @@ from weightship.api.inference import (
     VERIFY_HEADER,
     FailureReason,
     LoadReport,
+    SwapAnswer,
     bearer,
     report_from_termination,
     verified_request,
@@ -44,7 +45,6 @@ from weightship.api.names import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
     RESTARTS_ANNOTATION,
-    SWAP_ANNOTATION,
     VERIFIED_GATE,
     staged_node_label,
 )
@@ -59,6 +59,7 @@ from weightship.controller.builders import (
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
 from weightship.controller.seedkey import swap_token
+from weightship.controller.snapshot import pod_swap
 from weightship.core.observed import PodVerdict
 from weightship.core.pod_gates import verifies
 from weightship.core.verification import (
@@ -118,27 +119,29 @@ def needs_check(pod: dict[str, Any]) -> bool:
         return True
     if gate.get("reason") == DRAINING:
         return False  # about to be deleted; the core hands it back (Pending) if not
-    if gate.get("status") != "True" and gate.get("reason") in IN_PROGRESS_REASONS:
+    if gate.get("reason") in IN_PROGRESS_REASONS:  # open, too, for a pod swapping in traffic
         return True
     verified_at = (meta.get("annotations") or {}).get(RESTARTS_ANNOTATION)
     return verified_at is not None and verified_at != restarts(pod)
 
 
-def verdict_annotations(report: LoadReport | None, verdict: GateVerdict) -> dict[str, str | None]:
+def verdict_annotations(
+    report: LoadReport | None, verdict: GateVerdict, held_seconds: float | None = None
+) -> dict[str, str | None]:
     """What the rollout status is built from: how the weights arrived and which mode
     verified them, and the failing prompt."""
     out: dict[str, str | None] = {}
     loaded = report is not None and report.state == "Loaded"
     if loaded or (verdict.mode is not None and verdict.final):
-        out[LOADED_ANNOTATION] = json.dumps(
-            {
-                "source": report.source if report and loaded else None,
-                "seededFrom": report.seeded_from if report and loaded else None,
-                "seconds": report.load_seconds if report and loaded else None,
-                "mode": verdict.mode,
-            },
-            sort_keys=True,
-        )
+        note: dict[str, object] = {
+            "source": report.source if report and loaded else None,
+            "seededFrom": report.seeded_from if report and loaded else None,
+            "seconds": report.load_seconds if report and loaded else None,
+            "mode": verdict.mode,
+        }
+        if held_seconds is not None:  # a swap in traffic: its server held requests so long
+            note["heldSeconds"] = round(held_seconds, 3)
+        out[LOADED_ANNOTATION] = json.dumps(note, sort_keys=True)
     prompt = verdict.failed_prompt
     if prompt is not None:
         out[FAILED_PROMPT_ANNOTATION] = json.dumps(
@@ -187,14 +190,10 @@ def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidenc
 
 def swapped_to(pod: dict[str, Any]) -> str:
     """The manifest digest the pod's last in-place swap put in, if it succeeded ('')."""
-    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(SWAP_ANNOTATION)
-    try:
-        record = json.loads(raw or "{}")
-    except ValueError:
+    record = pod_swap((pod.get("metadata") or {}).get("annotations") or {})
+    if record is None or record.state != "Swapped":
         return ""
-    if not isinstance(record, dict) or record.get("state") != "Swapped":
-        return ""
-    return str(record.get("manifestDigest") or "")
+    return record.manifest_digest
 
 
 def termination_messages(pod: dict[str, Any]) -> tuple[str, ...]:
@@ -232,6 +231,10 @@ class _Check:
     swapped: bool = False
     rollout_uid: str = ""
     swap_token: str | None = None  # signed once per check, for a swapped pod
+    # Swapped in traffic: its server held client requests until told the weights passed,
+    # and says for how long (held_seconds, once told).
+    in_traffic: bool = False
+    held_seconds: float | None = None
 
 
 def _never(namespace: str, name: str) -> None:
@@ -247,7 +250,10 @@ def on_gate(pod: dict[str, Any], verdict: PodVerdict) -> bool:
     wanted = (verdict.status, verdict.reason, verdict.message[:1024])
     written = dict(verdict.annotations).get(RESTARTS_ANNOTATION)
     noted = ((pod.get("metadata") or {}).get("annotations") or {}).get(RESTARTS_ANNOTATION)
-    return shown == wanted and (written is None or written == noted)
+    # An open gate with the verdict's reason and message shows it: the core keeps a pod
+    # swapping in traffic open whatever the verdict (core.pod_gates.held_in_traffic).
+    shows = shown == wanted or (shown[0] == "True" and shown[1:] == wanted[1:])
+    return shows and (written is None or written == noted)
 
 
 class Verifier:
@@ -308,6 +314,7 @@ class Verifier:
         validation = rollout.spec.validation
         meta = pod["metadata"]
         digest = (meta.get("annotations") or {}).get(DIGEST_ANNOTATION, "")
+        record = pod_swap(meta.get("annotations") or {})
         return _Check(
             namespace=meta["namespace"],
             name=meta["name"],
@@ -329,6 +336,7 @@ class Verifier:
             terminations=termination_messages(pod),
             swapped=swapped_to(pod) == digest != "",
             rollout_uid=rollout.metadata.uid or "",
+            in_traffic=record is not None and record.in_traffic,
         )
 
     def _model_dir(self, rollout: ModelRollout, pod: dict[str, Any], digest: str) -> str | None:
@@ -347,7 +355,8 @@ class Verifier:
                 if check.swap_token is not None and verdict.status == "True":
                     verdict = self._open_to_traffic(check, verdict)
             if check.restarted or gate_changed(check.current, verdict):
-                annotations = verdict_annotations(report, verdict)
+                held = check.held_seconds if verdict.status == "True" else None
+                annotations = verdict_annotations(report, verdict, held)
                 annotations[RESTARTS_ANNOTATION] = check.restarts
                 self._record(check, verdict, annotations)
                 metrics.VERIFICATIONS.labels(check.namespace, verdict.status, verdict.reason).inc()
@@ -372,6 +381,8 @@ class Verifier:
         if error is not None:
             message = f"the weights passed, but the server was not told: {error}"
             return GateVerdict("False", PENDING, message, mode=verdict.mode)
+        if check.in_traffic and check.held_seconds is not None:
+            metrics.SWAP_HELD_SECONDS.observe(check.held_seconds)
         return verdict
 
     def _sign(self, check: _Check) -> None:
@@ -386,9 +397,10 @@ class Verifier:
         )
 
     def _tell_passed(self, check: _Check) -> str | None:
-        """POST VERIFIED_PATH to the swapped pod's server; why it did not hear, or None."""
+        """POST VERIFIED_PATH to the swapped pod's server; why it did not hear, or None.
+        For a pod swapped in traffic, keeps how long its server held requests."""
         try:
-            self._request(
+            answer = self._request(
                 "POST",
                 check.base_url + VERIFIED_PATH,
                 verified_request(check.want_digest),
@@ -399,6 +411,8 @@ class Verifier:
             return None  # a server without the route serves what it loaded anyway
         except ServerError as e:  # a 409, the server gone
             return str(e)
+        if check.in_traffic:
+            check.held_seconds = SwapAnswer.from_json(answer).held_seconds
         return None
 
     def _release_swapped(self, rollout: ModelRollout, pods: list[dict[str, Any]]) -> None:
@@ -586,6 +600,9 @@ class Verifier:
                 at=now,
                 annotations=tuple(sorted(annotations.items())),
                 restarted=check.restarted,
+                held_seconds=check.held_seconds
+                if check.in_traffic and verdict.status == "True"
+                else None,
             )
         self.on_verdict(check.namespace, check.rollout)
 

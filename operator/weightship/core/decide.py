@@ -107,6 +107,8 @@ def _decision(ctx: RolloutContext) -> Decision:
         replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
     # A swap that ended is recorded whatever the spec says now; one starts only above.
     swap_records = inplace.swap_records(ctx, swaps)
+    if inplace.enabled(ctx):
+        ctx.events.extend(inplace.held_events(ctx))
     drains = drain.Drains(replica_sets) if ctx.invalid else drain.drained(ctx, replica_sets)
     if not ctx.invalid and inplace.enabled(ctx):
         ctx.status.in_place = inplace.in_place_status(ctx, home or _template_home(ctx))

@@ -79,6 +79,8 @@ class SwapPod:
     restarts: int = 0
     """The pod's container restarts as the swap starts."""
     started_at: datetime | None = None
+    in_traffic: bool = False
+    """The pod stays in traffic (gate open) and its server holds requests (core.inplace)."""
 
     def record(self) -> PodSwap:
         """The pod's swap record while it runs."""
@@ -91,6 +93,7 @@ class SwapPod:
             started_at=self.started_at,
             restarts=self.restarts,
             purpose=self.purpose,
+            in_traffic=self.in_traffic,
         )
 
 

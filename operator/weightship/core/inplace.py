@@ -8,6 +8,12 @@ holds. The observation layer counts each revision's pods as a ReplicaSet of its 
 unchanged; only how the wanted counts are reached differs: by swapping running pods from
 one revision to another, as many at once as inPlace.maxUnavailable allows, instead of
 resizing ReplicaSets.
+
+A swap takes its pod out of traffic (its gate closed) unless that would break the bound or
+leave no pod of the rollout serving (one replica, or maxUnavailable 0): then the pod swaps
+**in traffic**, one such pod at a time. Its gate stays open and its server holds the
+requests it gets (the vLLM plugin's gate) through the swap and the checks, then answers
+them with the verified new weights, or with the old ones swapped back if the checks fail.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from weightship.api.status import (
 )
 from weightship.core.context import RolloutContext
 from weightship.core.decision import (
+    Event,
     RecordSwap,
     RetemplateReplicaSet,
     ScaleAction,
@@ -32,9 +39,14 @@ from weightship.core.decision import (
 )
 from weightship.core.desired import spec_template
 from weightship.core.observed import ObservedPod, PodSwap, ReplicaSetObservation, SwapPurpose
+from weightship.core.pod_gates import held_in_traffic
 from weightship.core.verification import PENDING, SWAP_FAILED, SWAPPING
 
 MAX_EVENT_PODS = 5  # pods named in a SwapsStarted event; the rest are counted
+MAX_HOLDING = 1
+"""Pods of a rollout swapping in traffic at once: each holds its clients' requests for
+seconds (tens on a big model), so they take turns, as a Deployment with maxUnavailable 0
+surges one pod at a time."""
 
 INTACT_REASONS = frozenset(
     {
@@ -135,12 +147,14 @@ def _staged_nodes(ctx: RolloutContext) -> frozenset[str] | None:
 
 def max_unavailable(ctx: RolloutContext) -> int:
     """inPlace.maxUnavailable as a pod count: a percent of spec.replicas rounds down, as
-    Kubernetes rounds a Deployment's maxUnavailable, but to at least 1, since every swap
-    takes its pod out of traffic."""
+    Kubernetes rounds a Deployment's maxUnavailable, but a percent above 0 % to at least 1
+    (as before 0 was allowed: 25 % of 2 replicas still swaps one out of traffic). 0: no
+    pod leaves traffic for a swap; each swaps in traffic."""
     bound = ctx.spec.strategy.canary.in_place.max_unavailable
     if isinstance(bound, str):
-        bound = ctx.spec.replicas * int(bound.removesuffix("%")) // 100
-    return max(1, bound)
+        percent = int(bound.removesuffix("%"))
+        return max(1, ctx.spec.replicas * percent // 100) if percent else 0
+    return bound
 
 
 def _swapping(pod: ObservedPod) -> bool:
@@ -148,9 +162,17 @@ def _swapping(pod: ObservedPod) -> bool:
 
 
 def _out_of_traffic(pod: ObservedPod) -> bool:
-    """Swapping (its gate closed with the record; kubelet may not have marked it unready
-    yet), or not ready for any other reason: each counts against maxUnavailable."""
-    return _swapping(pod) or not pod.ready
+    """Swapping out of traffic (its gate closed with the record; kubelet may not have
+    marked it unready yet), or not ready for any other reason: each counts against
+    maxUnavailable. A pod swapping in traffic serves (its server holds the requests)."""
+    in_traffic = pod.swap is not None and pod.swap.in_traffic
+    return (_swapping(pod) and not in_traffic) or not pod.ready
+
+
+def holding(pod: ObservedPod) -> bool:
+    """Swapping in traffic, or swapped in traffic and not verified yet: its server holds
+    its clients' requests."""
+    return held_in_traffic(pod) and (_swapping(pod) or not pod.weights_verified)
 
 
 def _holds(pod: ObservedPod) -> str | None:
@@ -162,11 +184,17 @@ def _holds(pod: ObservedPod) -> str | None:
 
 class _Batch:
     """The swaps one decision starts, within maxUnavailable: each pod in traffic that
-    swaps takes one of the places left; a pod already out of traffic (counted) takes none."""
+    swaps out of traffic takes one of the places left, and only while another pod still
+    serves; a pod already out of traffic (counted) takes none. Where no place is left by
+    the bound (0) or no other pod would serve, the pod swaps in traffic, if no other does
+    (MAX_HOLDING); a pod holding already (its checks failed) swaps back in traffic."""
 
     def __init__(self, ctx: RolloutContext, members: list[ObservedPod]) -> None:
         self.ctx = ctx
-        self.room = max_unavailable(ctx) - sum(1 for p in members if _out_of_traffic(p))
+        self.bound = max_unavailable(ctx)
+        self.room = self.bound - sum(1 for p in members if _out_of_traffic(p))
+        self.serving = sum(1 for p in members if not _out_of_traffic(p))
+        self.holding = sum(1 for p in members if holding(p))
         self.swaps: list[SwapPod] = []
         self._pods: set[str] = set()
 
@@ -174,10 +202,14 @@ class _Batch:
         """Start this swap if the pod is free and the bound allows it; whether it starts."""
         if _swapping(pod) or pod.name in self._pods:
             return False
-        if pod.ready:
-            if self.room <= 0:
-                return False
+        in_traffic = where(self.bound, self.room, self.serving, self.holding, pod)
+        if in_traffic is None:
+            return False
+        if in_traffic and not holding(pod):
+            self.holding += 1
+        elif not in_traffic and pod.ready:
             self.room -= 1
+            self.serving -= 1
         self._pods.add(pod.name)
         self.swaps.append(
             SwapPod(
@@ -189,9 +221,31 @@ class _Batch:
                 from_revision_hash=pod.revision_hash,
                 restarts=pod.restarts,
                 started_at=self.ctx.now,
+                in_traffic=in_traffic,
             )
         )
         return True
+
+
+def where(bound: int, room: int, serving: int, holding_now: int, pod: ObservedPod) -> bool | None:
+    """Whether a pod's swap keeps it in traffic (True) or takes it out (False), or None
+    while it must wait. ``room``: places left under the bound; ``serving``: pods in traffic
+    now, this one included; ``holding_now``: pods swapping in traffic now.
+
+    Out of traffic while that keeps the bound and another pod serves; while the bound is
+    full, it waits for a place (as a Deployment does). In traffic where leaving is never
+    allowed (the bound is 0) or would leave no pod serving (the last one: never dark), one
+    pod at a time; a pod holding already (checks failed, its old weights go back) stays
+    in. A pod out of traffic already swaps where it is."""
+    if holding(pod):
+        return True
+    if not pod.ready:
+        return False
+    if room > 0 and serving > 1:
+        return False
+    if room <= 0 < bound:
+        return None
+    return True if holding_now < MAX_HOLDING else None
 
 
 def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) -> list[SwapPod]:
@@ -240,34 +294,59 @@ def swaps(ctx: RolloutContext, home: ReplicaSetObservation, canary_wanted: int) 
 def swaps_started(ctx: RolloutContext, home: ReplicaSetObservation, started: list[SwapPod]) -> str:
     """The SwapsStarted event's message: how many pods swap at once, and the bound."""
     swapping = sum(1 for p in _members(ctx, home) if _swapping(p)) + len(started)
-    names = ", ".join(f"{s.pod} to {s.revision}" for s in started[:MAX_EVENT_PODS])
+    names = ", ".join(
+        f"{s.pod} to {s.revision}{' in traffic' if s.in_traffic else ''}"
+        for s in started[:MAX_EVENT_PODS]
+    )
     more = f" and {len(started) - MAX_EVENT_PODS} more" if len(started) > MAX_EVENT_PODS else ""
     bound = ctx.spec.strategy.canary.in_place.max_unavailable
+    held = (
+        "; a pod swapping in traffic stays in the Service and its server holds requests "
+        "until verified weights answer them (leaving would break the bound or leave no pod "
+        "serving)"
+        if any(s.in_traffic for s in started)
+        else ""
+    )
     return (
         f"started {len(started)} swap(s) in place ({names}{more}); {swapping} pod(s) swapping "
         f"at once, at most {max_unavailable(ctx)} out of traffic "
-        f"(maxUnavailable {bound} of {ctx.spec.replicas} replicas)"
+        f"(maxUnavailable {bound} of {ctx.spec.replicas} replicas){held}"
     )
+
+
+def held_events(ctx: RolloutContext) -> list[Event]:
+    """A SwapHeld event for each pod swapped in traffic whose verified weights now serve
+    (the verifier's verdict, not on its gate yet): how long its server held requests."""
+    out = []
+    for pod in sorted(ctx.observed.pods, key=_name):
+        verdict, swap = pod.verdict, pod.swap
+        if (
+            verdict is None
+            or verdict.status != "True"
+            or verdict.held_seconds is None
+            or swap is None
+            or not swap.in_traffic
+            or pod.weights_verified
+        ):
+            continue
+        out.append(
+            Event(
+                "Normal",
+                "SwapHeld",
+                f"pod {pod.name} stayed in traffic while it swapped to {swap.revision} in "
+                f"place: its server held requests {verdict.held_seconds:.2f} s, until verified "
+                "weights answered them",
+            )
+        )
+    return out
 
 
 def swap_records(ctx: RolloutContext, starting: Iterable[SwapPod]) -> tuple[RecordSwap, ...]:
     """What apply writes on the pods of in-place swaps: each swap starting (its record
     Swapping, the gate closed so the pod leaves traffic before the swapper asks its server
-    to drain), then each swap the swapper reported ended, as it ended."""
-    starts = (
-        RecordSwap(
-            swap.pod,
-            swap.record(),
-            SetGate(
-                swap.pod,
-                "False",
-                SWAPPING,
-                f"out of traffic: swapping to {swap.revision} in place",
-                ctx.now,
-            ),
-        )
-        for swap in starting
-    )
+    to drain, or left open for a swap in traffic), then each swap the swapper reported
+    ended, as it ended."""
+    starts = (RecordSwap(swap.pod, swap.record(), _started_gate(swap, ctx)) for swap in starting)
     ends = (
         RecordSwap(pod.name, report, _ended_gate(pod.name, report, ctx))
         for pod in sorted(ctx.observed.pods, key=_name)
@@ -280,13 +359,31 @@ def swap_records(ctx: RolloutContext, starting: Iterable[SwapPod]) -> tuple[Reco
     return (*starts, *ends)
 
 
+HELD = "its server holds requests until verified weights answer them"
+
+
+def _started_gate(swap: SwapPod, ctx: RolloutContext) -> SetGate:
+    if swap.in_traffic:
+        message = f"in traffic: swapping to {swap.revision} in place; {HELD}"
+        return SetGate(swap.pod, "True", SWAPPING, message, ctx.now)
+    message = f"out of traffic: swapping to {swap.revision} in place"
+    return SetGate(swap.pod, "False", SWAPPING, message, ctx.now)
+
+
 def _ended_gate(pod: str, report: PodSwap, ctx: RolloutContext) -> SetGate:
     at = report.finished_at or ctx.now
     if report.state == "Swapped":
-        # The verifier's turn: checked as a new pod is before it takes traffic.
+        # The verifier's turn: checked as a new pod is before it takes traffic. In traffic,
+        # the server lets only the verifier reach the new weights meanwhile.
+        if report.in_traffic:
+            message = f"swapped to {report.revision} in place, in traffic; verifying ({HELD})"
+            return SetGate(pod, "True", PENDING, message, at)
         message = f"swapped to {report.revision} in place; verifying"
         return SetGate(pod, "False", PENDING, message, at)
     message = f"swap to {report.revision} failed ({report.reason}): {report.message or ''}"
+    if report.in_traffic and report.reason in INTACT_REASONS:
+        # Nothing changed: the server serves the weights it had (verified) again.
+        return SetGate(pod, "True", SWAP_FAILED, f"{message}; in traffic on its old weights", at)
     return SetGate(pod, "False", SWAP_FAILED, message, at)
 
 
@@ -409,6 +506,8 @@ def in_place_status(
                 swap_to=swap.revision if swap else None,
                 swap_seconds=swap.seconds if swap else None,
                 paused_seconds=swap.paused_seconds if swap else None,
+                in_traffic=True if swap is not None and swap.in_traffic else None,
+                held_seconds=pod.held_seconds if swap is not None and swap.in_traffic else None,
                 reason=swap.reason if swap else None,
                 message=(swap.message or "")[:1000] if swap and swap.message else None,
             )

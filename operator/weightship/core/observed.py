@@ -58,6 +58,9 @@ class PodSwap:
     weights the pod was created with, not the swapped ones."""
     purpose: SwapPurpose | None = None
     finished_at: datetime | None = None
+    in_traffic: bool = False
+    """The pod stayed in traffic (its gate open) and its server held requests through the
+    swap and the checks after it (core.inplace: the last serving pod, or maxUnavailable 0)."""
 
     def same_swap(self, other: PodSwap) -> bool:
         """The same swap (its target and start; the record keeps whole seconds), whatever
@@ -157,6 +160,8 @@ class PodVerdict:
     """Written with the gate: how the weights arrived, the failing prompt, the restarts."""
     restarted: bool = False
     """The pod's containers restarted since its gate's verdict: written even if unchanged."""
+    held_seconds: float | None = None
+    """Verified weights of a swap in traffic now serve: how long its server held requests."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,10 @@ class ObservedPod:
     ready: bool = False
     containers_ready: bool = False
     weights_verified: bool = False
-    """Its readiness gate weightship.io/weights-verified is True."""
+    """Its readiness gate weightship.io/weights-verified is True and says its weights
+    passed (core.verification.gate_passed): not a pod kept in traffic while it swaps."""
+    gate_open: bool = False
+    """Its weights-verified gate is True (the pod may take traffic), passed or held."""
     containers: tuple[str, ...] = ()
     restarts: int = 0
     """Container restarts, summed over its containers."""
@@ -184,13 +192,15 @@ class ObservedPod:
     swap: PodSwap | None = None
     """Its last in-place swap."""
     gate_reason: str | None = None
-    """The reason of its weights-verified gate while that is not True."""
+    """The reason of its weights-verified gate while its weights have not passed."""
     gate_since: datetime | None = None
     """When that gate last changed (its lastTransitionTime)."""
     gate_message: str | None = None
     """The message of its weights-verified gate, whatever its status."""
     verdict: PodVerdict | None = None
     """The verifier's latest verdict, when it is not on the gate yet."""
+    held_seconds: float | None = None
+    """How long its server held requests for its last swap in traffic (its verifier's note)."""
     swap_report: PodSwap | None = None
     """The swapper's report of how the pod's swap ended, when its record does not say so
     yet (the swapper is an observation source, like the verifier)."""

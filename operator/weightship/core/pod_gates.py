@@ -4,7 +4,9 @@ With something to verify (a checksum or golden prompts in spec.validation), the
 verifier (controller/verifier.py) checks the pod and reports its verdict as an
 observation (`ObservedPod.verdict`); the gate takes the verdict when it says something
 new. With nothing to verify, the gate opens once a pod's containers are ready. A pod
-that is draining before its deletion (core.drain) keeps its gate closed.
+that is draining before its deletion (core.drain) keeps its gate closed. A pod swapping in
+traffic (core.inplace) keeps its gate open whatever the verdict on its new weights: its
+server holds the requests until they pass, or until the old weights are swapped back.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from datetime import datetime
 from weightship.api.spec import ModelRolloutSpec, ValidationSpec
 from weightship.core.decision import DrainPod, SetGate
 from weightship.core.observed import ObservedPod, PodVerdict
-from weightship.core.verification import DRAINING, PENDING
+from weightship.core.verification import DRAINING, NOTHING_TO_VERIFY, PENDING
 
-NOTHING_TO_VERIFY = "NothingToVerify"
+__all__ = ["NOTHING_TO_VERIFY", "draining", "held_in_traffic", "pending", "pod_gates", "verifies"]
 
 
 def verifies(validation: ValidationSpec) -> bool:
@@ -58,12 +60,26 @@ def _verdicts(pods: Sequence[ObservedPod]) -> Iterator[SetGate]:
         if verdict.restarted or not _on_gate(pod, verdict):
             yield SetGate(
                 pod.name,
-                verdict.status,
+                "True" if held_in_traffic(pod, verdict) else verdict.status,
                 verdict.reason,
                 verdict.message,
                 verdict.at,
                 verdict.annotations,
             )
+
+
+def held_in_traffic(pod: ObservedPod, verdict: PodVerdict | None = None) -> bool:
+    """The pod swapped in traffic and its gate is still open: its server holds requests
+    for the swapped weights' checks, so a verdict against them keeps the gate open (the
+    core swaps the old weights back; a restarted server holds nothing and leaves)."""
+    swap = pod.swap
+    return (
+        swap is not None
+        and swap.in_traffic
+        and swap.state in ("Swapping", "Swapped")
+        and pod.gate_open
+        and not (verdict is not None and verdict.restarted)
+    )
 
 
 def _on_gate(pod: ObservedPod, verdict: PodVerdict) -> bool:

@@ -32,6 +32,29 @@ DRAINING = "Draining"
 SWAPPING = "Swapping"
 SWAP_FAILED = "SwapFailed"
 SWAP_REASONS = frozenset({SWAPPING, SWAP_FAILED})
+# The reasons of a gate whose weights passed. A gate True with any other reason keeps a pod
+# in traffic while it swaps (core.inplace): its server holds the requests, and the reason
+# says where the swap and its checks are (Swapping, Pending, a failed check's reason).
+VERIFIED = "Verified"
+NOTHING_TO_VERIFY = "NothingToVerify"
+PASSED_REASONS = frozenset({VERIFIED, NOTHING_TO_VERIFY})
+
+
+def gate_passed(status: object, reason: object) -> bool:
+    """Whether a weights-verified gate says the pod's weights passed (not merely open)."""
+    return status == "True" and (reason is None or reason in PASSED_REASONS)
+
+
+def verdict_reason(status: object, reason: object) -> bool:
+    """Whether a gate's reason is a verdict against the weights (a failed check), whatever
+    its status: not passed, nor in progress, nor a swap's, nor a drain's."""
+    return (
+        not gate_passed(status, reason)
+        and reason not in IN_PROGRESS_REASONS
+        and reason not in SWAP_REASONS
+        and reason != DRAINING
+    )
+
 
 MAX_SHOWN = 200  # characters of a completion shown in a diff
 
@@ -175,7 +198,7 @@ def prompts_verdict(
         parts.append(describe_load(report))
     if outcomes:
         parts.append(f"{len(outcomes)}/{len(outcomes)} golden prompts passed")
-    return GateVerdict("True", "Verified", "; ".join(p for p in parts if p), mode=mode)
+    return GateVerdict("True", VERIFIED, "; ".join(p for p in parts if p), mode=mode)
 
 
 def describe_load(report: LoadReport) -> str:
@@ -196,11 +219,11 @@ def describe_load(report: LoadReport) -> str:
 
 
 def gate_changed(current: Mapping[str, Any] | None, verdict: GateVerdict) -> bool:
-    """Patch the pod only when the condition would change (no write per poll)."""
+    """Patch the pod only when the condition would change (no write per poll). An open gate
+    with the verdict's reason and message is unchanged: a pod swapping in traffic keeps its
+    gate open whatever the verdict (core.pod_gates.held_in_traffic)."""
     if current is None:
         return True
-    return (current.get("status"), current.get("reason"), current.get("message")) != (
-        verdict.status,
-        verdict.reason,
-        verdict.message,
-    )
+    if (current.get("reason"), current.get("message")) != (verdict.reason, verdict.message):
+        return True
+    return current.get("status") not in (verdict.status, "True")

@@ -187,11 +187,13 @@ def accepted(state: SwapState) -> Answer:
     return 202, SwapAnswer(True, swap=state)
 
 
-def verified_answer(opened: bool, mode: str, digest: str | None) -> Answer:
+def verified_answer(
+    opened: bool, mode: str, digest: str | None, held_seconds: float | None = None
+) -> Answer:
     """The answer to POST VERIFIED_PATH: whether the gate (``mode``, holding ``digest``)
-    now serves everyone with the weights named."""
+    now serves everyone with the weights named, and how long it last held requests."""
     if opened:
-        return 200, SwapAnswer(True, gate=mode)
+        return 200, SwapAnswer(True, gate=mode, held_seconds=held_seconds)
     message = f"the gate is {mode} with {digest}"
     return 409, SwapAnswer(False, FailureReason.NOT_VERIFYING, message, gate=mode)
 

@@ -194,7 +194,10 @@ class SwapService:
         opened = self.gate.verified(digest)
         if opened:
             log.info("swapped weights %s verified: serving every request", digest)
-        return respond(verified_answer(opened, self.gate.mode, self.gate.weights.manifest_digest))
+        gate = self.gate
+        return respond(
+            verified_answer(opened, gate.mode, gate.weights.manifest_digest, gate.last_held_s)
+        )
 
     def is_verifier(self, header: str | None) -> bool:
         return self.auth.opens_verification(header, self.gate.weights.manifest_digest, time.time())

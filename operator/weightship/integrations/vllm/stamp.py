@@ -13,7 +13,10 @@ by the other. After a swap that left mixed weights the gate refuses (503) until 
 swap succeeds. A swap asked to hold until verified leaves the gate verifying: only the
 verifier's requests (``X-Weightship-Verify``, checked by the caller's ``is_verifier``)
 reach the new weights, the others wait as at a closed gate, until the verifier says
-they passed (``verified``) or another swap begins.
+they passed (``verified``) or another swap begins. A request waits at most the swap's
+``maxHoldSeconds`` (then a 503, reason HoldTimeout); the gate measures each hold, from its
+closing to its opening to every request (``last_held_s``), which is what a client of a
+pod swapping in traffic waited at most.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ class WeightsGate:
         self._idle.set()
         self.in_flight = 0
         self.held = 0
+        self.max_hold_s: float | None = None  # per request, from the swap that closed it
+        self._holding_since: float | None = None
+        self.last_held_s: float | None = None
+        """How long the last hold lasted: closed (a swap began) to open to every request."""
 
     # -- requests ------------------------------------------------------------------------
 
@@ -78,6 +85,7 @@ class WeightsGate:
         """``verifier``: whether the request is the verifier's for the weights the gate
         verifies (asked whenever it verifies: a request held through a swap is asked about
         the weights that swap brought)."""
+        arrived = self._clock()
         while True:
             if self.mode == "open" or (
                 self.mode == "verifying" and verifier is not None and verifier()
@@ -87,7 +95,17 @@ class WeightsGate:
                 return Ticket(self.epoch, self.weights)
             if self.mode == "refusing":
                 return self.refusal
-            remaining = self._hold_until - self._clock()
+            now = self._clock()
+            remaining = self._hold_until - now
+            if self.max_hold_s is not None and arrived + self.max_hold_s - now <= 0:
+                return Refused(
+                    503,
+                    FailureReason.HOLD_TIMEOUT,
+                    f"held {self.max_hold_s:.0f} s (the swap's maxHoldSeconds) while this "
+                    "server swapped its weights in place and verified them: send it again",
+                )
+            if self.max_hold_s is not None:
+                remaining = min(remaining, arrived + self.max_hold_s - now)
             if remaining <= 0 and self.mode == "verifying":
                 return Refused(
                     503, "Verifying", "held while the new weights are verified, for too long"
@@ -121,11 +139,20 @@ class WeightsGate:
 
     # -- the swap ------------------------------------------------------------------------
 
-    def close(self, hold_seconds: float) -> None:
-        """New requests wait, up to ``hold_seconds`` from now."""
+    def close(self, hold_seconds: float, max_hold_s: float | None = None) -> None:
+        """New requests wait, up to ``hold_seconds`` from now, each at most ``max_hold_s``.
+        A hold that began before (a swap back after failed checks) goes on."""
         self.mode = "closed"
         self._hold_until = self._clock() + hold_seconds
+        self.max_hold_s = max_hold_s
+        if self._holding_since is None:
+            self._holding_since = self._clock()
         self._opened.clear()
+
+    def _hold_ended(self) -> None:
+        if self._holding_since is not None:
+            self.last_held_s = self._clock() - self._holding_since
+            self._holding_since = None
 
     async def wait_idle(self, seconds: float) -> bool:
         """True once every admitted request is done, False after ``seconds``."""
@@ -144,6 +171,7 @@ class WeightsGate:
     def open(self, weights: Weights) -> None:
         self.weights = weights
         self.mode = "open"
+        self._hold_ended()
         self._opened.set()
 
     def verifying(self, weights: Weights, hold_seconds: float) -> None:
@@ -168,6 +196,7 @@ class WeightsGate:
         """No request is served (the weights are mixed) until ``open``."""
         self.refusal = Refused(503, reason, message)
         self.mode = "refusing"
+        self._hold_ended()
         self._opened.set()  # the held ones are answered now
 
 

@@ -137,7 +137,9 @@ class SwapDriver:
             log.warning("swap to %s refused: %s", request.manifest_digest, precheck[1])
             return
 
-        self.gate.close(request.drain_timeout_s + request.swap_timeout_s + CLEANUP_GRACE_S)
+        self.gate.close(
+            request.drain_timeout_s + request.swap_timeout_s + CLEANUP_GRACE_S, request.max_hold_s
+        )
         closed = time.monotonic()
         changing = False
         steps = StepTimes()
