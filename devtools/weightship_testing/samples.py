@@ -325,14 +325,19 @@ INVALID_MANIFESTS += [
         "spec.strategy.canary.analysis.prometheus.address",
     ),
     (
-        "in-place maxUnavailable of zero (a pod kept in traffic while it swaps: not yet)",
-        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": 0})),
+        "in-place maxUnavailable below zero",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": -1})),
         "spec.strategy.canary.inPlace.maxUnavailable",
     ),
     (
-        "in-place maxUnavailable of 0%",
-        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": "0%"})),
+        "in-place maxUnavailable percent with a leading zero",
+        _mutated(_set("strategy.canary.inPlace", {"maxUnavailable": "05%"})),
         "spec.strategy.canary.inPlace.maxUnavailable",
+    ),
+    (
+        "in-place maxHoldSeconds of zero (a held request needs some time)",
+        _mutated(_set("strategy.canary.inPlace", {"maxHoldSeconds": 0})),
+        "spec.strategy.canary.inPlace.maxHoldSeconds",
     ),
     (
         "in-place maxUnavailable over 100%",

@@ -110,7 +110,7 @@ def test_bandwidth_limit_accepts_quantities(limit: Any) -> None:
     assert ModelRollout.model_validate(manifest).spec.prefetch.bandwidth_limit == limit
 
 
-@pytest.mark.parametrize("bound", [1, 250, "1%", "25%", "100%"])
+@pytest.mark.parametrize("bound", [0, 1, 250, "0%", "1%", "25%", "100%"])
 def test_in_place_max_unavailable_takes_a_count_or_a_percent(bound: Any) -> None:
     manifest = copy.deepcopy(VALID_MANIFEST)
     manifest["spec"]["strategy"]["canary"]["inPlace"] = {"maxUnavailable": bound}

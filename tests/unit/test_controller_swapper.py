@@ -135,9 +135,9 @@ def test_the_swapper_asks_for_the_swap_and_reports_how_it_ended(plugin: int) -> 
     _swapper, _pod, report = swap(plugin, Reads())
     ((body, authorization),) = Plugin.posted
     # The contract's request; the rollout verifies pods: the server holds the new weights
-    # for the verifier.
+    # for the verifier, each waiting request at most inPlace.maxHoldSeconds.
     assert SwapRequest.parse(json.dumps(body).encode()) == SwapRequest(
-        DIGEST, "v2", 30, 300, hold_until_verified=True
+        DIGEST, "v2", 30, 300, hold_until_verified=True, max_hold_s=60
     )
     token = authorization.removeprefix("Bearer ")
     rollout = make_rollout()

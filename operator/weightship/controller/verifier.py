@@ -45,6 +45,7 @@ from weightship.api.names import (
     FAILED_PROMPT_ANNOTATION,
     LOADED_ANNOTATION,
     RESTARTS_ANNOTATION,
+    SWAP_ANNOTATION,
     VERIFIED_GATE,
     staged_node_label,
 )
@@ -59,7 +60,6 @@ from weightship.controller.builders import (
 from weightship.controller.kube import Kube
 from weightship.controller.pods import condition
 from weightship.controller.seedkey import swap_token
-from weightship.controller.snapshot import pod_swap
 from weightship.core.observed import PodVerdict
 from weightship.core.pod_gates import verifies
 from weightship.core.verification import (
@@ -188,12 +188,21 @@ def staged_evidence(pod: dict[str, Any], model_dir: str | None) -> StagedEvidenc
     )
 
 
+def _swap_record(pod: dict[str, Any]) -> dict[str, Any]:
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(SWAP_ANNOTATION)
+    try:
+        record = json.loads(raw or "{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def swapped_to(pod: dict[str, Any]) -> str:
     """The manifest digest the pod's last in-place swap put in, if it succeeded ('')."""
-    record = pod_swap((pod.get("metadata") or {}).get("annotations") or {})
-    if record is None or record.state != "Swapped":
+    record = _swap_record(pod)
+    if record.get("state") != "Swapped":
         return ""
-    return record.manifest_digest
+    return str(record.get("manifestDigest") or "")
 
 
 def termination_messages(pod: dict[str, Any]) -> tuple[str, ...]:
@@ -314,7 +323,6 @@ class Verifier:
         validation = rollout.spec.validation
         meta = pod["metadata"]
         digest = (meta.get("annotations") or {}).get(DIGEST_ANNOTATION, "")
-        record = pod_swap(meta.get("annotations") or {})
         return _Check(
             namespace=meta["namespace"],
             name=meta["name"],
@@ -336,7 +344,7 @@ class Verifier:
             terminations=termination_messages(pod),
             swapped=swapped_to(pod) == digest != "",
             rollout_uid=rollout.metadata.uid or "",
-            in_traffic=record is not None and record.in_traffic,
+            in_traffic=_swap_record(pod).get("inTraffic") is True,
         )
 
     def _model_dir(self, rollout: ModelRollout, pod: dict[str, Any], digest: str) -> str | None:
