@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from weightship.api.inference import LoadReport, termination_message
@@ -20,6 +21,7 @@ from weightship.api.names import (
     DIGEST_ANNOTATION,
     LOADED_ANNOTATION,
     SWAP_ANNOTATION,
+    VERIFIED_GATE,
     staged_node_label,
 )
 from weightship.api.spec import GoldenPrompt, ValidationSpec
@@ -156,6 +158,7 @@ class ServerState:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[tuple[str, dict[str, str]]] = []  # (path, headers) of each POST
         self.verified_status = 200  # the answer to POST /weightship/v1/swap/verified
+        self.held_seconds: float | None = None  # what that answer says the server held
 
 
 @pytest.fixture
@@ -173,7 +176,10 @@ def server() -> Iterator[tuple[int, ServerState]]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.headers.append((self.path, dict(self.headers.items())))
             if self.path == VERIFIED_PATH:
-                self.send_json(state.verified_status, {"accepted": state.verified_status == 200})
+                answer: dict[str, Any] = {"accepted": state.verified_status == 200}
+                if state.held_seconds is not None:
+                    answer["heldSeconds"] = state.held_seconds
+                self.send_json(state.verified_status, answer)
                 return
             state.requests.append(body)
             if self.path != "/v1/chat/completions":
@@ -293,6 +299,31 @@ def swapped_pod() -> dict[str, Any]:
     record = {"state": "Swapped", "manifestDigest": DIGEST, "revision": "v2"}
     pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(record)
     return pod
+
+
+def test_a_pod_swapped_in_traffic_gets_how_long_its_server_held_requests(
+    server: tuple[int, ServerState],
+) -> None:
+    """Swapped in traffic (its gate kept open): the server's answer to the verifier's word
+    says how long it held requests; the verdict notes it (status.inPlace, the SwapHeld
+    Event) and the held-seconds histogram counts it."""
+    port, state = server
+    state.held_seconds = 3.25
+    pod = swapped_pod()
+    record = json.loads(pod["metadata"]["annotations"][SWAP_ANNOTATION])
+    pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(record | {"inTraffic": True})
+    pod["status"]["conditions"] = [
+        {"type": VERIFIED_GATE, "status": "True", "reason": "Pending", "message": "verifying"}
+    ]
+    before = REGISTRY.get_sample_value("weightship_pod_swap_held_seconds_count") or 0.0
+    condition, loaded = verify(port, "none", pod)
+    assert (condition["status"], condition["reason"]) == ("True", "Verified"), condition
+    assert loaded["heldSeconds"] == 3.25, loaded
+    assert REGISTRY.get_sample_value("weightship_pod_swap_held_seconds_count") == before + 1
+    # Swapped out of traffic: nothing held for clients, nothing noted.
+    state.headers.clear()
+    _condition, loaded = verify(port, "none", swapped_pod())
+    assert "heldSeconds" not in loaded, loaded
 
 
 def test_weights_swapped_in_place_are_reached_with_the_swap_token_then_opened_to_traffic(

@@ -67,6 +67,17 @@ def test_a_swap_may_ask_to_hold_its_weights_until_verified() -> None:
         SwapRequest.parse(body(holdUntilVerified="yes"))
 
 
+def test_a_swap_may_bound_how_long_one_request_is_held() -> None:
+    req = SwapRequest.parse(body(maxHoldSeconds=45))
+    assert req.max_hold_s == 45 and req.to_json()["maxHoldSeconds"] == 45
+    assert SwapRequest.parse(json.dumps(req.to_json()).encode()) == req
+    older = SwapRequest.parse(body())  # an older operator's request: the swap's bounds only
+    assert older.max_hold_s is None and "maxHoldSeconds" not in older.to_json()
+    for bad in (0, 3601, "60", True):
+        with pytest.raises(SwapRequestError, match="maxHoldSeconds"):
+            SwapRequest.parse(body(maxHoldSeconds=bad))
+
+
 def test_the_verifiers_word_names_one_digest() -> None:
     assert parse_verified(json.dumps({"manifestDigest": DIGEST}).encode()) == DIGEST
     for bad in (b"{}", b"[]", b"nope", json.dumps({"manifestDigest": DIGEST, "x": 1}).encode()):

@@ -13,6 +13,7 @@ from weightship.integrations.serving import (
     REVISION_HEADER_KEY,
     Refused,
     Weights,
+    verified_answer,
 )
 from weightship.integrations.vllm.stamp import MAX_HELD, StampMiddleware, WeightsGate, gated
 
@@ -238,6 +239,51 @@ def test_a_request_held_longer_than_the_swap_may_take_is_a_503() -> None:
         assert stamped(sent)[0] == "v1"
 
     run(test)
+
+
+def test_a_request_held_longer_than_the_swaps_max_hold_is_a_503_saying_so() -> None:
+    """inPlace.maxHoldSeconds bounds each request, whatever the swap's own bounds: a
+    client of a pod swapping in traffic gets a clear answer, never an endless wait."""
+
+    async def test() -> None:
+        gate = WeightsGate(V1)
+        mw = StampMiddleware(App(), gate)
+        gate.close(60, max_hold_s=0.05)
+        task, sent = request(mw, "/v1/completions")
+        await task
+        answer = json.loads(body(sent))
+        assert status(sent) == 503 and answer["reason"] == "HoldTimeout", answer
+        assert "maxHoldSeconds" in answer["error"]["message"]
+        assert headers(sent)[b"retry-after"] == b"1"
+
+    run(test)
+
+
+def test_the_gate_measures_each_hold_through_a_swap_back_until_it_opens() -> None:
+    """From the first swap's close to the opening to every request: a swap back after
+    failed checks goes on with the same hold."""
+    now = [100.0]
+    gate = WeightsGate(V1, clock=lambda: now[0])
+    gate.close(60, max_hold_s=30)
+    now[0] = 101.0
+    gate.seal()
+    gate.verifying(V2, 60)  # V2 fails its checks
+    now[0] = 103.0
+    gate.close(60, max_hold_s=30)  # the swap back
+    gate.seal()
+    now[0] = 104.0
+    gate.verifying(V1, 60)
+    assert gate.last_held_s is None  # still holding
+    now[0] = 105.5
+    assert gate.verified(V1.manifest_digest or "")
+    assert gate.last_held_s == 5.5
+    assert verified_answer(True, gate.mode, V1.manifest_digest, gate.last_held_s)[1].to_json() == {
+        "accepted": True,
+        "gate": "open",
+        "heldSeconds": 5.5,
+    }
+    # Told again (the verifier's retry): still open, the same hold reported.
+    assert gate.verified(V1.manifest_digest or "") and gate.last_held_s == 5.5
 
 
 def test_the_gate_holds_a_bounded_number_of_requests() -> None:
