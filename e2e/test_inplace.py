@@ -13,7 +13,10 @@ no pod swaps; v5's staged bytes rot after the agents verified them, so the swap 
 them bad and nothing of v5 is ever served. Under the load: 0 failed requests, each answer
 stamped with a revision that was stable or canary. The last test scales the same rollout
 to three pods with inPlace.maxUnavailable 2 (one vLLM start, not three): two swap to v6
-at once while the third serves the load.
+at once while the third serves the load. The last scales it down to one pod (no vLLM
+start): v7 swaps in traffic (never dark: the Service keeps its one ready endpoint while
+the server holds the requests until v7 is verified), then the subtly bad v3 is held,
+fails its golden prompt and is swapped back, every request answered by verified weights.
 Run under `flock /work/coord/heavy.lock` next to other heavy work on a 2-core machine."""
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def models(cluster: Any) -> Iterator[dict[str, str]]:
             ("v4", "good", 2),
             ("v5", "good", 3),
             ("v6", "good", 4),
+            ("v7", "good", 5),
         ],
     )
     # v4's origin rots after its manifest was written: the agents refuse it.
@@ -460,3 +464,103 @@ def loaded(pod: Any) -> dict[str, Any]:
         f"http://{pod.status.pod_ip}:{deploy.PORT}/weightship/v1/loaded", timeout=10
     ) as answer:
         return dict(json.loads(answer.read()))
+
+
+def test_one_vllm_pod_swaps_in_traffic_and_the_service_is_never_dark_under_load(
+    cluster: Any, fleet: Rollouts, models: dict[str, str]
+) -> None:
+    """The fleet scaled down to one pod (no vLLM start): taking it out of traffic would
+    leave none serving, so it swaps in traffic. The Service keeps its one ready endpoint
+    throughout (sampled every 0.2 s); requests that arrive during the swap and the checks
+    wait at the server and are answered by the verified new weights. The subtly bad v3
+    in the same setting is held, fails its golden prompt, is swapped back, and the
+    requests held meanwhile are answered by the old weights: 0 refused, 0 failed."""
+    rollouts, ns = fleet, fleet.namespace
+    rollouts.patch_spec(
+        "llm",
+        {
+            "replicas": 1,
+            "strategy": {"canary": {"steps": [{"setWeight": 100}], "inPlace": None}},
+        },
+    )
+    testkit.wait_until(
+        lambda: len(rollout_pods(cluster, ns)) == 1, timeout=120, what="the fleet down to one pod"
+    )
+    stable = rollouts.wait(
+        "llm",
+        "one ready replica",
+        lambda s: (s.get("replicas") or {}).get("ready") == 1 and s.get("phase") == "Healthy",
+        timeout=120,
+    )["status"]["stableRevision"]
+    ready_pods(cluster, ns, 1, stable["revision"], 60)
+    started = identity(cluster, ns)
+    (pod_name,) = started
+    load = chat_load(cluster.api, ns, "llm", max_tokens=8, rate=6.0, timeout_s=60.0)
+    timeline = RevisionTimeline(cluster.api, ns, "llm")
+    with timeline, load:
+        swap_began = time.monotonic()
+        rollouts.set_model("llm", models["v7"], "v7")
+        v7 = rollouts.healthy_on("llm", "v7", timeout=SWAP_S)["status"]
+        ((pod_status,),) = [v7["inPlace"]["pods"]]
+        assert pod_status["inTraffic"] is True and pod_status["swapTo"] == "v7", pod_status
+        good_done = time.monotonic()
+
+        rollouts.set_model("llm", models["v3"], "v3")
+        status = rollouts.wait(
+            "llm",
+            "v3 held, failed and swapped back",
+            lambda s: (
+                s.get("phase") == "Degraded"
+                and (s.get("canaryRevision") or {}).get("revision") == "v3"
+                and (s.get("replicas") or {}).get("ready") == 1
+                and not (s.get("inPlace") or {}).get("swapping")
+                and ((s.get("inPlace") or {}).get("pods") or [{}])[0].get("swapTo") == "v7"
+            ),
+            timeout=SWAP_S,
+        )["status"]
+        # Requests after the swap back, on the old weights, then the load stops.
+        testkit.wait_until(
+            lambda: any(a.started > time.monotonic() - 1 for a in load.answers[-5:]),
+            timeout=30,
+            what="answers after the swap back",
+        )
+        answers = load.stop()
+    assert status["abort"]["reason"] == "VerificationFailed", status["abort"]
+    failure = status["verification"]["failures"][0]
+    assert failure["got"] == CHAT_ANSWER["subtly-bad"], failure
+    assert identity(cluster, ns) == started, "an in-place swap restarted the pod"
+    assert set(holding(cluster, ns).values()) == {v7["stableRevision"]["podTemplateHash"]}
+    (pod,) = rollout_pods(cluster, ns)
+    assert gate(pod).status == "True" and gate(pod).reason == "Verified", gate(pod)
+
+    # Never dark: every read of the EndpointSlices had the pod, no sender ever waited.
+    during = [n for at, n in load.endpoint_samples if at >= swap_began]
+    assert during and min(during) == 1, sorted(set(during))
+    assert load.no_endpoint_waits == 0, load.no_endpoint_waits
+    # 0 refused, 0 failed; each answer stamped with a verified revision, v3 never.
+    failed = [a for a in answers if not a.ok]
+    slowest = sorted(answers, key=lambda a: a.finished - a.started)[-3:]
+    held = [
+        (round(a.finished - a.started, 2), a.revision) for a in slowest if a.started < good_done
+    ]
+    print(
+        f"one pod in traffic: {len(answers)} requests, {len(failed)} failed, "
+        f"{len(during)} endpoint reads during the swaps (min {min(during)} ready), "
+        f"held {pod_status.get('heldSeconds')} s for v7; slowest answers {held}"
+    )
+    assert len(answers) > 20 and not failed, failed[:5]
+    revisions = {a.revision for a in answers}
+    assert revisions <= {stable["revision"], "v7"} and "v7" in revisions, revisions
+    for answer in answers:
+        assert answer.text == CHAT_ANSWER["good"], answer
+        assert answer.revision in timeline.allowed(answer.started, answer.finished), answer
+
+    # Reported: held seconds in status, a SwapHeld Event, SwapsStarted says in traffic.
+    assert pod_status["heldSeconds"] > 0, pod_status
+    events = rollouts.events("llm")
+    assert any(
+        e.reason == "SwapsStarted" and f"{pod_name} to v7 in traffic" in e.message for e in events
+    ), [e.message for e in events if e.reason == "SwapsStarted"]
+    assert any(
+        e.reason == "SwapHeld" and pod_name in e.message and "to v7" in e.message for e in events
+    ), [e.message for e in events if e.reason == "SwapHeld"]

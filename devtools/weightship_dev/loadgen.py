@@ -126,6 +126,9 @@ class ServiceLoad:
     answers: list[Answer] = field(default_factory=list)
     no_endpoint_waits: int = 0
     """Times a sender found no ready endpoint and waited (a router would queue or 503)."""
+    endpoint_samples: list[tuple[float, int]] = field(default_factory=list)
+    """Each read of the Service's EndpointSlices (every 0.2 s): when (time.monotonic())
+    and how many ready endpoints it had; bounded by ``max_seconds``."""
     idle_limit_s: float = IDLE_LIMIT_S
 
     def __post_init__(self) -> None:
@@ -182,6 +185,7 @@ class ServiceLoad:
         )
         with self._lock:
             self._endpoints = ready
+            self.endpoint_samples.append((time.monotonic(), len(ready)))
 
     def _watch_endpoints(self) -> None:
         while not self._stop.wait(0.2):
