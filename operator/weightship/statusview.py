@@ -156,18 +156,28 @@ def _in_place_table(in_place: dict[str, Any]) -> Table | None:
     if not pods:
         return None
     title = "Pods"
-    if in_place.get("maxUnavailable"):
-        title += (
-            f" ({in_place.get('swappingPods') or 0} swapping, "
-            f"at most {in_place['maxUnavailable']} out of traffic at once)"
-        )
+    bound = in_place.get("maxUnavailable")
+    if bound is not None:
+        out = f"at most {bound} out of traffic at once" if bound else "each in traffic"
+        title += f" ({in_place.get('swappingPods') or 0} swapping, {out})"
     table = Table(
-        "pod", "revision", "arrived", "last swap", "seconds", "paused", "reason", title=title
+        "pod",
+        "revision",
+        "arrived",
+        "last swap",
+        "seconds",
+        "paused",
+        "held",
+        "reason",
+        title=title,
     )
     table.title_justify = "left"
     for pod in pods:
         seconds, paused = pod.get("swapSeconds"), pod.get("pausedSeconds")
         last = f"{pod.get('swapState')} to {pod.get('swapTo')}" if pod.get("swapState") else "-"
+        if pod.get("inTraffic"):
+            last += " in traffic"
+        held = pod.get("heldSeconds")
         table.add_row(
             pod["pod"],
             pod.get("revision") or pod.get("podTemplateHash") or "-",
@@ -175,6 +185,7 @@ def _in_place_table(in_place: dict[str, Any]) -> Table | None:
             last,
             f"{seconds:.2f}" if seconds is not None else "-",
             f"{paused:.2f}" if paused is not None else "-",
+            f"{held:.2f}" if held is not None else "-",
             pod.get("reason") or "",
         )
     return table

@@ -109,6 +109,17 @@ def test_status_shows_each_pods_revision_and_last_swap_of_an_in_place_rollout() 
                         "swapSeconds": 1.75,
                         "pausedSeconds": 0.42,
                     },
+                    {
+                        "pod": "llm-t-c",
+                        "revision": "v2",
+                        "arrival": "Swapped",
+                        "swapState": "Swapped",
+                        "swapTo": "v2",
+                        "swapSeconds": 0.31,
+                        "pausedSeconds": 0.2,
+                        "inTraffic": True,
+                        "heldSeconds": 2.68,
+                    },
                 ],
             },
         },
@@ -121,3 +132,5 @@ def test_status_shows_each_pods_revision_and_last_swap_of_an_in_place_rollout() 
     row = next(line for line in text.splitlines() if "llm-t-b" in line)
     assert "v2" in row and "Swapped to v2" in row and "1.75" in row and "0.42" in row
     assert "Started" in next(line for line in text.splitlines() if "llm-t-a" in line)
+    held = next(line for line in text.splitlines() if "llm-t-c" in line)
+    assert "Swapped to v2 in traffic" in held and "2.68" in held, held
