@@ -16,7 +16,12 @@ import pytest
 from tests.unit.test_core_inplace import Cluster, _resolved, in_place
 
 from weightship.api.models import ModelRollout
-from weightship.api.names import DIGEST_ANNOTATION, LOADED_ANNOTATION, VERIFIED_GATE
+from weightship.api.names import (
+    DIGEST_ANNOTATION,
+    LOADED_ANNOTATION,
+    SWAP_ANNOTATION,
+    VERIFIED_GATE,
+)
 from weightship.controller.apply import pod_condition_writes
 from weightship.controller.snapshot import observed_pods, pod_swap, replica_set_observations
 from weightship.controller.verifier import on_gate
@@ -236,6 +241,29 @@ def test_a_swap_refused_before_any_weight_changed_stays_in_traffic_on_the_old_we
     assert set(cluster.holding().values()) == {stable.pod_template_hash}
     gate = _condition(cluster.pods[0], VERIFIED_GATE)
     assert gate_passed(gate["status"], gate["reason"]), gate
+
+
+def test_a_refused_swap_back_in_traffic_is_verified_again_with_its_gate_open() -> None:
+    """The swap back itself refused before any weight changed (say the swap key went
+    missing): the server never left the stable weights, so the pod stays in traffic while
+    the verifier checks them again; one out of traffic is handed back closed, as before."""
+    rollout, cluster = one_replica()
+    stable = rollout.status.stable_revision
+    assert stable is not None
+    pod = cluster.pods[0]
+    record = {"state": "Failed", "to": stable.pod_template_hash, "manifestDigest": DIGEST_A}
+    record |= {"reason": "NoSwapKey", "inTraffic": True}
+    pod["metadata"]["annotations"][SWAP_ANNOTATION] = json.dumps(record)
+    _condition(pod, VERIFIED_GATE).update(status="True", reason="SwapFailed")
+    decision = decide(rollout, cluster.observe(DIGEST_A), at(50))
+    assert not decision.reverify_pods
+    (gate,) = [g for g in decision.pod_gates if g.pod == pod["metadata"]["name"]]
+    assert (gate.status, gate.reason) == ("True", "Pending"), gate
+    _condition(pod, VERIFIED_GATE).update(status="False")
+    _condition(pod, "Ready")["status"] = "False"
+    decision = decide(rollout, cluster.observe(DIGEST_A), at(51))
+    assert decision.reverify_pods == (pod["metadata"]["name"],)
+    assert not [g for g in decision.pod_gates if g.pod == pod["metadata"]["name"]]
 
 
 def test_max_unavailable_zero_swaps_every_pod_in_traffic_one_at_a_time() -> None:

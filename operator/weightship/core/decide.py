@@ -33,6 +33,7 @@ from weightship.core.decision import (
     Event,
     ReplicaSetAction,
     RetemplateReplicaSet,
+    SetGate,
     SwapPod,
 )
 from weightship.core.desired import desired_revision, mark_invalid, spec_template
@@ -87,6 +88,7 @@ def _decision(ctx: RolloutContext) -> Decision:
     retemplates: tuple[RetemplateReplicaSet, ...] = ()
     restarts: tuple[str, ...] = ()
     reverify: tuple[str, ...] = ()
+    reverify_open: tuple[SetGate, ...] = ()
     home = None if ctx.invalid else inplace.home_replica_set(ctx)  # after any promotion
     replica_sets: tuple[ReplicaSetAction, ...] = ()
     not_rebuilt: tuple[str, ...] = ()
@@ -103,6 +105,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         swaps = tuple(started)
         restarts = inplace.restarts(ctx, home)
         reverify = inplace.reverifications(ctx, home)
+        reverify_open = inplace.reverifications_in_traffic(ctx, home)
     else:
         replica_sets, not_rebuilt = scaling.replica_set_actions(ctx)
     # A swap that ended is recorded whatever the spec says now; one starts only above.
@@ -118,7 +121,7 @@ def _decision(ctx: RolloutContext) -> Decision:
         scales=drains.scales,
         not_rebuilt=not_rebuilt,
         node_labels=prefetch.staged_node_labels(ctx.observed),
-        pod_gates=pod_gates(ctx.spec, ctx.observed.pods, ctx.now),
+        pod_gates=(*pod_gates(ctx.spec, ctx.observed.pods, ctx.now), *reverify_open),
         events=tuple(ctx.events),
         notifications=tuple(ctx.notifications),
         traffic=scaling.traffic(ctx),

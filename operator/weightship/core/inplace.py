@@ -414,17 +414,39 @@ def _failed_swaps_back(ctx: RolloutContext, home: ReplicaSetObservation) -> list
     ]
 
 
-def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
-    """Pods whose swap back to the stable weights was refused before any weight changed
-    (e.g. the swap key was missing): they hold the stable weights still, so their gate
-    (closed by the swap) is handed back to the verifier."""
-    return tuple(
-        p.name
+def _refused_swaps_back(ctx: RolloutContext, home: ReplicaSetObservation) -> list[ObservedPod]:
+    return [
+        p
         for p in _failed_swaps_back(ctx, home)
         if p.swap is not None
         and p.swap.reason in INTACT_REASONS
         and p.revision_hash == p.swap.to_revision_hash
         and p.gate_reason == SWAP_FAILED
+    ]
+
+
+def reverifications(ctx: RolloutContext, home: ReplicaSetObservation) -> tuple[str, ...]:
+    """Pods whose swap back to the stable weights was refused before any weight changed
+    (e.g. the swap key was missing): they hold the stable weights still, so their gate
+    (closed by the swap) is handed back to the verifier."""
+    return tuple(p.name for p in _refused_swaps_back(ctx, home) if not p.gate_open)
+
+
+def reverifications_in_traffic(
+    ctx: RolloutContext, home: ReplicaSetObservation
+) -> tuple[SetGate, ...]:
+    """The same for a pod that swapped in traffic: its server serves the stable weights it
+    never left, so its gate stays open while the verifier checks them again."""
+    return tuple(
+        SetGate(
+            p.name,
+            "True",
+            PENDING,
+            "its swap was refused; in traffic on the weights it had; verifying",
+            ctx.now,
+        )
+        for p in _refused_swaps_back(ctx, home)
+        if p.gate_open
     )
 
 
