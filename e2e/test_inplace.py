@@ -501,9 +501,16 @@ def test_one_vllm_pod_swaps_in_traffic_and_the_service_is_never_dark_under_load(
         swap_began = time.monotonic()
         rollouts.set_model("llm", models["v7"], "v7")
         v7 = rollouts.healthy_on("llm", "v7", timeout=SWAP_S)["status"]
+        good_done = time.monotonic()
+        # The verdict's note (held seconds) may reach the status a reconcile after the gate.
+        v7 = rollouts.wait(
+            "llm",
+            "v7's held seconds in status",
+            lambda s: ((s.get("inPlace") or {}).get("pods") or [{}])[0].get("heldSeconds"),
+            timeout=60,
+        )["status"]
         ((pod_status,),) = [v7["inPlace"]["pods"]]
         assert pod_status["inTraffic"] is True and pod_status["swapTo"] == "v7", pod_status
-        good_done = time.monotonic()
 
         rollouts.set_model("llm", models["v3"], "v3")
         status = rollouts.wait(
