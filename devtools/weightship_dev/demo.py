@@ -20,9 +20,10 @@
    weightship plugin (`--load-format weightship`: every byte checked against the
    manifest), its gate opened by the verifier reading the plugin's report and vLLM's
    answer to a golden prompt through its chat API. Then v2 of that model reaches the
-   running pod in place (updatePolicy InPlaceIfPossible): the pod leaves traffic, vLLM
-   swaps the verified weights through the plugin's weight-transfer engine, the verifier
-   checks them again, and the pod serves v2 without a restart (same uid, restartCount 0).
+   running pod in place (updatePolicy InPlaceIfPossible): the only replica stays in
+   traffic (never dark: its server holds the requests), vLLM swaps the verified weights
+   through the plugin's weight-transfer engine, the verifier checks them again, and the
+   pod serves v2 without a restart (same uid, restartCount 0).
 """
 
 from __future__ import annotations
@@ -365,10 +366,16 @@ class Demo:
             same = old is not None and old.metadata.uid == pod.metadata.uid
             swapped = swap.get("swapState") == "Swapped" and swap.get("swapTo") == "v2"
             seconds, paused = swap.get("swapSeconds"), swap.get("pausedSeconds")
+            held = (
+                f"; it stayed in traffic, its server holding requests "
+                f"{_seconds(swap.get('heldSeconds'))} until v2 was verified"
+                if swap.get("inTraffic")
+                else ""
+            )
             self.console.print(
                 f"  [green]{name}[/] swapped v1 -> v2 in place: the swap took "
                 f"[bold]{_seconds(seconds)}[/] (vLLM paused {_seconds(paused)}); "
-                f"{took:.1f} s from the spec change to Healthy on v2, verified again"
+                f"{took:.1f} s from the spec change to Healthy on v2, verified again{held}"
                 if swapped
                 else f"  [red]{name}[/] did not swap in place: {swap}"
             )
