@@ -550,12 +550,17 @@ def test_one_vllm_pod_swaps_in_traffic_and_the_service_is_never_dark_under_load(
     held = [
         (round(a.finished - a.started, 2), a.revision) for a in slowest if a.started < good_done
     ]
+    # Sent while v3 was the canary (before its abort): answered by v7, held or not.
+    under_v3 = [a for a in answers if "v3" in timeline.allowed(a.started, a.started)]
     print(
         f"one pod in traffic: {len(answers)} requests, {len(failed)} failed, "
         f"{len(during)} endpoint reads during the swaps (min {min(during)} ready), "
-        f"held {pod_status.get('heldSeconds')} s for v7; slowest answers {held}"
+        f"held {pod_status.get('heldSeconds')} s for v7, "
+        f"{(status['inPlace']['pods'][0]).get('heldSeconds')} s for v3 and its swap back; "
+        f"{len(under_v3)} sent while v3 was the canary; slowest answers {held}"
     )
     assert len(answers) > 20 and not failed, failed[:5]
+    assert under_v3 and {a.revision for a in under_v3} == {"v7"}, under_v3[:5]
     revisions = {a.revision for a in answers}
     assert revisions <= {stable["revision"], "v7"} and "v7" in revisions, revisions
     for answer in answers:
