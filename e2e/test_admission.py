@@ -416,7 +416,12 @@ def test_the_issues_manifests_are_refused_at_admission_naming_the_field(
     dry_run(custom, namespace, VALID_MANIFEST)
     for description, manifest, expected in INVALID_MANIFESTS:
         with pytest.raises(ApiException) as err:
-            dry_run(custom, namespace, manifest)
+            try:
+                dry_run(custom, namespace, manifest)
+            except ApiException:
+                raise
+            else:
+                pytest.fail(f"admitted: {description}")
         assert err.value.status == 422, description
         message = json.loads(err.value.body)["message"]
         assert expected in message, f"{description}: {message}"

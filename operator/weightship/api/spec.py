@@ -87,7 +87,7 @@ Quantity = Annotated[
             "x-kubernetes-int-or-string": True,
             **validations(
                 cel(
-                    "type(self) == int ? self >= 0 : "
+                    "type(self) == int ? self >= 1 : "
                     "quantity(string(self)).compareTo(quantity('1')) >= 0",
                     _QUANTITY_MESSAGE,
                 )
