@@ -40,6 +40,22 @@ up, and left up; heavy: under the lock):
     flock /work/coord/heavy.lock .venv/bin/python bench/bench_inplace.py --quick   # ~10 min
 
 Raw figures: /var/tmp/wsbench/inplace-results.json.
+
+**At fleet size** (issue 39), ``--replicas N``: the same comparison with N stand-in servers
+(``weightship_dev.standin``: the plugin's swap and verification protocol, a swap taking
+``--swap-seconds``, default 1.02 s, a start ``--start-seconds``, default 65.7 s: vLLM's own
+on this machine for a 198.5 MiB checkpoint), ``inPlace.maxUnavailable`` at its default
+(25 %), v1 -> v2 once per mode, under ``--rate`` requests/s through the Service. Up to 100
+replicas they run on process nodes, a stand-in process per pod (``--nodes process``); above,
+on KWOK pods answered by one stand-in process (``--nodes kwok``,
+``weightship_dev.standinfleet``). It ends with one line:
+
+    in-place/replace time to 100% = 0.NNx at N replicas, maxUnavailable 25%, failed requests N
+
+    flock /tmp/weightship-heavy.lock .venv/bin/python bench/bench_inplace.py --replicas 100
+    flock /tmp/weightship-heavy.lock .venv/bin/python bench/bench_inplace.py --replicas 1000
+
+Raw figures: /var/tmp/wsbench/inplace-fleet-results.json.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -40,7 +42,7 @@ from weightship.controller.verifier import Verifier
 from weightship.core.decision import SwapPod
 from weightship.core.observed import PodSwap
 from weightship.core.pod_gates import pod_gates
-from weightship_dev import standin
+from weightship_dev import standin, standinfleet
 from weightship_testing.core import T0, make_rollout
 
 KEY = bytes(range(32))
@@ -273,3 +275,53 @@ def test_the_pod_command_is_the_behaviour_it_asks_for() -> None:
     assert (how.swap_seconds, how.start_seconds, how.answer) == (1.02, 65.7, "Paris.")
     with pytest.raises(SystemExit):
         standin.behaviour_from_argv(["--swap-seconds", "-1"])
+
+
+def test_the_stand_in_imports_no_torch() -> None:
+    """A process per pod at 100 replicas: without torch it is ~60 MB, with it ~560 MB."""
+    code = "import sys, weightship_dev.standin; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+GATE = "weightship.io/weights-verified"
+
+
+def kwok_pod(conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "uid": "u"},
+        "spec": {
+            "readinessGates": [{"conditionType": GATE}],
+            "containers": [{"command": standin.command(swap_seconds=2, start_seconds=3)}],
+        },
+        "status": {"conditions": conditions},
+    }
+
+
+def test_the_fleet_plays_the_kubelets_readiness_for_kwok_pods() -> None:
+    """Ready only while started and every gate is True; a gate KWOK forged (True, no
+    reason) is removed, so the verifier checks the pod as a real one."""
+    ready = {"type": "Ready", "status": "True"}
+    containers = {"type": "ContainersReady", "status": "True"}
+    forged = {"type": GATE, "status": "True"}
+    now = "2026-12-07T20:00:00Z"
+    patch = standinfleet.readiness_patch(kwok_pod([ready, containers, forged]), True, now)
+    assert patch is not None
+    assert patch["status"]["conditions"] == [
+        {"type": GATE, "$patch": "delete"},
+        {"type": "Ready", "status": "False", "lastTransitionTime": now},
+    ]
+    verified = {**forged, "reason": "Verified"}
+    assert standinfleet.readiness_patch(kwok_pod([ready, containers, verified]), True, now) is None
+    starting = standinfleet.readiness_patch(kwok_pod([ready, containers, verified]), False, now)
+    assert starting is not None
+    assert [(c["type"], c["status"]) for c in starting["status"]["conditions"]] == [
+        ("ContainersReady", "False"),
+        ("Ready", "False"),
+    ]
+    swapping = {**verified, "status": "False", "reason": "Swapping"}
+    patch = standinfleet.readiness_patch(kwok_pod([ready, containers, swapping]), True, now)
+    assert patch is not None
+    assert [(c["type"], c["status"]) for c in patch["status"]["conditions"]] == [("Ready", "False")]
+    argv = standinfleet.standin_args(kwok_pod([]))
+    assert argv is not None and standin.behaviour_from_argv(argv).start_seconds == 3
+    assert standinfleet.standin_args({"spec": {"containers": [{"command": ["sh"]}]}}) is None
