@@ -65,6 +65,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -144,6 +145,14 @@ def ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
+class JsonObject(dict[str, Any]):
+    """A JSON object read as the kubernetes client's models are (``pod.status.pod_ip``):
+    deserializing 1,000 pods into the client's models every second costs a core."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self.get(re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name))
+
+
 @dataclass
 class PodWatch:
     """Every POLL_S: each pod of the rollout, Ready or not, its uid and restarts."""
@@ -154,6 +163,7 @@ class PodWatch:
     samples: list[tuple[float, dict[str, bool]]] = field(default_factory=list)
     identity: dict[str, tuple[str, int]] = field(default_factory=dict)  # the last seen
     interval: float = POLL_S  # a LIST of every pod each time: longer for many pods
+    light: bool = False  # read the LIST as plain JSON, not the client's models (many pods)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -161,6 +171,11 @@ class PodWatch:
 
     def pods(self) -> list[Any]:
         selector = f"{ROLLOUT_LABEL}={self.name}"
+        if self.light:
+            response = self.core.list_namespaced_pod(
+                self.namespace, label_selector=selector, _preload_content=False
+            )
+            return list(json.loads(response.data, object_hook=JsonObject)["items"])
         return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
 
     def __enter__(self) -> PodWatch:
@@ -574,7 +589,7 @@ def run_fleet_mode(
     started = time.monotonic()
     body = standin_rollout(name, mode, uris["v1"], cluster.s3_endpoint, replicas, args.nodes, how)
     rollouts.create(body)
-    watch = PodWatch(cluster.core, ns, name, interval=FLEET_POD_POLL_S)
+    watch = PodWatch(cluster.core, ns, name, interval=FLEET_POD_POLL_S, light=True)
     start_timeout = VLLM_START_S + replicas * 2.0  # process pods start one by one per node
     try:
         rollouts.healthy_on(name, "v1", timeout=start_timeout)
