@@ -459,6 +459,7 @@ async def serve(host: str, port: int, resolve: Resolve) -> web.TCPSite:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # a line per probe
     how = behaviour(args)
 
     async def run() -> None:

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kubeconfig", default=None, help="default: the local cluster's admin")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.kubeconfig:
         from kubernetes import config
 
