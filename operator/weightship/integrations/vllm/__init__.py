@@ -18,14 +18,16 @@ import os
 import tempfile
 from pathlib import Path
 
-from .settings import RUN_DIR_ENV, RUN_OWNER_ENV
-
 _registered = False
 
 
 def claim_run_dir(env: dict[str, str] | os._Environ[str]) -> Path:
     """The first vLLM process (the API server) makes a fresh run directory and hands it
     to the processes it starts through the environment; they find it set."""
+    # Here, not at the top: settings imports weightship.seeding (torch), which the plugin's
+    # torch-free modules (stamp, swap) must not pull in when imported on their own.
+    from .settings import RUN_DIR_ENV, RUN_OWNER_ENV
+
     if not env.get(RUN_OWNER_ENV):
         folder = env.get(RUN_DIR_ENV)
         if folder:
