@@ -70,7 +70,7 @@ from weightship.integrations.serving import (
     refused,
     verified_answer,
 )
-from weightship.integrations.vllm.stamp import StampMiddleware, WeightsGate
+from weightship.integrations.vllm.stamp import StampMiddleware, WeightsGate, asgi_header
 
 log = logging.getLogger("weightship.standin")
 
@@ -268,7 +268,7 @@ class PodServer:
     async def _authorized(
         self, scope: Scope, receive: Receive, parse: Callable[[bytes], Parsed]
     ) -> Parsed | Answer:
-        authorization = _header(scope, "authorization")
+        authorization = asgi_header(scope, "authorization")
         refusal = self.auth.missing(authorization)
         if refusal is not None:
             return refused(refusal)
@@ -346,14 +346,6 @@ class PodServer:
                 "choices": [choice],
             },
         )
-
-
-def _header(scope: Scope, name: str) -> str | None:
-    wanted = name.lower().encode("ascii")
-    for key, value in scope.get("headers") or []:
-        if bytes(key).lower() == wanted:
-            return bytes(value).decode("latin-1")
-    return None
 
 
 async def _body(receive: Receive, limit: int) -> bytes:

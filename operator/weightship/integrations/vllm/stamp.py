@@ -200,7 +200,7 @@ class WeightsGate:
         self._opened.set()  # the held ones are answered now
 
 
-def _header(scope: Scope, name: str) -> str | None:
+def asgi_header(scope: Scope, name: str) -> str | None:
     """The first value of header ``name``, decoded as latin-1."""
     wanted = name.lower().encode("ascii")
     for key, value in scope.get("headers") or []:
@@ -266,7 +266,7 @@ class StampMiddleware:
             await self.app(scope, receive, send_now)
             return
 
-        is_verifier, header = self.is_verifier, _header(scope, VERIFY_HEADER)
+        is_verifier, header = self.is_verifier, asgi_header(scope, VERIFY_HEADER)
         verifier = None
         if is_verifier is not None and header is not None:
 
