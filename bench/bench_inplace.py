@@ -466,6 +466,31 @@ def _fmt(per_pod: dict[str, float]) -> str:
 
 
 @contextlib.contextmanager
+def bench_namespace(
+    cluster: Cluster, name: str
+) -> Iterator[tuple[str, str, OperatorProcess, Rollouts]]:
+    """A namespace with the S3 secret, a bucket and the operator (started by the caller),
+    all removed at the end: (namespace, bucket, operator, rollouts)."""
+    ns = testkit.create_namespace(cluster.api, NAMESPACE_PREFIX + name)
+    s3 = testkit.local_s3(cluster.s3_endpoint)
+    bucket = testkit.unique_name(f"bench-inplace-{name}")
+    s3.create_bucket(Bucket=bucket)
+    operator = OperatorProcess(
+        cluster.paths.admin_kubeconfig,
+        Path(cluster.paths.root) / "operator-bench-inplace.log",
+        (f"{NAMESPACE_PREFIX}*",),
+    )
+    try:
+        s3_secret(cluster.core, ns)
+        yield ns, bucket, operator, Rollouts(cluster.api, ns)
+    finally:
+        operator.stop()
+        testkit.delete_namespace(cluster.api, ns)
+        testkit.empty_bucket(s3, bucket)
+        s3.delete_bucket(Bucket=bucket)
+
+
+@contextlib.contextmanager
 def local() -> Iterator[Cluster]:
     """The local cluster (started if it is not up, and left up: it is shared), with no
     demo running on it (its agents would share the process nodes' WeightCaches)."""
@@ -735,16 +760,7 @@ def fleet_main(args: argparse.Namespace, modes: list[str], log: Any) -> dict[str
                 ).items
             )
             log(f"process nodes: {len(cluster.process_nodes)}, {capacity} pods in all")
-        ns = testkit.create_namespace(cluster.api, NAMESPACE_PREFIX + "fleet")
-        s3 = testkit.local_s3(cluster.s3_endpoint)
-        bucket = testkit.unique_name("bench-inplace-fleet")
-        s3.create_bucket(Bucket=bucket)
-        operator = OperatorProcess(
-            cluster.paths.admin_kubeconfig,
-            Path(cluster.paths.root) / "operator-bench-inplace.log",
-            (f"{NAMESPACE_PREFIX}*",),
-        )
-        try:
+        with bench_namespace(cluster, "fleet") as (ns, bucket, operator, rollouts):
             with tempfile.TemporaryDirectory() as tmp:
                 published = publish_models(
                     cluster.s3_endpoint,
@@ -754,8 +770,6 @@ def fleet_main(args: argparse.Namespace, modes: list[str], log: Any) -> dict[str
                     size=4096,
                 )
             uris = {mode: {f"v{i}": published[f"{mode}-v{i}"] for i in (1, 2)} for mode in modes}
-            s3_secret(cluster.core, ns)
-            rollouts = Rollouts(cluster.api, ns)
             fleet = (
                 kwok_fleet(cluster, ns, args.replicas, log)
                 if args.nodes == "kwok"
@@ -772,11 +786,6 @@ def fleet_main(args: argparse.Namespace, modes: list[str], log: Any) -> dict[str
                         log(f"{mode}: {exc}")
                         runs[mode] = FleetRun(mode, args.replicas, 0.0, None, 0, [], [], 0, 0, 0)
                         runs[mode].error = str(exc)
-        finally:
-            operator.stop()
-            testkit.delete_namespace(cluster.api, ns)
-            testkit.empty_bucket(s3, bucket)
-            s3.delete_bucket(Bucket=bucket)
     return report_fleet(runs, args, how, load_before, os.getloadavg())
 
 
@@ -919,16 +928,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, ModeRun] = {}
     with local() as cluster:
         apply_crds(cluster.api)
-        ns = testkit.create_namespace(cluster.api, NAMESPACE_PREFIX + "bench")
-        s3 = testkit.local_s3(cluster.s3_endpoint)
-        bucket = testkit.unique_name("bench-inplace")
-        s3.create_bucket(Bucket=bucket)
-        operator = OperatorProcess(
-            cluster.paths.admin_kubeconfig,
-            Path(cluster.paths.root) / "operator-bench-inplace.log",
-            (f"{NAMESPACE_PREFIX}*",),
-        )
-        try:
+        with bench_namespace(cluster, "bench") as (ns, bucket, operator, rollouts):
+            s3 = testkit.local_s3(cluster.s3_endpoint)
             uris = {
                 mode: publish_tinyvllm(
                     s3,
@@ -938,8 +939,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
                 for seed, mode in enumerate(modes)
             }
-            s3_secret(cluster.core, ns)
-            rollouts = Rollouts(cluster.api, ns)
             with contextlib.contextmanager(run_agents)(cluster, ns):
                 operator.start()
                 for mode in modes:
@@ -950,11 +949,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     except testkit.WaitTimeout as exc:  # its start: nothing to measure
                         log(f"{mode}: {exc}")
                         runs[mode] = ModeRun(mode, 0.0, [], 0, [], [], 0, [], str(exc))
-        finally:
-            operator.stop()
-            testkit.delete_namespace(cluster.api, ns)
-            testkit.empty_bucket(s3, bucket)
-            s3.delete_bucket(Bucket=bucket)
     load_after = os.getloadavg()
     return report(runs, repeats, args.rate, load_before, load_after)
 
