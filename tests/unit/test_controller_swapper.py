@@ -273,3 +273,79 @@ def test_the_core_records_a_failed_report_and_keeps_the_pod_on_its_revision() ->
 def test_a_report_of_another_swap_than_the_recorded_one_is_not_written() -> None:
     other = PodSwap("h3", DIGEST, "v3", "Swapped", "h1", T0)
     assert not decision_on(raw_pod(SWAP.record()), {"u1": other}).swap_records
+
+
+class AllAtOnce(Plugin):
+    """A swap that ends only once SWAPS swaps were asked for."""
+
+    SWAPS = 6
+
+    def do_GET(self) -> None:
+        state = "Swapped" if len(Plugin.posted) >= AllAtOnce.SWAPS else "Swapping"
+        self._answer(200, {"manifestDigest": DIGEST, "state": state})
+
+
+def test_swaps_at_once_are_not_bounded_by_the_swappers_threads() -> None:
+    """Six swaps on a swapper with one thread: each waits for its server without holding
+    it (a thread per swap held through the wait would see the first one time out)."""
+    Plugin.posted = []
+    Plugin.post_status = 202
+    rollout = make_rollout()
+    rollout.spec.strategy.canary.in_place.drain_timeout_seconds = 0
+    rollout.spec.strategy.canary.in_place.swap_timeout_seconds = 10
+    swaps = [replace(SWAP, pod=f"llm-t-{i}") for i in range(AllAtOnce.SWAPS)]
+    pods = []
+    for i in range(AllAtOnce.SWAPS):
+        pod = raw_pod(SWAP.record())
+        pod["metadata"] |= {"name": f"llm-t-{i}", "uid": f"u{i}"}
+        pods.append(pod)
+    ended = threading.Semaphore(0)
+    reads = Reads()
+    swapper = Swapper(reads, workers=1, on_done=lambda namespace, name: ended.release())  # type: ignore[arg-type]
+    swapper.endpoints_grace_s = 0.0
+    with Server(("127.0.0.1", 0), AllAtOnce).start("plugin") as server:
+        rollout.spec.validation.endpoint.port = server.server_port
+        swapper.submit(rollout, swaps, pods)
+        assert all(ended.acquire(timeout=30) for _ in swaps)
+    swapper.close()
+    reports = swapper.pending(pods)
+    assert sorted(r.state for r in reports.values()) == ["Swapped"] * AllAtOnce.SWAPS
+
+
+class ReadyPods(Reads):
+    """A Kube whose pods stay Ready, counting the reads of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pod_reads = 0
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        self.pod_reads += 1
+        return {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_a_swap_waits_for_a_reconcile_to_show_its_pod_unready_and_reads_nothing(
+    plugin: int,
+) -> None:
+    """The swap asks the server only after the pods a reconcile reads show the pod
+    unready: no GET of the pod in the meantime."""
+    Plugin.outcome = {"state": "Swapped"}
+    rollout = make_rollout()
+    rollout.spec.validation.endpoint.port = plugin
+    ready = raw_pod(SWAP.record())
+    ready["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    done = threading.Event()
+    reads = ReadyPods()
+    swapper = Swapper(reads, on_done=lambda namespace, name: done.set())  # type: ignore[arg-type]
+    swapper.endpoints_grace_s = 0.0
+    swapper.submit(rollout, [SWAP], [ready])
+    assert swapper.resume(rollout, [ready])
+    assert not done.wait(1.0) and not Plugin.posted  # still Ready: not asked
+    unready = raw_pod(SWAP.record())
+    unready["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    swapper.resume(rollout, [unready])
+    assert done.wait(30)
+    swapper.close()
+    assert len(Plugin.posted) == 1 and reads.pod_reads == 0 and not reads.other
+    ((_uid, report),) = swapper.pending([unready]).items()
+    assert report.state == "Swapped"
