@@ -44,6 +44,7 @@ from benchlib import (
     manifest_for,
     manifest_path,
     model_location,
+    settle,
     table,
     versitygw,
 )
@@ -404,16 +405,6 @@ def slow_report(r: dict[str, Any], m: dict[str, Any]) -> None:
         f"({len(set(stopped) - slowed)} of them not slowed{'; ' + when if when else ''})",
         flush=True,
     )
-
-
-def settle(below: float, max_s: float) -> float:
-    """Wait, ``max_s`` at most, for the 1-minute load average to fall below ``below`` (the
-    last round's node processes push it to 3-11 on 2 cores, and load slows some modes more
-    than others); return the load average the round starts at."""
-    deadline = time.monotonic() + max_s
-    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        time.sleep(5)
-    return os.getloadavg()[0]
 
 
 def link_use(

@@ -45,7 +45,9 @@ Raw figures: /var/tmp/wsbench/inplace-results.json.
 (``weightship_dev.standin``: the plugin's swap and verification protocol, a swap taking
 ``--swap-seconds``, default 1.02 s, a start ``--start-seconds``, default 65.7 s: vLLM's own
 on this machine for a 198.5 MiB checkpoint), ``inPlace.maxUnavailable`` at its default
-(25 %), v1 -> v2 once per mode, under ``--rate`` requests/s through the Service. Up to 100
+(25 %), ``--repeats`` revision changes per mode (v1 -> v2 -> v1 ...; each starts once the
+1-minute load average is under ``--settle-load``), under ``--rate`` requests/s through the
+Service; the figures are each mode's median change. Up to 100
 replicas they run on process nodes, a stand-in process per pod (``--nodes process``); above,
 on KWOK pods answered by one stand-in process (``--nodes kwok``,
 ``weightship_dev.standinfleet``). It ends with one line:
@@ -87,7 +89,7 @@ from e2e.conftest import KWOK_NODES, Cluster, connect  # noqa: E402
 from e2e.operator_fixtures import Rollouts, publish_models, rollout_body, s3_secret  # noqa: E402
 from kubernetes import client  # noqa: E402
 
-from benchlib import table  # noqa: E402
+from benchlib import settle, table  # noqa: E402
 from weightship.api.names import REVISION_LABEL, ROLLOUT_LABEL  # noqa: E402
 from weightship_dev import cluster as local_cluster  # noqa: E402
 from weightship_dev import demo, standin, testkit  # noqa: E402
@@ -573,14 +575,21 @@ class FleetRun:
     mode: str
     replicas: int
     start_seconds: float  # v1 created to every pod Ready (not part of any figure)
-    change: Change | None
+    changes: list[Change]  # v1 -> v2, v2 -> v1, ... each started once the machine settled
     requests: int
     failed: list[Answer]
     unexpected: list[Answer]
     no_endpoint_waits: int
-    batches: int  # SwapsStarted events: swaps started together
+    batches: int  # SwapsStarted events: swaps started together, over every change
     most_unready: int  # the most pods not Ready at once, sampled every FLEET_POD_POLL_S
     error: str | None = None
+    start_loads: list[float] = field(default_factory=list)  # 1-minute load at each change
+
+    @property
+    def change(self) -> Change | None:
+        """The change of median time to Healthy."""
+        ordered = sorted(self.changes, key=lambda c: c.seconds)
+        return ordered[(len(ordered) - 1) // 2] if ordered else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -588,6 +597,8 @@ class FleetRun:
             "replicas": self.replicas,
             "startSeconds": self.start_seconds,
             "change": self.change.to_json() if self.change else None,
+            "changes": [c.to_json() for c in self.changes],
+            "startLoads": self.start_loads,
             "requests": self.requests,
             "failed": [a.__dict__ for a in self.failed[:20]],
             "failedCount": len(self.failed),
@@ -640,18 +651,26 @@ def run_fleet_mode(
             timeout_s=30.0,
         )
         timeline = RevisionTimeline(cluster.api, ns, name)
-        c: Change | None = None
+        changes: list[Change] = []
+        start_loads: list[float] = []
         error = None
         with watch, timeline, load:
-            try:
-                c = change(rollouts, watch, mode, name, uris, "v2", log, replicas, FLEET_POD_POLL_S)
+            for target in itertools.islice(itertools.cycle(("v2", "v1")), args.repeats):
+                start_loads.append(settle(args.settle_load, args.settle_max_s))
+                try:
+                    c = change(
+                        rollouts, watch, mode, name, uris, target, log, replicas, FLEET_POD_POLL_S
+                    )
+                except testkit.WaitTimeout as exc:
+                    error = f"-> {target}: {exc}"
+                    log(f"{mode}: {error}")
+                    break
+                changes.append(c)
                 log(
-                    f"{mode} v1 -> v2 at {replicas} replicas: Healthy in {c.seconds:.2f} s, "
-                    f"every pod Ready in {c.all_ready_seconds:.2f} s ({c.update})"
+                    f"{mode} -> {target} at {replicas} replicas (load {start_loads[-1]:.2f} at "
+                    f"its start): Healthy in {c.seconds:.2f} s, every pod Ready in "
+                    f"{c.all_ready_seconds:.2f} s ({c.update})"
                 )
-            except testkit.WaitTimeout as exc:
-                error = f"v1 -> v2: {exc}"
-                log(f"{mode}: {error}")
             time.sleep(2.0)  # answers in flight at the last Healthy come back
             log(f"{mode}: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         answers = load.stop()
@@ -668,14 +687,16 @@ def run_fleet_mode(
             int(e.count or 1) for e in rollouts.events(name) if e.reason == "SwapsStarted"
         )
         window = [
-            seen for at, seen in watch.samples if c is not None and c.started_at <= at <= c.ready_at
+            seen
+            for at, seen in watch.samples
+            if any(c.started_at <= at <= c.ready_at for c in changes)
         ]
         most_unready = max((sum(not r for r in seen.values()) for seen in window), default=0)
         return FleetRun(
             mode,
             replicas,
             start_seconds,
-            c,
+            changes,
             len(answers),
             [a for a in answers if not a.ok],
             unexpected,
@@ -683,6 +704,7 @@ def run_fleet_mode(
             batches,
             most_unready,
             error,
+            start_loads,
         )
     finally:
         _delete_rollout(cluster, rollouts, name, timeout=120 + replicas)
@@ -784,7 +806,7 @@ def fleet_main(args: argparse.Namespace, modes: list[str], log: Any) -> dict[str
                         )
                     except testkit.WaitTimeout as exc:  # its start: nothing to measure
                         log(f"{mode}: {exc}")
-                        runs[mode] = FleetRun(mode, args.replicas, 0.0, None, 0, [], [], 0, 0, 0)
+                        runs[mode] = FleetRun(mode, args.replicas, 0.0, [], 0, [], [], 0, 0, 0)
                         runs[mode].error = str(exc)
     return report_fleet(runs, args, how, load_before, os.getloadavg())
 
@@ -800,11 +822,13 @@ def report_fleet(
     for mode, run in runs.items():
         c = run.change
         paused = list(c.paused.values()) if c else []
+        each = " ".join(f"{x.seconds:.1f}" for x in run.changes)
+        loads = " ".join(f"{x:.2f}" for x in run.start_loads)
         rows.append(
             [
                 mode,
                 c.update or "?" if c else "-",
-                f"{c.seconds:.1f}" if c else "-",
+                f"{c.seconds:.1f} ({each}; loads {loads})" if c else "-",
                 f"{c.all_ready_seconds:.1f}" if c else "-",
                 str(run.batches) if mode == "inplace" else "-",
                 str(c.most_swapping) if c and mode == "inplace" else "-",
@@ -821,14 +845,15 @@ def report_fleet(
     print(
         f"\n{args.replicas} stand-in replicas ({where}; swap {how.swap_seconds:g} s, start "
         f"{how.start_seconds:g} s), steps {json.dumps(STEPS)}, inPlace.maxUnavailable 25% "
-        f"(the default), load {args.rate:g} req/s through the Service, v1 -> v2 once per mode"
+        f"(the default), load {args.rate:g} req/s through the Service, {args.repeats} revision "
+        f"change(s) per mode"
     )
     print(
         table(
             [
                 "mode",
                 "update",
-                "to Healthy (s)",
+                "to Healthy (s): median (each; load at its start)",
                 "every pod Ready (s)",
                 "SwapsStarted events",
                 "most swapping at once",
@@ -895,7 +920,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--replicas",
         type=int,
         default=None,
-        help="this many stand-in replicas, v1 -> v2 once per mode, maxUnavailable 25%%",
+        help="this many stand-in replicas, --repeats changes per mode, maxUnavailable 25%%",
+    )
+    fleet.add_argument(
+        "--settle-load",
+        type=float,
+        default=0.5,
+        help="start each revision change once the 1-minute load average is below this",
+    )
+    fleet.add_argument(
+        "--settle-max-s", type=float, default=300, help="... waiting this long at most"
     )
     fleet.add_argument(
         "--nodes",

@@ -237,3 +237,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def settle(below: float, max_s: float) -> float:
+    """Wait, ``max_s`` at most, for the 1-minute load average to fall below ``below`` (the
+    last round's node processes push it to 3-11 on 2 cores, and load slows some modes more
+    than others); return the load average the round starts at."""
+    deadline = time.monotonic() + max_s
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
