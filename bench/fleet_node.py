@@ -72,11 +72,14 @@ def staged_with_pieces(store: ChunkStore, manifest: Manifest) -> bool:
 
 
 def wait_for(path: Path, timeout_s: float) -> str:
+    """Poll for ``path`` every 0.1 s: the go file names a start 0.5 s ahead, and the nodes
+    that finished wait here for the rest (at 20 ms, 48 of them woke 2,400 times a second
+    on the machine the others stage on)."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout_s}s")
-        time.sleep(0.02)
+        time.sleep(0.1)
     return path.read_text()
 
 
