@@ -773,6 +773,13 @@ def run_design(
         out["stage"]["wall_s"] = time.monotonic() - started
         out["stage"]["staged"] = staged
         out["stage"]["status_writes_by_operator"] = play.writes
+        if args.outage_s > 0:
+            out["return"] = outage(args, scraper)
+            print(
+                f"{design}: API server down {args.outage_s:.0f} s; the minute after its "
+                f"return: peak {out['return']['peak_req_per_s']:.0f} req/s",
+                flush=True,
+            )
     finally:
         if workers is not None:
             out["agents"] = workers.stop()
@@ -780,6 +787,25 @@ def run_design(
         play.caches.stop(timeout_s=1.0)
         testkit.delete_namespace(api, namespace)
     return out
+
+
+def outage(args: argparse.Namespace, scraper: Scraper) -> dict[str, Any]:
+    """kube-apiserver and etcd SIGKILLed for ``outage_s``, then the ``after_s`` after their
+    return. Its counters restart with the process: the phase starts from zero at the
+    return (what it served before the first scrape is in the first interval)."""
+    paths = ClusterPaths.default()
+    local_cluster.kill_api_server(paths)
+    time.sleep(args.outage_s)
+    try:
+        local_cluster.start_api_server(paths)
+    finally:
+        back = Sample(time.monotonic())
+    first = len(scraper.samples)
+    time.sleep(args.after_s)
+    scraper.mark()
+    figures = phase_figures([back, *scraper.samples[first:]])
+    figures["peak_rss_mb"] = max(s.rss_bytes for s in scraper.samples[first:]) / MB
+    return figures
 
 
 def cache_size(api: client.ApiClient, nodes: list[str]) -> float:
@@ -812,6 +838,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cached", type=int, default=5, help="models each cache holds already")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per phase")
     p.add_argument("--scrape-s", type=float, default=2.0)
+    p.add_argument(
+        "--outage-s",
+        type=float,
+        default=0.0,
+        help="after the stage, kill kube-apiserver and etcd for this long (0: not)",
+    )
+    p.add_argument("--after-s", type=float, default=60.0, help="measured after the return")
     args = p.parse_args(argv)
     if args.command == "worker":
         worker(args)
@@ -858,7 +891,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def report(r: Mapping[str, Any], agents: int) -> None:
     print(f"\n{r['design']} design, {agents} agents:")
-    for name in ("join", "stage"):
+    for name in ("join", "stage", "return"):
         if name in r:
             for line in report_rows(name, r[name]):
                 print("  " + line)

@@ -5,6 +5,8 @@ figures stand on was counted. Nothing asserts on speed."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 import bench_agent_traffic as bat
@@ -47,10 +49,10 @@ def test_a_phase_is_the_difference_and_its_peaks_the_fastest_interval() -> None:
     ) -> bat.Sample:
         return bat.Sample(
             t,
-            requests=bat.Counter({"PATCH weightcaches/status": patches, "GET nodes": 1}),
-            watch_bytes=bat.Counter({"ModelRollout": watch}),
-            watch_events=bat.Counter({"ModelRollout": watch // 1000}),
-            list_bytes=bat.Counter({"weightcaches": listed}),
+            requests=Counter({"PATCH weightcaches/status": patches, "GET nodes": 1}),
+            watch_bytes=Counter({"ModelRollout": watch}),
+            watch_events=Counter({"ModelRollout": watch // 1000}),
+            list_bytes=Counter({"weightcaches": listed}),
             cpu_s=cpu,
             rss_bytes=rss,
         )
