@@ -38,6 +38,7 @@ The cluster is shared: the bench removes its nodes, WeightCaches and namespace a
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -61,9 +62,15 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from weightship.agent import desired, status
-from weightship.agent.kube import AgentKube, rollout_informer
+from weightship.agent.kube import REQUEST_TIMEOUT_S, AgentKube, rollout_informer
 from weightship.agent.main import MIN_TICK_GAP_S, PEER_MAX_AGE_S
-from weightship.api.names import CACHE_PLURAL, GROUP, ROLLOUT_PLURAL, VERSION
+from weightship.api.names import (
+    CACHE_PLURAL,
+    GROUP,
+    ROLLOUT_PLURAL,
+    VERSION,
+    staged_node_label,
+)
 from weightship.kube.informer import Informer
 from weightship_dev import cluster as local_cluster
 from weightship_dev import testkit
@@ -94,8 +101,9 @@ class Sample:
 
     t: float
     requests: Counter[str] = field(default_factory=Counter)  # "VERB resource[/sub]" -> count
-    watch_bytes: Counter[str] = field(default_factory=Counter)  # kind -> bytes sent to watchers
-    watch_events: Counter[str] = field(default_factory=Counter)  # kind -> events sent
+    # resource (kind before 1.33) -> bytes and events sent to watchers, every watcher counted
+    watch_bytes: Counter[str] = field(default_factory=Counter)
+    watch_events: Counter[str] = field(default_factory=Counter)
     list_bytes: Counter[str] = field(default_factory=Counter)  # resource -> LIST response bytes
     cpu_s: float = 0.0
     rss_bytes: float = 0.0
@@ -131,9 +139,9 @@ def parse_metrics(text: str, t: float) -> Sample:
             sub = labels.get("subresource")
             requests[f"{labels.get('verb')} {resource}" + (f"/{sub}" if sub else "")] += int(value)
         elif head.startswith("apiserver_watch_events_sizes_sum{"):
-            watch_bytes[labels.get("kind", "")] += int(value)
+            watch_bytes[labels.get("resource") or labels.get("kind", "")] += int(value)
         elif head.startswith("apiserver_watch_events_sizes_count{"):
-            watch_events[labels.get("kind", "")] += int(value)
+            watch_events[labels.get("resource") or labels.get("kind", "")] += int(value)
         elif head.startswith("apiserver_response_sizes_sum{") and labels.get("verb") == "LIST":
             list_bytes[labels.get("resource", "")] += int(value)
     return Sample(t, requests, watch_bytes, watch_events, list_bytes, cpu, rss)
@@ -244,8 +252,9 @@ class SimAgent:
         cached: int,
         stop: threading.Event,
         rng: random.Random,
+        namespace: str = "",
     ) -> None:
-        self.node, self.kube, self.design = node, kube, design
+        self.node, self.kube, self.design, self.namespace = node, kube, design, namespace
         self.stage_s, self.total_bytes = stage_s, total_bytes
         self.rng = rng
         self.stats = AgentStats()
@@ -269,7 +278,12 @@ class SimAgent:
             for i, d in enumerate(digest_of(f"old-{i}") for i in range(cached))
         }
         self.changed = threading.Event()
-        self.informer = rollout_informer(kube, self.changed.set, stop=stop)
+        self.members: Informer | None = None
+        if design == PROPOSED:
+            self.informer = plan_informer(kube, namespace, self.changed.set, stop)
+            self.members = member_informer(kube, namespace, stop)
+        else:
+            self.informer = rollout_informer(kube, self.changed.set, stop=stop)
         self.last_tick = float("-inf")
         self.staging: str | None = None  # the digest being staged
         self.stage_started = 0.0  # monotonic, once its peers are known
@@ -281,8 +295,14 @@ class SimAgent:
         node = self.kube.node(self.node)
         self.labels = dict(node["metadata"].get("labels") or {})
         self.kube.ensure_weight_cache(node)
-        self.node_count = max(1, len(self.kube.weight_caches()))
-        self.stats.lists += 1
+        if self.members is not None:
+            join_members(self.kube, self.namespace, self.node)
+            self.members.start()
+            self.members.synced.wait(timeout=120)
+            self.node_count = max(1, len(self.members.snapshot()))
+        else:
+            self.node_count = max(1, len(self.kube.weight_caches()))
+            self.stats.lists += 1
         self._urgent(time.monotonic())
 
     def _urgent(self, now: float) -> None:
@@ -292,6 +312,9 @@ class SimAgent:
     def discover(self, digest: str) -> None:
         """Agent._peers: the live peers and the holders of ``digest``."""
         try:
+            if self.members is not None:
+                self._discover_proposed(self.members, digest)
+                return
             caches = self.kube.weight_caches()
             self.stats.lists += 1
             self.node_count = max(1, len(caches))
@@ -303,6 +326,19 @@ class SimAgent:
         finally:
             self.stage_started = time.monotonic()
             self.discovering = False
+
+    def _discover_proposed(self, members: Informer, digest: str) -> None:
+        """Peers from the watch-fed membership (no request); holders from the operator's
+        staged.weightship.io node label, a bounded LIST."""
+        found = sorted((str(n), str(a)) for n, a in members.snapshot() if n != self.node)
+        self.node_count = max(1, len(found) + 1)
+        self.kube.core.list_node(
+            label_selector=f"{staged_node_label(digest)}=true",
+            limit=MAX_HOLDERS,
+            _request_timeout=REQUEST_TIMEOUT_S,
+        )
+        self.stats.lists += 1
+        self.stats.peers_seen += len(found)
 
     def write(self) -> None:
         """Agent._write_status."""
@@ -387,6 +423,76 @@ class SimAgent:
         discovery.submit(self.discover, nxt.digest)
 
 
+# ---- the proposed design, emulated (docs/agent.md "How peers are found at 5,000 nodes") ----
+# Not the agent's code: raw calls shaped as the proposal would make them, so that its
+# cost is measured beside today's in the same run before anyone builds it.
+PROPOSED = "proposed"
+MEMBER_LABEL = "weightship.io/peer-member"
+PLAN_LABEL = "weightship.io/staging-plan"
+PEER_ENDPOINT_ANNOTATION = "weightship.io/peer-endpoint"
+MAX_HOLDERS = 32
+
+
+def member_informer(kube: AgentKube, namespace: str, stop: threading.Event) -> Informer:
+    """Every agent's membership record (a Lease named after its node, written when the
+    agent starts and never while it stages): (node, peer endpoint)."""
+    coord = client.CoordinationV1Api(kube.api)
+
+    def project(obj: dict[str, Any]) -> dict[Any, Any]:
+        meta = obj["metadata"]
+        endpoint = (meta.get("annotations") or {}).get(PEER_ENDPOINT_ANNOTATION, "")
+        return {meta["name"]: (meta["name"], endpoint)}
+
+    return Informer(
+        "members",
+        functools.partial(coord.list_namespaced_lease, namespace, label_selector=MEMBER_LABEL),
+        project,
+        page_size=None,
+        stop=stop,
+    )
+
+
+def join_members(kube: AgentKube, namespace: str, node: str) -> None:
+    coord = client.CoordinationV1Api(kube.api)
+    body = {
+        "metadata": {
+            "name": node,
+            "labels": {MEMBER_LABEL: "true"},
+            "annotations": {PEER_ENDPOINT_ANNOTATION: "10.0.0.1:7470"},
+        },
+        "spec": {"holderIdentity": node},
+    }
+    try:
+        coord.create_namespaced_lease(namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        coord.patch_namespaced_lease(node, namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
+
+
+def plan_informer(
+    kube: AgentKube, namespace: str, on_change: Callable[[], None], stop: threading.Event
+) -> Informer:
+    """The operator's agent-facing projection of each rollout (what `desired.wanted` reads,
+    written only when it changes), kept here as a ConfigMap holding the rollout's shape."""
+
+    def project(obj: dict[str, Any]) -> dict[Any, Any]:
+        meta = obj["metadata"]
+        return {(meta.get("namespace"), meta["name"]): json.loads(obj["data"]["rollout"])}
+
+    return Informer(
+        "plans",
+        functools.partial(
+            kube.core.list_namespaced_config_map, namespace, label_selector=PLAN_LABEL
+        ),
+        project,
+        on_event=lambda _: on_change(),
+        on_list=on_change,
+        page_size=None,
+        stop=stop,
+    )
+
+
 # ---- the worker process: a share of the agents -----------------------------------------------
 def api_client(kubeconfig: str, connections: int) -> client.ApiClient:
     cfg = client.Configuration()
@@ -410,6 +516,7 @@ def worker(args: argparse.Namespace) -> None:
             cached=args.cached,
             stop=stop,
             rng=rng,
+            namespace=args.namespace,
         )
         for i in range(args.start, args.start + args.count)
     ]
@@ -456,7 +563,9 @@ def worker(args: argparse.Namespace) -> None:
 class Workers:
     """The worker processes of one design, and what they last said."""
 
-    def __init__(self, args: argparse.Namespace, design: str, kubeconfig: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, design: str, kubeconfig: Path, namespace: str
+    ) -> None:
         per = -(-args.agents // args.procs)
         self.procs: list[subprocess.Popen[str]] = []
         self.said: list[dict[str, Any]] = []
@@ -478,6 +587,7 @@ class Workers:
                     f"--start={start}",
                     f"--count={count}",
                     f"--design={design}",
+                    f"--namespace={namespace}",
                     f"--stage-s={args.stage_s}",
                     f"--total-bytes={args.total_bytes}",
                     f"--cached={args.cached}",
@@ -674,6 +784,27 @@ class OperatorPlay:
         )
         self.writes = 0
 
+    def write_plan(self, rollout: dict[str, Any], started: str) -> None:
+        """The proposed design's agent-facing projection of the rollout: written when the
+        digests change, never for progress."""
+        shape = {
+            "metadata": {"name": self.rollout, "namespace": self.namespace},
+            "spec": {"model": rollout["spec"]["model"], "prefetch": rollout["spec"]["prefetch"]},
+            "status": {
+                "canaryRevision": {"manifestDigest": self.digest},
+                "stableRevision": {"manifestDigest": digest_of("old-0")},
+                "prefetchNodeSelector": {BENCH_LABEL: self.run},
+                "stepStartTime": started,
+            },
+        }
+        client.CoreV1Api(self.custom.api_client).create_namespaced_config_map(
+            self.namespace,
+            {
+                "metadata": {"name": self.rollout, "labels": {PLAN_LABEL: "true"}},
+                "data": {"rollout": json.dumps(shape, separators=(",", ":"))},
+            },
+        )
+
     def write(self, nodes: set[str], started: str) -> int:
         """One status write: the counts and the unstaged nodes. Returns the staged count."""
         seen = {str(k): v[0] for k, v in self.caches.items() if k in nodes and v}
@@ -737,10 +868,15 @@ def run_design(
     workers: Workers | None = None
     node_set = set(nodes)
     try:
+        if design == PROPOSED:
+            # Members already, as today's agents have their WeightCaches already.
+            kube = AgentKube(api)
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                list(pool.map(lambda n: join_members(kube, namespace, n), nodes))
         # Join: the agents start (their first status write included).
         first = scraper.mark()
         started = time.monotonic()
-        workers = Workers(args, design, kubeconfig)
+        workers = Workers(args, design, kubeconfig, namespace)
         while not workers.all_ready():
             if not workers.alive():
                 raise RuntimeError("a worker process died while its agents joined")
@@ -756,6 +892,8 @@ def run_design(
         first = scraper.mark()
         started = time.monotonic()
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if design == PROPOSED:
+            play.write_plan(rollout_body(name, run), stamp)
         staged = play.write(node_set, stamp)
         last_print = started
         while staged < len(nodes):
@@ -825,9 +963,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     w.add_argument("--start", type=int, required=True)
     w.add_argument("--count", type=int, required=True)
     w.add_argument("--design", default="old")
+    w.add_argument("--namespace", default="")
     w.add_argument("--stage-s", type=float, default=60.0)
     w.add_argument("--total-bytes", type=int, default=16 << 30)
-    w.add_argument("--cached", type=int, default=5)
+    w.add_argument("--cached", type=int, default=3)
     w.add_argument("--pool", type=int, default=8)
     p.add_argument("--agents", type=int, default=500)
     p.add_argument("--procs", type=int, default=4)
@@ -835,7 +974,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--designs", default="old")
     p.add_argument("--stage-s", type=float, default=60.0, help="seconds a stage lasts")
     p.add_argument("--total-bytes", type=int, default=16 << 30)
-    p.add_argument("--cached", type=int, default=5, help="models each cache holds already")
+    p.add_argument(
+        "--cached", type=int, default=3, help="models each cache holds already (~3.3 KB)"
+    )
     p.add_argument("--timeout", type=float, default=480.0, help="seconds per phase")
     p.add_argument("--scrape-s", type=float, default=2.0)
     p.add_argument(
@@ -880,7 +1021,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"removing {len(nodes)} nodes and their WeightCaches", flush=True)
         delete_nodes(api, nodes)
     results["load_after"] = os.getloadavg()[0]
-    old, new = results.get("old"), results.get("new")
+    old, new = results.get("old"), results.get(PROPOSED)
     if old is not None and "stage" in old:
         print(
             summary_line(len(nodes), new["stage"] if new and "stage" in new else None, old["stage"])

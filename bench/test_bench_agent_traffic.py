@@ -19,8 +19,9 @@ apiserver_request_total{code="200",component="apiserver",dry_run="",group="weigh
 resource="weightcaches",scope="resource",subresource="status",verb="PATCH",version="v1alpha1"} 30
 apiserver_request_total{code="200",component="apiserver",dry_run="",group="",resource="",\
 scope="",subresource="/metrics",verb="GET",version=""} 99
-apiserver_watch_events_sizes_sum{group="weightship.io",kind="ModelRollout",version="v1alpha1"} 5e+06
-apiserver_watch_events_sizes_count{group="weightship.io",kind="ModelRollout",\
+apiserver_watch_events_sizes_sum{group="weightship.io",resource="modelrollouts",\
+version="v1alpha1"} 5e+06
+apiserver_watch_events_sizes_count{group="weightship.io",resource="modelrollouts",\
 version="v1alpha1"} 1000
 apiserver_watch_events_sizes_bucket{group="weightship.io",kind="ModelRollout",le="1024",\
 version="v1alpha1"} 3
@@ -37,8 +38,8 @@ def test_metrics_are_read_by_verb_resource_and_kind() -> None:
     s = bat.parse_metrics(METRICS, t=3.0)
     # The scrape's own GET /metrics has no resource: not the agents' traffic.
     assert s.requests == {"LIST weightcaches": 7, "PATCH weightcaches/status": 30}
-    assert s.watch_bytes == {"ModelRollout": 5_000_000}
-    assert s.watch_events == {"ModelRollout": 1000}
+    assert s.watch_bytes == {"modelrollouts": 5_000_000}
+    assert s.watch_events == {"modelrollouts": 1000}
     assert s.list_bytes == {"weightcaches": 25_000_000}  # GET responses are not listings
     assert (s.cpu_s, s.rss_bytes) == (12.5, 4e8)
 
@@ -103,12 +104,16 @@ def test_the_operators_unstaged_list_is_failed_first_and_bounded() -> None:
 
 @pytest.mark.bench
 def test_agent_traffic_quick() -> None:
-    r = bat.main(["--agents", "20", "--procs", "2", "--stage-s", "5", "--designs", "old"])
-    old = r["old"]
-    assert old["stage"]["staged"] == 20
-    assert old["agents"]["staged"] == 20 and old["agents"]["write_errors"] == 0
-    # Each agent listed the WeightCaches at its start and at its stage's start.
+    r = bat.main(["--agents", "20", "--procs", "2", "--stage-s", "5", "--designs", "old,proposed"])
+    for design in ("old", "proposed"):
+        d = r[design]
+        assert d["stage"]["staged"] == 20, design
+        assert d["agents"]["staged"] == 20 and d["agents"]["write_errors"] == 0, design
+        assert d["stage"]["requests"].get("PATCH weightcaches/status", 0) >= 40, design
+    old, new = r["old"], r["proposed"]
+    # Today each agent lists the WeightCaches at its start and at its stage's start, and
+    # every rollout status write reaches every agent; the proposal does neither.
     assert old["agents"]["lists"] == 40
     assert old["stage"]["list_mb"].get("weightcaches", 0) > 0
-    assert old["stage"]["watch_by_kind_mb"].get("ModelRollout", 0) > 0
-    assert old["stage"]["requests"].get("PATCH weightcaches/status", 0) >= 40
+    assert old["stage"]["watch_by_kind_mb"].get("modelrollouts", 0) > 0
+    assert new["stage"]["list_mb"].get("weightcaches", 0) == 0
