@@ -42,6 +42,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -502,7 +503,10 @@ def api_client(kubeconfig: str, connections: int) -> client.ApiClient:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Run agents start..start+count-1 until stdin closes; JSON lines on stdout."""
+    """Run agents start..start+count-1 until stdin closes; JSON lines on stdout. Warnings
+    are not logged: during an outage every watch of every agent says so (the API server's
+    counters show the relists)."""
+    logging.basicConfig(level=logging.ERROR)
     stop = threading.Event()
     api = api_client(args.kubeconfig, args.count + 2 * args.pool + 8)
     rng = random.Random(args.start)
