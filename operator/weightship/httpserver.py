@@ -77,29 +77,13 @@ class Server(ThreadingHTTPServer):
     def stop(self, timeout_s: float = 10.0) -> None:
         """End the serving loop (if started), close the listening socket, and wait up to
         ``timeout_s`` for the serving thread. Handler threads still running finish on
-        their own (they are daemons, bounded by the request deadline).
-
-        The loop notices ``shutdown`` only when its select returns, so each connection
-        made here wakes it at once: the loop need not poll often to stop soon (a peer
-        server polling every 50 ms woke 20 times a second for nothing)."""
+        their own (they are daemons, bounded by the request deadline)."""
         thread, self._serving = self._serving, None
         if thread is not None:
-            # shutdown() returns once the loop is out: it would hang if never started.
-            ending = threading.Thread(target=self.shutdown, name="stop", daemon=True)
-            ending.start()
-            deadline = time.monotonic() + timeout_s
-            while ending.is_alive() and time.monotonic() < deadline:
-                self._wake()
-                ending.join(0.05)
+            self.shutdown()  # returns once the loop is out: it would hang if never started
         self.server_close()
         if thread is not None:
-            thread.join(max(0.0, timeout_s))
-
-    def _wake(self) -> None:
-        """One connection to this server, closed at once: its select returns."""
-        host, port = self.server_address[:2]
-        with contextlib.suppress(OSError):
-            socket.create_connection((str(host), int(port)), timeout=0.5).close()
+            thread.join(timeout_s)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -42,15 +42,6 @@ def test_stopping_a_server_that_never_served_returns_at_once_and_frees_its_port(
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
-def test_a_stop_wakes_the_serving_loop_rather_than_waiting_out_its_poll() -> None:
-    """A loop polling once a minute still stops at once: the stop's connection wakes it."""
-    server = Server(("127.0.0.1", 0), Hello).start("hello-slow-poll", poll_interval_s=60)
-    started = time.monotonic()
-    server.stop()
-    assert time.monotonic() - started < 10
-    assert serving_threads("hello-slow-poll") == []
-
-
 def test_a_server_serves_once() -> None:
     with Server(("127.0.0.1", 0), Hello).start("hello-twice") as server:
         with pytest.raises(RuntimeError, match="already serving"):

@@ -389,26 +389,25 @@ def _saved_manifest(model_dir: Path) -> Manifest | None:
 
 
 class InFlight:
-    """How many of something are under way (``with gauge:`` around each); thread-safe.
-    A waiter (``wait_below``) is woken when one ends, not by polling."""
+    """How many of something are under way (``with gauge:`` around each); thread-safe."""
 
     def __init__(self) -> None:
         self._count = 0
-        self._changed = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
 
     @property
     def count(self) -> int:
         return self._count
 
     def __enter__(self) -> InFlight:
-        with self._changed:
+        with self._lock:
             self._count += 1
         return self
 
     def enter_below(self, limit: int) -> bool:
         """Count one more, if fewer than ``limit`` are under way (one step: concurrent
         callers never overshoot it); ``leave`` when done."""
-        with self._changed:
+        with self._lock:
             if self._count >= limit:
                 return False
             self._count += 1
@@ -418,15 +417,8 @@ class InFlight:
         self.leave()
 
     def leave(self) -> None:
-        with self._changed:
+        with self._lock:
             self._count -= 1
-            self._changed.notify_all()
-
-    def wait_below(self, limit: int, timeout_s: float) -> bool:
-        """Wait, ``timeout_s`` at most, until fewer than ``limit`` are under way; whether
-        they are."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._count < limit, timeout_s)
 
 
 def allocated(path: Path) -> int:

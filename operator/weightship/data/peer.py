@@ -453,7 +453,7 @@ class PeerServer:
         return f"{host!s}:{port}"
 
     def start(self) -> PeerServer:
-        self._server.start("weightship-peer")
+        self._server.start("weightship-peer", poll_interval_s=0.05)
         return self
 
     def stop(self) -> None:

@@ -50,7 +50,6 @@ PER_OWNER = 2  # peer-lane fetches in flight from one owner (lanes.py says why t
 # fan-out is (N-1)/N of its uplink, so an owner whose origin flow runs faster than its
 # share saturates its uplink: docs/benchmarks.md).
 UPLINK_HOLD_UPLOADS = 2
-CANCEL_CHECK_S = 0.25  # how soon a holding fetcher notices its stage was cancelled
 ORIGIN = "origin"  # the origin lane's one key: its tasks run in submission order
 
 
@@ -213,14 +212,10 @@ def hold_for_uplink(
     uploads: InFlight, cancel: threading.Event, *, max_s: float, limit: int = UPLINK_HOLD_UPLOADS
 ) -> None:
     """Wait, ``max_s`` at most, while ``limit`` or more whole chunks are going up to
-    peers (see UPLINK_HOLD_UPLOADS). Woken when an upload ends, and every
-    CANCEL_CHECK_S for ``cancel`` (a 20 ms poll woke each holding fetcher 50 times a
-    second: at 48 hosts on 2 cores, the machine's CPU went by wakeups, docs/data-plane.md)."""
+    peers (see UPLINK_HOLD_UPLOADS)."""
     deadline = time.monotonic() + max_s
-    while not cancel.is_set():
-        left = deadline - time.monotonic()
-        if left <= 0 or uploads.wait_below(limit, min(left, CANCEL_CHECK_S)):
-            return
+    while uploads.count >= limit and time.monotonic() < deadline and not cancel.is_set():
+        cancel.wait(0.02)
 
 
 def _stage(
